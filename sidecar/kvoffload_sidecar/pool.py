@@ -1,0 +1,804 @@
+"""`Pool`: the sidecar's domain API, composed of region, index, allocator and policy.
+
+The gRPC servicer decodes a request, calls one `Pool` method and encodes the answer; domain
+errors (`kvoffload_sidecar.errors`) become status codes in one table there. Nothing here imports
+grpc. KV bytes never pass through the pool: it only decides which slot holds which key and when a
+slot may be read, written or reused (docs/ARCHITECTURE.md, Contract 1).
+
+Thread contract: every public method takes `self._lock` (one lock) for its whole body; the
+pre-fault thread takes it briefly after each chunk to advance the allocatable frontier.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvoffload_sidecar.allocator import FreeSlots
+from kvoffload_sidecar.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvoffload_sidecar.index import SlotIndex, SlotState
+from kvoffload_sidecar.keys import (
+    MAX_KEYS_PER_CALL,
+    NamespaceId,
+    NamespaceSpec,
+    PoolKey,
+    derive_namespace,
+    split_keys,
+)
+from kvoffload_sidecar.policies import CachePolicy, make_policy
+from kvoffload_sidecar.policies.factory import resolve_policy
+from kvoffload_sidecar.region import ALIGN_BYTES, PrefaultGate, Region, align_down
+
+__all__ = [
+    "LoadPin",
+    "NamespaceStats",
+    "Pool",
+    "PoolSettings",
+    "PoolStats",
+    "RankRegion",
+    "Registration",
+    "StoreDecision",
+    "StoreReservation",
+]
+
+log = logging.getLogger(__name__)
+
+SLOT_BYTES_MULTIPLE = 16  # copy kernels move 16-byte vectors
+MAX_SLOTS = (1 << 32) - 1  # slot ids are uint32 on the wire
+MAX_CLIENT_NAME = 256
+MAX_ID = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How the pool is built; the server fills it from its flags."""
+
+    pool_size: int  # bytes, exactly the file size
+    pool_dir: Path  # memory-backed directory shared with the vLLM container
+    eviction: str = "lru"  # "lru" | "arc" | "package.module:Class"
+    hugepages: bool = False  # pool_dir is hugetlbfs: pool_size must be a multiple of 2 MiB
+    numa_node: int | None = None  # bind pre-faulted pages to this node (best effort)
+    max_namespaces: int = 1  # equal partitions, one namespace each
+    prefault_chunk_bytes: int = 64 << 20  # bytes touched per lock-free step of the pre-fault
+    client_timeout_s: float = 60.0  # clients with no session and no call for this long are reaped
+    prefault: bool = True  # False: sparse file, every slot ready at once. TEST/BENCH ONLY.
+
+
+@dataclass(frozen=True)
+class RankRegion:
+    """Slot i of this rank is bytes [offset + i*slot_bytes, offset + (i+1)*slot_bytes) of path."""
+
+    rank: int
+    path: str
+    offset: int
+    slot_bytes: int
+    slot_count: int
+
+
+@dataclass(frozen=True)
+class Registration:
+    namespace_id: NamespaceId
+    client_id: int
+    regions: tuple[RankRegion, ...]  # one per rank, rank order
+    pool_ready: bool  # False while pre-faulting
+    prefault_fraction: float  # 0..1
+    committed_blocks: int  # blocks already visible (warm restart)
+    pool_generation: str  # changes when the sidecar recreated the pool
+
+
+@dataclass(frozen=True)
+class LoadPin:
+    """Pinned slots of the longest committed prefix; pin_id 0 and no slots when nothing hit."""
+
+    pin_id: int
+    slots: tuple[int, ...]
+
+
+class StoreDecision(enum.IntEnum):
+    """Per-key answer of `reserve_store`; same numbers as the proto enum."""
+
+    NEW = 1  # slot allocated: write it, then commit
+    PRESENT = 2  # already committed or being stored: skip
+    NO_SPACE = 3  # nothing allocatable: not stored
+
+
+@dataclass(frozen=True)
+class StoreReservation:
+    store_id: int  # 0 when no key is NEW
+    decisions: tuple[StoreDecision, ...]  # per key, in key order
+    slots: tuple[int, ...]  # one per NEW key, in key order
+
+
+@dataclass(frozen=True)
+class NamespaceStats:
+    """Same fields as proto `NamespaceStats`."""
+
+    namespace_id: NamespaceId
+    spec: NamespaceSpec
+    num_ranks: int
+    slot_bytes: int  # per slot, all ranks together
+    slot_count: int
+    committed_slots: int
+    reserved_slots: int
+    pinned_slots: int
+    live_clients: int
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    stored_blocks: int
+    loaded_blocks: int
+    evicted_blocks: int
+    stored_bytes: int
+    loaded_bytes: int
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    pool_bytes: int
+    prefaulted_bytes: int
+    pool_ready: bool
+    eviction_policy: str
+    pool_generation: str
+    namespaces: tuple[NamespaceStats, ...]
+    uptime_seconds: float
+
+
+@dataclass(slots=True)
+class _Counters:
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    evicted_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _Client:
+    client_id: int
+    name: str
+    namespace_id: NamespaceId
+    last_seen: float
+    sessions: int = 0
+    pins: set[int] = field(default_factory=set)
+    stores: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Namespace:
+    namespace_id: NamespaceId
+    spec: NamespaceSpec
+    num_ranks: int
+    slot_bytes_per_rank: int
+    partition: int
+    regions: tuple[RankRegion, ...]
+    index: SlotIndex
+    free: FreeSlots
+    policy: CachePolicy
+    last_used: float
+    clients: set[int] = field(default_factory=set)
+    counters: _Counters = field(default_factory=_Counters)
+
+    @property
+    def slot_count(self) -> int:
+        return self.index.slot_count
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_bytes_per_rank * self.num_ranks
+
+
+class _Protected:
+    """`protected` for `CachePolicy.evict`: pinned keys and the keys of the current request."""
+
+    __slots__ = ("_index", "_request")
+
+    def __init__(self, index: SlotIndex, request: set[PoolKey]) -> None:
+        self._index = index
+        self._request = request
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._request or self._index.is_pinned_key(key)
+
+
+class Pool:
+    """The host-memory KV pool: namespaces, partitions, clients, slots.
+
+    Thread-safe: every public method takes `self._lock` (one lock; the pre-fault thread takes it
+    briefly per chunk). Bad input raises a `PoolError` subclass and changes nothing.
+    """
+
+    def __init__(
+        self,
+        settings: PoolSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        prefault_gate: PrefaultGate | None = None,
+    ) -> None:
+        s = settings
+        if not isinstance(s.max_namespaces, int) or not 1 <= s.max_namespaces <= 1024:
+            raise ValueError(f"max_namespaces must be in 1..1024, got {s.max_namespaces!r}")
+        if not s.client_timeout_s > 0:
+            raise ValueError(f"client_timeout_s must be > 0, got {s.client_timeout_s!r}")
+        resolve_policy(s.eviction)  # ValueError naming the choices
+        self.settings = s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._region = Region(
+            Path(s.pool_dir),
+            s.pool_size,
+            lock=self._lock,
+            chunk_bytes=s.prefault_chunk_bytes,
+            hugepages=s.hugepages,
+            numa_node=s.numa_node,
+            prefault=s.prefault,
+            gate=prefault_gate,
+            on_progress=self._on_prefault_progress,
+        )
+        self._partition_bytes = align_down(s.pool_size // s.max_namespaces, ALIGN_BYTES)
+        self._partitions: list[NamespaceId | None] = [None] * s.max_namespaces
+        self._namespaces: dict[NamespaceId, _Namespace] = {}
+        self._clients: dict[int, _Client] = {}
+        self._next_client = 1
+        self._next_pin = 1
+        self._next_store = 1
+        self._draining = False
+        self._started = False
+        self._started_at = clock()
+        self.generation = secrets.token_hex(8)
+        self._ready_event = threading.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        return self._region.path
+
+    @property
+    def region(self) -> Region:
+        return self._region
+
+    def start(self) -> None:
+        """Create and size the pool file, start the pre-fault (OSError/ValueError if unusable)."""
+        with self._lock:
+            if self._started:
+                return
+            self._region.open()
+            self._started = True
+            self._started_at = self._clock()
+        self._region.start_prefault()
+        with self._lock:
+            self._on_prefault_progress()
+        log.info(
+            "pool %s: %d bytes at %s, %d partition(s), eviction %s",
+            self.generation,
+            self.settings.pool_size,
+            self.path,
+            self.settings.max_namespaces,
+            self.settings.eviction,
+        )
+
+    def close(self) -> None:
+        """Stop the pre-fault, unmap and remove the file. The pool is unusable afterwards."""
+        self._region.close()
+        with self._lock:
+            self._started = False
+            self._draining = True
+
+    def begin_drain(self) -> None:
+        """Refuse new registrations and reservations (Unavailable); commits/releases still work."""
+        with self._lock:
+            self._draining = True
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the pre-fault finished; False on timeout."""
+        return self._ready_event.wait(timeout)
+
+    def _on_prefault_progress(self) -> None:
+        """Lock held: move every namespace's allocatable frontier to the pre-faulted bytes."""
+        for ns in self._namespaces.values():
+            self._update_ready(ns)
+        if self._region.done:
+            self._ready_event.set()
+
+    def _update_ready(self, ns: _Namespace) -> None:
+        if ns.free.ready >= ns.slot_count:
+            return
+        ready = ns.slot_count
+        for r in ns.regions:
+            got = self._region.ready_prefix(r.offset, r.slot_count * r.slot_bytes)
+            ready = min(ready, got // r.slot_bytes)
+        ns.free.set_ready(ready)
+
+    def _set_prefault_priority(self) -> None:
+        ranges = [
+            (r.offset, r.slot_count * r.slot_bytes)
+            for ns in self._namespaces.values()
+            for r in ns.regions
+        ]
+        self._region.set_priority(ranges)
+
+    # -- registration and clients -------------------------------------------------------------
+
+    def register(
+        self, spec: NamespaceSpec, num_ranks: int, slot_bytes_per_rank: int, client_name: str
+    ) -> Registration:
+        """Attach an engine process to the namespace of `spec`, creating it on first use."""
+        if not isinstance(spec, NamespaceSpec):
+            raise InvalidArgument("spec must be a NamespaceSpec")
+        namespace_id = derive_namespace(spec)  # validates the spec
+        if not _is_int(num_ranks) or not 1 <= num_ranks <= 64:
+            raise InvalidArgument(f"num_ranks must be in 1..64, got {num_ranks!r}")
+        if num_ranks != spec.tp_size:
+            raise InvalidArgument(f"num_ranks {num_ranks} differs from spec.tp_size {spec.tp_size}")
+        if (
+            not _is_int(slot_bytes_per_rank)
+            or slot_bytes_per_rank < 1
+            or slot_bytes_per_rank % SLOT_BYTES_MULTIPLE
+        ):
+            raise InvalidArgument(
+                f"slot_bytes_per_rank must be a positive multiple of {SLOT_BYTES_MULTIPLE}, "
+                f"got {slot_bytes_per_rank!r}"
+            )
+        if not isinstance(client_name, str) or len(client_name) > MAX_CLIENT_NAME:
+            raise InvalidArgument(f"client_name must be a string of at most {MAX_CLIENT_NAME}")
+        with self._lock:
+            self._check_serving()
+            now = self._clock()
+            ns = self._namespaces.get(namespace_id)
+            if ns is not None:
+                if (ns.num_ranks, ns.slot_bytes_per_rank) != (num_ranks, slot_bytes_per_rank):
+                    raise FailedPrecondition(
+                        f"namespace {namespace_id} is registered with {ns.num_ranks} ranks of "
+                        f"{ns.slot_bytes_per_rank} slot bytes, not {num_ranks} of "
+                        f"{slot_bytes_per_rank}"
+                    )
+            else:
+                ns = self._create_namespace(namespace_id, spec, num_ranks, slot_bytes_per_rank, now)
+            client = _Client(self._next_client, client_name, namespace_id, last_seen=now)
+            self._next_client += 1
+            self._clients[client.client_id] = client
+            ns.clients.add(client.client_id)
+            ns.last_used = now
+            region = self._region
+            return Registration(
+                namespace_id=namespace_id,
+                client_id=client.client_id,
+                regions=ns.regions,
+                pool_ready=region.done,
+                prefault_fraction=region.prefaulted_bytes / region.size,
+                committed_blocks=ns.index.counts.committed,
+                pool_generation=self.generation,
+            )
+
+    def _create_namespace(
+        self,
+        namespace_id: NamespaceId,
+        spec: NamespaceSpec,
+        num_ranks: int,
+        slot_bytes_per_rank: int,
+        now: float,
+    ) -> _Namespace:
+        per_rank = align_down(self._partition_bytes // num_ranks, ALIGN_BYTES)
+        slot_count = min(per_rank // slot_bytes_per_rank, MAX_SLOTS)
+        if slot_count < 1:
+            raise ResourceExhausted(
+                f"a partition of {self._partition_bytes} bytes holds no slot of "
+                f"{num_ranks} x {slot_bytes_per_rank} bytes (each rank's region is 2 MiB aligned)"
+            )
+        partition = self._take_partition(now)
+        base = partition * self._partition_bytes
+        path = str(self.path)
+        regions = tuple(
+            RankRegion(r, path, base + r * per_rank, slot_bytes_per_rank, slot_count)
+            for r in range(num_ranks)
+        )
+        ns = _Namespace(
+            namespace_id=namespace_id,
+            spec=spec,
+            num_ranks=num_ranks,
+            slot_bytes_per_rank=slot_bytes_per_rank,
+            partition=partition,
+            regions=regions,
+            index=SlotIndex(slot_count, num_ranks),
+            free=FreeSlots(slot_count),
+            policy=make_policy(self.settings.eviction, slot_count),
+            last_used=now,
+        )
+        self._partitions[partition] = namespace_id
+        self._namespaces[namespace_id] = ns
+        self._set_prefault_priority()
+        self._update_ready(ns)
+        log.info(
+            "namespace %s (%s) in partition %d: %d ranks x %d slots of %d bytes",
+            namespace_id,
+            spec.model,
+            partition,
+            num_ranks,
+            slot_count,
+            slot_bytes_per_rank,
+        )
+        return ns
+
+    def _take_partition(self, now: float) -> int:
+        for i, owner in enumerate(self._partitions):
+            if owner is None:
+                return i
+        idle = [
+            ns
+            for ns in self._namespaces.values()
+            if not any(self._is_live(self._clients[c], now) for c in ns.clients)
+        ]
+        if not idle:
+            raise ResourceExhausted(
+                f"all {len(self._partitions)} partitions belong to namespaces with live clients"
+            )
+        victim = min(idle, key=lambda n: n.last_used)
+        self._drop_namespace(victim)
+        log.info(
+            "reclaimed partition %d from idle namespace %s (%d committed blocks dropped)",
+            victim.partition,
+            victim.namespace_id,
+            victim.index.counts.committed,
+        )
+        return victim.partition
+
+    def _drop_namespace(self, ns: _Namespace) -> None:
+        for cid in ns.clients:
+            del self._clients[cid]
+        del self._namespaces[ns.namespace_id]
+        self._partitions[ns.partition] = None
+        self._set_prefault_priority()
+
+    def attach(self, client_id: int) -> None:
+        """A session stream opened for this client: it stays live until `detach`."""
+        with self._lock:
+            client = self._client(client_id)
+            client.sessions += 1
+            client.last_seen = self._clock()
+
+    def detach(self, client_id: int) -> None:
+        """A session ended. When it was the client's last one: release its pins, abort its open
+        store reservations, forget it (NotFound if unknown)."""
+        with self._lock:
+            client = self._client(client_id)
+            client.sessions = max(0, client.sessions - 1)
+            if client.sessions == 0:
+                self._forget_client(client)
+
+    def reap_idle_clients(self) -> int:
+        """Forget clients with no session and no call for `client_timeout_s`; returns how many."""
+        with self._lock:
+            now = self._clock()
+            idle = [c for c in self._clients.values() if not self._is_live(c, now)]
+            for client in idle:
+                log.info("reaping idle client %d (%s)", client.client_id, client.name)
+                self._forget_client(client)
+            return len(idle)
+
+    def _is_live(self, client: _Client, now: float) -> bool:
+        return client.sessions > 0 or now - client.last_seen < self.settings.client_timeout_s
+
+    def _forget_client(self, client: _Client) -> None:
+        ns = self._namespaces[client.namespace_id]
+        for pin_id in client.pins:
+            ns.index.unpin(pin_id)
+        for store_id in client.stores:
+            for slot in ns.index.abort_store(store_id):
+                ns.free.release(slot)
+        ns.clients.discard(client.client_id)
+        del self._clients[client.client_id]
+
+    # -- block operations ---------------------------------------------------------------------
+
+    def lookup(self, namespace_id: str, queries: Sequence[bytes]) -> list[int]:
+        """Per query (packed keys): length of the longest committed prefix. Touches the hits."""
+        with self._lock:
+            ns = self._namespace(namespace_id)
+            key_lists = self._split_queries(ns, queries)
+            counters, index, policy = ns.counters, ns.index, ns.policy
+            hits: list[int] = []
+            for keys in key_lists:
+                slots = index.committed_prefix(keys)
+                n = len(slots)
+                hits.append(n)
+                if n:
+                    policy.touch(keys[:n])
+                counters.hit_blocks += n
+                if n < len(keys):
+                    counters.miss_blocks += 1
+            counters.lookups += len(key_lists)
+            ns.last_used = self._clock()
+            return hits
+
+    def reserve_load(self, namespace_id: str, client_id: int, keys: bytes) -> LoadPin:
+        """Pin the longest committed prefix of `keys` for reading until `release`."""
+        with self._lock:
+            self._check_serving()
+            ns = self._namespace(namespace_id)
+            client = self._owned_client(ns, client_id)
+            key_list = split_keys(keys, ns.spec.key_size)
+            slots = ns.index.committed_prefix(key_list)
+            if not slots:
+                return LoadPin(0, ())
+            pin_id = self._next_pin
+            self._next_pin += 1
+            ns.index.pin(pin_id, client.client_id, slots)
+            client.pins.add(pin_id)
+            ns.policy.touch(key_list[: len(slots)])
+            ns.counters.loaded_blocks += len(slots)
+            return LoadPin(pin_id, tuple(slots))
+
+    def release(self, namespace_id: str, client_id: int, pin_ids: Sequence[int]) -> int:
+        """Drop pins taken by `reserve_load`; all or nothing. Returns the slots released."""
+        with self._lock:
+            ns = self._namespace(namespace_id)
+            client = self._owned_client(ns, client_id)
+            if isinstance(pin_ids, (bytes, str)):
+                raise InvalidArgument("pin_ids must be a sequence of integers")
+            ids = list(pin_ids)
+            if len(ids) > MAX_KEYS_PER_CALL:
+                raise InvalidArgument(
+                    f"{len(ids)} pin ids in one release, at most {MAX_KEYS_PER_CALL}"
+                )
+            for pin_id in ids:
+                self._check_id(pin_id, "pin id")
+            if len(set(ids)) != len(ids):
+                raise InvalidArgument("pin ids repeat in one release")
+            for pin_id in ids:
+                if pin_id not in client.pins:
+                    raise NotFound(f"pin {pin_id} is unknown or not client {client_id}'s")
+            released = 0
+            for pin_id in ids:
+                released += ns.index.unpin(pin_id)
+                client.pins.discard(pin_id)
+            return released
+
+    def reserve_store(self, namespace_id: str, client_id: int, keys: bytes) -> StoreReservation:
+        """Per key in order: PRESENT if committed or being stored; else NEW with a slot (a free
+        ready slot, else one freed by evicting unpinned victims); NO_SPACE once nothing is left."""
+        with self._lock:
+            self._check_serving()
+            ns = self._namespace(namespace_id)
+            client = self._owned_client(ns, client_id)
+            key_list = split_keys(keys, ns.spec.key_size)
+            index, free = ns.index, ns.free
+            fresh: list[PoolKey] = []
+            fresh_set: set[PoolKey] = set()
+            for key in key_list:
+                if index.find(key) is None and key not in fresh_set:
+                    fresh.append(key)
+                    fresh_set.add(key)
+            shortfall = len(fresh) - free.available()
+            if shortfall > 0:
+                self._evict(ns, shortfall, _Protected(index, set(key_list)))
+            decisions: list[StoreDecision] = []
+            slots: list[int] = []
+            full = False
+            for key in key_list:
+                if key not in fresh_set or index.find(key) is not None:
+                    decisions.append(StoreDecision.PRESENT)
+                    continue
+                slot = None if full else free.allocate()
+                if slot is None:
+                    full = True
+                    decisions.append(StoreDecision.NO_SPACE)
+                    continue
+                index.reserve(key, slot)
+                decisions.append(StoreDecision.NEW)
+                slots.append(slot)
+            store_id = 0
+            if slots:
+                store_id = self._next_store
+                self._next_store += 1
+                index.open_store(store_id, client.client_id, slots)
+                client.stores.add(store_id)
+            return StoreReservation(store_id, tuple(decisions), tuple(slots))
+
+    def _evict(self, ns: _Namespace, n: int, protected: _Protected) -> None:
+        """Free `n` slots by eviction, or as many as the policy can give when fewer are evictable.
+
+        `evict` is all-or-nothing, so on a refusal ask for half as many and keep going: at most
+        O(log n) refused calls, ending with every evictable victim gone when n is out of reach.
+        """
+        ask = n
+        while n > 0 and ask > 0:
+            victims = ns.policy.evict(ask, protected)
+            if victims is None:
+                ask //= 2
+                continue
+            for key in victims:
+                ns.free.release(ns.index.evict(key))
+            ns.counters.evicted_blocks += len(victims)
+            n -= len(victims)
+            ask = min(ask, n)
+
+    def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:
+        """Rank `rank` wrote its part of the store. True when every rank has (keys now visible);
+        repeating a rank's commit is harmless."""
+        with self._lock:
+            ns = self._namespace(namespace_id)
+            self._check_id(store_id, "store id")
+            record = ns.index.stores.get(store_id)
+            keys = ns.index.commit_rank(store_id, rank)
+            if keys is None:
+                return False
+            if record is not None:  # it just completed (else a repeat of a completed store)
+                for key in keys:
+                    ns.policy.insert(key)
+                ns.counters.stored_blocks += len(keys)
+                client = self._clients.get(record.client_id)
+                if client is not None:
+                    client.stores.discard(store_id)
+            ns.last_used = self._clock()
+            return True
+
+    def abort_store(self, namespace_id: str, store_id: int) -> int:
+        """Give back an open store reservation; returns the slots freed."""
+        with self._lock:
+            ns = self._namespace(namespace_id)
+            self._check_id(store_id, "store id")
+            record = ns.index.stores.get(store_id)
+            slots = ns.index.abort_store(store_id)
+            for slot in slots:
+                ns.free.release(slot)
+            if record is not None:
+                client = self._clients.get(record.client_id)
+                if client is not None:
+                    client.stores.discard(store_id)
+            return len(slots)
+
+    # -- observation --------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            now = self._clock()
+            region = self._region
+            return PoolStats(
+                pool_bytes=self.settings.pool_size,
+                prefaulted_bytes=region.prefaulted_bytes,
+                pool_ready=region.done,
+                eviction_policy=self.settings.eviction,
+                pool_generation=self.generation,
+                namespaces=tuple(self._ns_stats(ns, now) for ns in self._namespaces.values()),
+                uptime_seconds=now - self._started_at,
+            )
+
+    def _ns_stats(self, ns: _Namespace, now: float) -> NamespaceStats:
+        c, k, sb = ns.index.counts, ns.counters, ns.slot_bytes
+        return NamespaceStats(
+            namespace_id=ns.namespace_id,
+            spec=ns.spec,
+            num_ranks=ns.num_ranks,
+            slot_bytes=sb,
+            slot_count=ns.slot_count,
+            committed_slots=c.committed,
+            reserved_slots=c.reserved,
+            pinned_slots=c.pinned,
+            live_clients=sum(1 for cid in ns.clients if self._is_live(self._clients[cid], now)),
+            capacity_bytes=ns.slot_count * sb,
+            used_bytes=(c.committed + c.reserved) * sb,
+            pinned_bytes=c.pinned * sb,
+            lookups=k.lookups,
+            hit_blocks=k.hit_blocks,
+            miss_blocks=k.miss_blocks,
+            stored_blocks=k.stored_blocks,
+            loaded_blocks=k.loaded_blocks,
+            evicted_blocks=k.evicted_blocks,
+            stored_bytes=k.stored_blocks * sb,
+            loaded_bytes=k.loaded_blocks * sb,
+        )
+
+    def check_invariants(self) -> None:
+        """AssertionError naming the first violated invariant (tests, fuzzing; O(slots))."""
+        with self._lock:
+            for i, owner in enumerate(self._partitions):
+                if owner is not None:
+                    assert self._namespaces[owner].partition == i, f"partition {i} owner mismatch"
+            assert len({ns.partition for ns in self._namespaces.values()}) == len(
+                self._namespaces
+            ), "two namespaces share a partition"
+            for ns in self._namespaces.values():
+                self._check_namespace(ns)
+            for cid, client in self._clients.items():
+                ns = self._namespaces.get(client.namespace_id)
+                assert ns is not None and cid in ns.clients, f"client {cid} has no namespace"
+
+    def _check_namespace(self, ns: _Namespace) -> None:
+        nid, index = ns.namespace_id, ns.index
+        try:
+            index.check(ns.free.free_slots())
+        except AssertionError as e:
+            raise AssertionError(f"namespace {nid}: {e}") from None
+        ready = ns.free.ready
+        for slot in range(ready, ns.slot_count):
+            assert index.state(slot) == SlotState.FREE, f"{nid}: slot {slot} used before ready"
+        committed = index.committed_keys()
+        held = set(ns.policy.keys())
+        assert len(held) == len(ns.policy), f"{nid}: policy holds a key twice"
+        assert held == committed, (
+            f"{nid}: policy holds {len(held)} keys, {len(committed)} are committed"
+        )
+        client_pins: set[int] = set()
+        client_stores: set[int] = set()
+        for cid in ns.clients:
+            client = self._clients.get(cid)
+            assert client is not None and client.namespace_id == nid, f"{nid}: stray client {cid}"
+            assert not (client_pins & client.pins), f"{nid}: a pin belongs to two clients"
+            client_pins |= client.pins
+            client_stores |= client.stores
+            for pin_id in client.pins:
+                assert index.pin_records[pin_id].client_id == cid, f"{nid}: pin {pin_id} owner"
+        assert client_pins == set(index.pin_records), f"{nid}: pins of no live client"
+        assert client_stores == set(index.stores), f"{nid}: reserved slots of no live store id"
+        for store_id, record in index.stores.items():
+            assert record.client_id in ns.clients, f"{nid}: store {store_id} of a gone client"
+
+    # -- helpers (lock held) ------------------------------------------------------------------
+
+    def _check_serving(self) -> None:
+        if self._draining:
+            raise Unavailable("the pool is draining")
+        if not self._started:
+            raise FailedPrecondition("the pool is not started")
+
+    def _namespace(self, namespace_id: str) -> _Namespace:
+        ns = self._namespaces.get(namespace_id) if isinstance(namespace_id, str) else None
+        if ns is None:
+            raise NotFound(f"unknown namespace {namespace_id!r}")
+        return ns
+
+    def _client(self, client_id: int) -> _Client:
+        self._check_id(client_id, "client id")
+        client = self._clients.get(client_id)
+        if client is None:
+            raise NotFound(f"unknown client {client_id} (never registered, detached or reaped)")
+        return client
+
+    def _owned_client(self, ns: _Namespace, client_id: int) -> _Client:
+        client = self._client(client_id)
+        if client.namespace_id != ns.namespace_id:
+            raise NotFound(f"client {client_id} is not registered in namespace {ns.namespace_id}")
+        client.last_seen = self._clock()
+        ns.last_used = client.last_seen
+        return client
+
+    @staticmethod
+    def _check_id(value: object, what: str) -> None:
+        if not _is_int(value) or not 0 <= value <= MAX_ID:  # type: ignore[operator]
+            raise InvalidArgument(f"{what} must be an unsigned 64-bit integer, got {value!r}")
+
+    @staticmethod
+    def _split_queries(ns: _Namespace, queries: Iterable[bytes]) -> list[list[PoolKey]]:
+        if isinstance(queries, (bytes, str)):
+            raise InvalidArgument("queries must be a sequence of packed key lists")
+        out: list[list[PoolKey]] = []
+        total = 0
+        for q in queries:
+            if len(out) >= MAX_KEYS_PER_CALL:
+                raise InvalidArgument(f"more than {MAX_KEYS_PER_CALL} queries in one lookup")
+            keys = split_keys(q, ns.spec.key_size)
+            total += len(keys)
+            if total > MAX_KEYS_PER_CALL:
+                raise InvalidArgument(f"more than {MAX_KEYS_PER_CALL} keys in one lookup")
+            out.append(keys)
+        return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

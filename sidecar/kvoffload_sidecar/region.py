@@ -1,0 +1,437 @@
+"""The shared-memory pool file and its background pre-fault.
+
+The sidecar creates `pool-0.shm` in the pool directory (a tmpfs/hugetlbfs mount shared with the
+vLLM container), sizes it exactly with `ftruncate` and maps it. A background thread then faults
+every page in, chunk by chunk, so the vLLM workers never take page faults on the copy path and the
+pod's memory is claimed up front. Slots become allocatable as the pre-fault passes their bytes
+(`ready_prefix`): the server serves from the first second.
+
+Pre-fault order: first the regions of registered namespaces, interleaved so every rank's region
+advances together (a slot needs its bytes on every rank), then everything else in file order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = [
+    "ALIGN_BYTES",
+    "HUGE_PAGE_BYTES",
+    "POOL_FILE_NAME",
+    "PrefaultGate",
+    "Region",
+    "align_down",
+    "align_up",
+]
+
+log = logging.getLogger(__name__)
+
+POOL_FILE_NAME = "pool-0.shm"
+HUGE_PAGE_BYTES = 2 << 20
+ALIGN_BYTES = 2 << 20  # region offsets are 2 MiB aligned (huge-page friendly)
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap module does not name it
+_PROGRESS_EVERY_S = 2.0
+_MPOL_BIND = 2
+_SYSCALL_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+_NUMA_ROOT = Path("/sys/devices/system/node")
+
+
+def align_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def align_down(n: int, a: int) -> int:
+    return n // a * a
+
+
+class PrefaultGate:
+    """Test hook: the pre-fault thread touches a chunk only after `step` allowed it.
+
+    `step(n)` lets `n` more chunks through and waits until they are done, so a test can walk the
+    pool from "nothing ready" to "ready" deterministically. `close()` lets everything through.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._allowed = 0
+        self._taken = 0
+        self._done = 0
+        self._open = False
+        self._finished = False
+
+    def step(self, n: int = 1, timeout: float = 10.0) -> int:
+        """Allow `n` more chunks; return the number done so far once they finished (or timeout)."""
+        with self._cond:
+            self._allowed += n
+            self._cond.notify_all()
+            target = self._allowed
+            self._cond.wait_for(lambda: self._done >= target or self._finished, timeout)
+            return self._done
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def _acquire(self, stop: threading.Event) -> bool:
+        with self._cond:
+            while not (self._open or self._taken < self._allowed or stop.is_set()):
+                self._cond.wait(0.1)
+            if stop.is_set():
+                return False
+            self._taken += 1
+            return True
+
+    def _chunk_done(self, finished: bool = False) -> None:
+        with self._cond:
+            self._done += 1
+            self._finished = self._finished or finished
+            self._cond.notify_all()
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._finished = True
+            self._cond.notify_all()
+
+
+class Region:
+    """One memory-backed file, exactly `size` bytes, mapped shared; pre-faulted in chunks.
+
+    Thread contract: `lock` is the pool's lock. `ready_prefix`, `set_priority`, `prefaulted_bytes`
+    and `done` read or change pre-fault state and must be called with it held; the pre-fault
+    thread takes it briefly per chunk and calls `on_progress()` under it after each chunk.
+    """
+
+    def __init__(
+        self,
+        pool_dir: Path,
+        size: int,
+        *,
+        lock: threading.Lock,
+        chunk_bytes: int = 64 << 20,
+        hugepages: bool = False,
+        numa_node: int | None = None,
+        prefault: bool = True,
+        gate: PrefaultGate | None = None,
+        on_progress: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.pool_dir = Path(pool_dir)
+        self.path = self.pool_dir / POOL_FILE_NAME
+        self.size = size
+        self.page_bytes = HUGE_PAGE_BYTES if hugepages else mmap.PAGESIZE
+        self.hugepages = hugepages
+        self.numa_node = numa_node
+        self.prefault = prefault
+        self._lock = lock
+        self._gate = gate
+        self._on_progress = on_progress
+        self._chunk = chunk_bytes
+        self._validate()
+        self._nchunks = -(-size // chunk_bytes)
+        self._chunk_done = bytearray(self._nchunks)
+        self._done_bytes = 0
+        self._priority: tuple[tuple[int, int], ...] = ()
+        self._mm: mmap.mmap | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+        self.started_at = 0.0
+        self.finished_at: float | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size <= 0:
+            raise ValueError(f"pool size must be a positive number of bytes, got {self.size!r}")
+        if self.hugepages and self.size % HUGE_PAGE_BYTES:
+            raise ValueError(
+                f"pool size {self.size} is not a multiple of 2 MiB, required with hugepages"
+            )
+        if self._chunk <= 0 or self._chunk % self.page_bytes:
+            raise ValueError(
+                f"prefault chunk {self._chunk} bytes is not a positive multiple of the "
+                f"page size {self.page_bytes}"
+            )
+        if self.numa_node is not None:
+            if self.numa_node < 0:
+                raise ValueError(f"numa node must be >= 0, got {self.numa_node}")
+            if _NUMA_ROOT.is_dir() and not (_NUMA_ROOT / f"node{self.numa_node}").is_dir():
+                raise ValueError(f"numa node {self.numa_node} does not exist on this host")
+
+    def open(self) -> None:
+        """Create (replacing a stale one), size and map the file. OSError/ValueError if unusable."""
+        d = self.pool_dir
+        if not d.is_dir():
+            raise OSError(errno.ENOTDIR, f"pool dir {d} does not exist or is not a directory")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise OSError(errno.EACCES, f"pool dir {d} is not writable")
+        fstype = filesystem_type(d)
+        if self.hugepages and fstype != "hugetlbfs":
+            raise ValueError(f"hugepages requested but pool dir {d} is on {fstype}, not hugetlbfs")
+        # Touching a page past a full tmpfs or an empty huge-page pool is SIGBUS: check first.
+        st = os.statvfs(d)
+        if st.f_blocks and st.f_bavail * st.f_frsize < self.size:
+            raise OSError(
+                errno.ENOSPC,
+                f"pool dir {d} has {st.f_bavail * st.f_frsize} bytes free, "
+                f"the pool needs {self.size}",
+            )
+        if self.hugepages and self.prefault:
+            free = free_huge_page_bytes()
+            if free is not None and free < self.size:
+                raise OSError(
+                    errno.ENOMEM,
+                    f"{free} bytes of free 2 MiB huge pages (HugePages_Free - HugePages_Rsvd), "
+                    f"the pool needs {self.size}",
+                )
+        # A stale pool from an earlier sidecar: mappings still open keep the old inode alive.
+        self.path.unlink(missing_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            os.fchmod(fd, 0o666)  # the vLLM container may run as another user of the pod
+            os.ftruncate(fd, self.size)
+            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        if fstype not in ("tmpfs", "hugetlbfs", "ramfs"):
+            log.warning("pool dir %s is on %s, not a memory filesystem", d, fstype)
+        if not self.prefault:
+            self._chunk_done[:] = b"\x01" * self._nchunks
+            self._done_bytes = self.size
+
+    def start_prefault(self) -> None:
+        """Start the background pre-fault (no-op when `prefault=False` or already started)."""
+        self.started_at = time.monotonic()
+        if not self.prefault:
+            self.finished_at = self.started_at
+            if self._gate is not None:
+                self._gate._finish()
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="kvoffload-prefault", daemon=True
+            )
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the pre-fault thread, unmap, remove the file."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+        self.path.unlink(missing_ok=True)
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The pool's own mapping (for tests and tools; the pool never reads KV bytes)."""
+        if self._mm is None:
+            raise ValueError("region is not open")
+        return self._mm
+
+    # -- pre-fault state (lock held) ----------------------------------------------------------
+
+    @property
+    def prefaulted_bytes(self) -> int:
+        return self._done_bytes
+
+    @property
+    def done(self) -> bool:
+        return self._done_bytes >= self.size
+
+    def set_priority(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Byte ranges (offset, length) to pre-fault first, advanced together (rank regions)."""
+        self._priority = tuple(ranges)
+
+    def ready_prefix(self, offset: int, length: int) -> int:
+        """Bytes from `offset` (at most `length`) whose pages are all pre-faulted."""
+        if self._done_bytes >= self.size:
+            return length
+        c = offset // self._chunk
+        end = offset + length
+        while c < self._nchunks and self._chunk_done[c] and c * self._chunk < end:
+            c += 1
+        return max(0, min(end, c * self._chunk) - offset)
+
+    def _next_chunk(self) -> int | None:
+        best: tuple[int, int] | None = None
+        for offset, length in self._priority:
+            ready = self.ready_prefix(offset, length)
+            if ready < length:
+                c = (offset + ready) // self._chunk
+                if best is None or ready < best[0]:
+                    best = (ready, c)
+        if best is not None:
+            return best[1]
+        idx = self._chunk_done.find(0)
+        return None if idx < 0 else idx
+
+    # -- the thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._bind_numa()
+            last_log = time.monotonic()
+            while not self._stop.is_set():
+                if self._gate is not None and not self._gate._acquire(self._stop):
+                    break
+                with self._lock:
+                    c = self._next_chunk()
+                if c is None:
+                    break
+                start = c * self._chunk
+                length = min(self._chunk, self.size - start)
+                self._touch(start, length)
+                with self._lock:
+                    self._chunk_done[c] = 1
+                    self._done_bytes += length
+                    finished = self._done_bytes >= self.size
+                    self._on_progress()
+                if self._gate is not None:
+                    self._gate._chunk_done(finished)
+                now = time.monotonic()
+                if now - last_log >= _PROGRESS_EVERY_S:
+                    last_log = now
+                    self._log_progress(now)
+                if finished:
+                    break
+        except Exception as e:  # a failed pre-fault leaves the rest unallocatable, not a crash
+            self.error = f"{type(e).__name__}: {e}"
+            log.error(
+                "pool pre-fault stopped at %d of %d bytes: %s",
+                self._done_bytes,
+                self.size,
+                self.error,
+            )
+        finally:
+            if self._gate is not None:
+                self._gate._finish()
+        if self._done_bytes >= self.size:
+            self.finished_at = time.monotonic()
+            took = max(self.finished_at - self.started_at, 1e-9)
+            log.info(
+                "pool pre-fault done: %.2f GiB in %.1f s (%.2f GB/s)",
+                self.size / 2**30,
+                took,
+                self.size / took / 1e9,
+            )
+
+    def _log_progress(self, now: float) -> None:
+        done, total = self._done_bytes, self.size
+        rate = done / max(now - self.started_at, 1e-9)
+        eta = (total - done) / rate if rate > 0 else float("inf")
+        log.info(
+            "pool pre-fault: %.2f / %.2f GiB (%.1f%%), %.2f GB/s, ETA %.1f s",
+            done / 2**30,
+            total / 2**30,
+            100 * done / total,
+            rate / 1e9,
+            eta,
+        )
+
+    _populate_ok = True
+
+    def _touch(self, start: int, length: int) -> None:
+        """Fault in [start, start+length): MADV_POPULATE_WRITE, else write one byte per page."""
+        mm = self.buffer
+        if self._populate_ok:
+            try:
+                mm.madvise(_MADV_POPULATE_WRITE, start, length)
+                return
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                self._populate_ok = False  # old kernel: fall back for good
+        page = self.page_bytes
+        n = -(-length // page)
+        # Nobody has written these pages yet (slots are not allocatable before this), so writing
+        # a zero into the first byte of each page changes no data; one C-level strided copy.
+        mm[start : start + n * page : page] = bytes(n)
+
+    def _bind_numa(self) -> None:
+        """Bind this thread's allocations (the first touch of every page) to `numa_node`."""
+        if self.numa_node is None:
+            return
+        nr = _SYSCALL_SET_MEMPOLICY.get(platform.machine())
+        if nr is None:
+            log.warning(
+                "numa binding unsupported on %s; pages go to the default node", platform.machine()
+            )
+            return
+        maxnode = max(64, self.numa_node + 1)
+        mask = (ctypes.c_ulong * (-(-maxnode // 64)))()
+        mask[self.numa_node // 64] = 1 << (self.numa_node % 64)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(nr, _MPOL_BIND, mask, ctypes.c_ulong(maxnode + 1)) != 0:
+            err = ctypes.get_errno()
+            log.warning(
+                "numa binding to node %d failed (%s); pages go to the default node",
+                self.numa_node,
+                os.strerror(err),
+            )
+        else:
+            log.info("pool pages bound to numa node %d", self.numa_node)
+
+
+def free_huge_page_bytes() -> int | None:
+    """Unreserved free bytes of the default huge-page pool from /proc/meminfo (None if unknown)."""
+    info: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("HugePages_Free", "HugePages_Rsvd", "Hugepagesize"):
+                    info[name] = int(rest.split()[0])
+    except (OSError, ValueError):
+        return None
+    if len(info) < 3:
+        return None
+    return (info["HugePages_Free"] - info["HugePages_Rsvd"]) * info["Hugepagesize"] * 1024
+
+
+def filesystem_type(path: Path) -> str:
+    """Filesystem type holding `path`, from /proc/self/mounts ("unknown" if unreadable)."""
+    target = os.path.realpath(path)
+    best, best_type = "", "unknown"
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = _unescape(parts[1])
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, best_type = mnt, parts[2]
+    except OSError:
+        return "unknown"
+    return best_type
+
+
+def _unescape(field: str) -> str:
+    """Undo the octal escapes (\\040 for a space) of /proc/mounts."""
+    if "\\" not in field:
+        return field
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
