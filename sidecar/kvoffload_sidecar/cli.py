@@ -1,0 +1,208 @@
+"""`kvoffload sidecar` and `kvoffload stats`: argv in, exit code out.
+
+Exit codes: 0 ok; 2 a bad setting (one line on stderr naming it); 1 `stats` could not reach a
+serving sidecar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvoffload_sidecar.config import ConfigError, SidecarConfig, check_environment, parse_config
+from kvoffload_sidecar.units import format_bytes, format_seconds
+
+log = logging.getLogger("kvoffload_sidecar")
+STATS_DEADLINE_S = 3.0
+
+
+def configure_logging(level: str) -> None:
+    """One format for every line the sidecar writes (including the Pool's pre-fault progress)."""
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    quiet = max(logging.getLevelName(level), logging.INFO)  # their DEBUG lines are per-call noise
+    for noisy in ("grpc", "asyncio"):
+        logging.getLogger(noisy).setLevel(quiet)
+
+
+def _describe(config: SidecarConfig) -> str:
+    numa = "default" if config.numa_node is None else str(config.numa_node)
+    return (
+        f"pool {format_bytes(config.pool_size)} in {config.pool_dir} (eviction {config.eviction}, "
+        f"hugepages {config.hugepages}, numa {numa}, namespaces {config.max_namespaces}, "
+        f"client timeout {config.client_timeout_s:g}s)"
+    )
+
+
+def main_sidecar(argv: Sequence[str]) -> int:
+    """Validate the settings, then run the sidecar until SIGTERM."""
+    try:
+        config = parse_config(argv)
+        warnings = check_environment(config)
+    except ConfigError as exc:
+        print(f"kvoffload sidecar: error: {exc}", file=sys.stderr)
+        return 2
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    configure_logging(config.log_level)
+    for warning in warnings:
+        log.warning("%s", warning)
+    log.info("starting: %s", _describe(config))
+    from kvoffload_sidecar.runtime import run  # grpc and the Pool only once settings are valid
+
+    return run(config)
+
+
+# -- kvoffload stats ------------------------------------------------------------------------------
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    """A proto message as plain JSON values (ints stay ints, every field present)."""
+    out: dict[str, Any] = {}
+    for fd in message.DESCRIPTOR.fields:
+        value = getattr(message, fd.name)
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            out[fd.name] = dict(value)
+        elif fd.message_type is not None and fd.is_repeated:
+            out[fd.name] = [_plain(item) for item in value]
+        elif fd.message_type is not None:
+            out[fd.name] = _plain(value)
+        elif fd.is_repeated:
+            out[fd.name] = list(value)
+        else:
+            out[fd.name] = value
+    return out
+
+
+def _ratio(hits: int, misses: int) -> str:
+    return f"{hits / (hits + misses):.1%}" if hits + misses else "-"
+
+
+def format_stats(resp: Any) -> str:
+    """The readable table: a pool-wide line, one row per namespace, one row per RPC method."""
+    prefault = resp.prefaulted_bytes / resp.pool_bytes if resp.pool_bytes else 0.0
+    lines = [
+        f"pool: {format_bytes(resp.pool_bytes)}, pre-faulted {prefault:.0%} "
+        f"({'ready' if resp.pool_ready else 'not ready'}), eviction {resp.eviction_policy}, "
+        f"generation {resp.pool_generation}, uptime {resp.uptime_seconds:.0f}s, "
+        f"version {resp.version}",
+        "",
+    ]
+    header = (
+        "namespace",
+        "model",
+        "ranks",
+        "slots",
+        "capacity",
+        "used",
+        "pinned",
+        "hit ratio",
+        "lookups",
+        "stores",
+        "loads",
+        "evictions",
+        "stored",
+        "loaded",
+        "clients",
+    )
+    rows = [header]
+    for ns in resp.namespaces:
+        rows.append(
+            (
+                ns.namespace_id[:12],
+                ns.spec.model,
+                str(ns.num_ranks),
+                str(ns.slot_count),
+                format_bytes(ns.capacity_bytes),
+                format_bytes(ns.used_bytes),
+                format_bytes(ns.pinned_bytes),
+                _ratio(ns.hit_blocks, ns.miss_blocks),
+                str(ns.lookups),
+                str(ns.stored_blocks),
+                str(ns.loaded_blocks),
+                str(ns.evicted_blocks),
+                format_bytes(ns.stored_bytes),
+                format_bytes(ns.loaded_bytes),
+                str(ns.live_clients),
+            )
+        )
+    if len(rows) == 1:
+        lines.append("no namespaces registered")
+    else:
+        lines += _table(rows)
+    lines.append("")
+    latency = [("method", "calls", "p50", "p99")]
+    latency += [
+        (
+            lat.method,
+            str(lat.count),
+            format_seconds(lat.p50_seconds),
+            format_seconds(lat.p99_seconds),
+        )
+        for lat in resp.rpc_latency
+    ]
+    lines += _table(latency) if len(latency) > 1 else ["no RPCs yet"]
+    return "\n".join(lines)
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def main_stats(argv: Sequence[str]) -> int:
+    """Print one sidecar's Stats as a table or JSON; exit 1 when it is not serving."""
+    parser = argparse.ArgumentParser(prog="kvoffload stats", description=main_stats.__doc__)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--socket", default=os.environ.get("KVOFFLOAD_SOCKET"), help="sidecar Unix socket"
+    )
+    where.add_argument("--address", help="HOST:PORT of the sidecar's --listen (health + Stats)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--timeout", type=float, default=STATS_DEADLINE_S, help="deadline in seconds"
+    )
+    try:
+        ns = parser.parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    if not ns.socket and not ns.address:
+        print(
+            "kvoffload stats: error: --socket (env KVOFFLOAD_SOCKET) or --address is required",
+            file=sys.stderr,
+        )
+        return 2
+    if ns.socket and not os.path.exists(ns.socket):
+        print(f"kvoffload stats: error: no sidecar socket at {ns.socket}", file=sys.stderr)
+        return 1
+    import grpc
+    from kvoffload.v1 import pool_pb2, pool_pb2_grpc
+
+    target = f"unix:{os.path.abspath(ns.socket)}" if ns.socket else ns.address
+    try:
+        with grpc.insecure_channel(target) as channel:
+            resp = pool_pb2_grpc.KVPoolStub(channel).Stats(
+                pool_pb2.StatsRequest(), timeout=ns.timeout
+            )
+    except grpc.RpcError as exc:
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        code = exc.code().name if hasattr(exc, "code") else "ERROR"
+        print(
+            f"kvoffload stats: error: sidecar at {target} is not serving ({code}: {detail})",
+            file=sys.stderr,
+        )
+        return 1
+    print(json.dumps(_plain(resp), indent=2, sort_keys=True) if ns.json else format_stats(resp))
+    return 0

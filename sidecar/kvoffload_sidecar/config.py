@@ -1,0 +1,336 @@
+"""`kvoffload sidecar` settings: flags, `KVOFFLOAD_<FLAG>` environment variables, validation.
+
+A flag wins over its environment variable; an empty environment variable counts as unset (pod
+specs often template empty values). Every problem is raised as one `ConfigError` whose message
+names the flag, the environment variable and the reason, so start-up fails with one clear line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import stat
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from kvoffload_sidecar.units import format_bytes, parse_size
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "KVOFFLOAD_"
+EVICTION_POLICIES = ("lru", "arc")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
+POOL_FILE_NAME = "pool-0.shm"  # the Pool's file name (see docs/ARCHITECTURE.md, Contract 1)
+MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL on Linux
+NUMA_ROOT = Path("/sys/devices/system/node")
+PROC_MOUNTS = Path("/proc/mounts")
+
+
+class ConfigError(ValueError):
+    """A bad setting; str(e) is the one line printed before exiting with code 2."""
+
+
+@dataclass(frozen=True)
+class SidecarConfig:
+    """Validated sidecar settings (flag or environment variable, see `build_parser`)."""
+
+    pool_size: int
+    """Bytes of the pool file, exactly; the pod's memory limit must cover it."""
+    pool_dir: Path
+    """Existing writable directory, memory-backed (tmpfs emptyDir, hugetlbfs), shared with vLLM."""
+    socket: Path
+    """Unix socket the KVPool service listens on; its parent directory must exist."""
+    listen: str | None = None
+    """Optional HOST:PORT for gRPC health + Stats over TCP (kubelet gRPC probes); None = off."""
+    metrics_listen: str | None = None
+    """Optional HOST:PORT for Prometheus /metrics over HTTP; None = off."""
+    eviction: str = "lru"
+    """Eviction policy: "lru" or "arc"."""
+    hugepages: bool = False
+    """pool_dir is a hugetlbfs mount; the pool is then rounded to 2 MiB pages."""
+    numa_node: int | None = None
+    """NUMA node to bind the pool's pages to (best effort); None = the kernel's default policy."""
+    max_namespaces: int = 1
+    """Equal pool partitions, one per namespace (model/layout); 1 suits one engine per pod."""
+    client_timeout_s: float = 60.0
+    """Seconds after which a client with no session and no call is reaped (pins released)."""
+    log_level: str = "INFO"
+    """Python logging level name."""
+    drain_grace_s: float = 5.0
+    """Seconds in-flight RPCs get after SIGTERM; below the pod's terminationGracePeriodSeconds."""
+
+    @property
+    def reap_interval_s(self) -> float:
+        """How often idle clients are reaped: a quarter of the timeout, between 0.1 s and 10 s."""
+        return min(10.0, max(0.1, self.client_timeout_s / 4))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class _Flag:
+    name: str  # "--pool-size"
+    help: str
+    required: bool = False
+    is_switch: bool = False
+
+    @property
+    def dest(self) -> str:
+        return self.name[2:].replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+_FLAGS: tuple[_Flag, ...] = (
+    _Flag(
+        "--pool-size", "pool size in bytes or with a unit: 64Gi, 512Mi, 1G, 1.5GiB", required=True
+    ),
+    _Flag("--pool-dir", "existing memory-backed directory for the pool file", required=True),
+    _Flag("--socket", "Unix socket path for the KVPool gRPC service", required=True),
+    _Flag("--listen", "HOST:PORT for gRPC health + Stats over TCP (optional)"),
+    _Flag("--metrics-listen", "HOST:PORT for Prometheus /metrics over HTTP (optional)"),
+    _Flag("--eviction", "eviction policy: lru (default) or arc"),
+    _Flag("--hugepages", "the pool dir is a hugetlbfs mount", is_switch=True),
+    _Flag("--numa-node", "NUMA node to bind the pool to (optional)"),
+    _Flag("--max-namespaces", "pool partitions, one per namespace (default 1)"),
+    _Flag(
+        "--client-timeout", "seconds before an idle client without a session is reaped (default 60)"
+    ),
+    _Flag("--log-level", "DEBUG, INFO (default), WARNING, ERROR"),
+)
+
+
+def build_parser(prog: str = "kvoffload sidecar") -> argparse.ArgumentParser:
+    """The flag parser; every flag is read as text and validated by `load_config`."""
+    parser = _Parser(
+        prog=prog,
+        description="Host-memory KV pool sidecar: gRPC KVPool service on a Unix socket.",
+        epilog="Every flag may also come from KVOFFLOAD_<FLAG> (e.g. KVOFFLOAD_POOL_SIZE); "
+        "the flag wins.",
+    )
+    for flag in _FLAGS:
+        help_ = f"{flag.help} [env {flag.env}]"
+        if flag.is_switch:
+            parser.add_argument(flag.name, action="store_true", default=None, help=help_)
+        else:
+            parser.add_argument(flag.name, metavar=flag.dest.upper(), help=help_)
+    return parser
+
+
+def _error(flag: _Flag, source: str | None, problem: str) -> ConfigError:
+    origin = f", here from {source}" if source else ""
+    return ConfigError(f"{flag.name} (env {flag.env}{origin}): {problem}")
+
+
+def _raw_values(
+    ns: argparse.Namespace, environ: Mapping[str, str]
+) -> dict[str, tuple[str, str | bool]]:
+    """dest -> (source, raw value) for every flag given by flag or environment variable."""
+    values: dict[str, tuple[str, str | bool]] = {}
+    for flag in _FLAGS:
+        given = getattr(ns, flag.dest)
+        if given is not None:
+            values[flag.dest] = (flag.name, given)
+        elif environ.get(flag.env, "") != "":
+            values[flag.dest] = (flag.env, environ[flag.env])
+        elif flag.required:
+            raise ConfigError(f"{flag.name} (env {flag.env}) is required")
+    return values
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (true/false, 1/0, yes/no)")
+
+
+def _parse_host_port(text: str) -> str:
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 0.0.0.0:9090, [::]:9090)")
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is out of range 0..65535")
+    return text
+
+
+def _parse_int(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise ValueError(f"{value} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+def _parse_seconds(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{text!r} must be a positive, finite number of seconds")
+    return value
+
+
+def _parse_choice(choices: Sequence[str], *, upper: bool = False) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().upper() if upper else text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "pool_size": parse_size,
+    "pool_dir": lambda text: Path(text),
+    "socket": lambda text: Path(text),
+    "listen": _parse_host_port,
+    "metrics_listen": _parse_host_port,
+    "eviction": _parse_choice(EVICTION_POLICIES),
+    "hugepages": _parse_bool,
+    "numa_node": _parse_int(0),
+    "max_namespaces": _parse_int(1),
+    "client_timeout": _parse_seconds,
+    "log_level": _parse_choice(LOG_LEVELS, upper=True),
+}
+_FIELD_OF = {"client_timeout": "client_timeout_s"}
+
+
+def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> SidecarConfig:
+    """Flags + environment -> SidecarConfig, checking values only (no filesystem access)."""
+    env = os.environ if environ is None else environ
+    ns = build_parser().parse_args(list(argv))
+    fields: dict[str, Any] = {}
+    by_dest = {flag.dest: flag for flag in _FLAGS}
+    for dest, (source, raw) in _raw_values(ns, env).items():
+        flag = by_dest[dest]
+        try:
+            value = raw if isinstance(raw, bool) else _PARSERS[dest](raw)
+        except ValueError as exc:
+            raise _error(flag, source, str(exc)) from None
+        fields[_FIELD_OF.get(dest, dest)] = value
+    return SidecarConfig(**fields)
+
+
+def _mount_of(path: Path, mounts_text: str) -> tuple[str, str]:
+    """(mount point, filesystem type) of the longest mount containing `path`."""
+    best = ("/", "unknown")
+    resolved = str(path.resolve())
+    for line in mounts_text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, parts[2])
+    return best
+
+
+def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) -> list[str]:
+    """Check the settings against this machine; ConfigError on a fatal problem, else warnings."""
+    warnings: list[str] = []
+    flag = {f.dest: f for f in _FLAGS}
+    where = None  # the value's source is no longer known here; the message names both
+
+    pool_dir = config.pool_dir
+    if not pool_dir.exists():
+        raise _error(flag["pool_dir"], where, f"{str(pool_dir)!r} does not exist")
+    if not pool_dir.is_dir():
+        raise _error(flag["pool_dir"], where, f"{str(pool_dir)!r} is not a directory")
+    if not os.access(pool_dir, os.W_OK | os.X_OK):
+        raise _error(flag["pool_dir"], where, f"{str(pool_dir)!r} is not writable")
+    if mounts_text is None:
+        try:
+            mounts_text = PROC_MOUNTS.read_text()
+        except OSError:
+            mounts_text = ""
+    point, fstype = _mount_of(pool_dir, mounts_text)
+    if config.hugepages and fstype != "hugetlbfs":
+        raise _error(
+            flag["hugepages"], where, f"{str(pool_dir)!r} is on {fstype} ({point}), not hugetlbfs"
+        )
+    if fstype not in MEMORY_FILESYSTEMS:
+        warnings.append(
+            f"--pool-dir {str(pool_dir)!r} is on {fstype} ({point}), not tmpfs/hugetlbfs: "
+            "the pool may be written back to disk"
+        )
+    fs = os.statvfs(pool_dir)
+    existing = pool_dir / POOL_FILE_NAME
+    reusable = existing.stat().st_blocks * 512 if existing.is_file() else 0
+    available = fs.f_bavail * fs.f_frsize + reusable
+    if fs.f_blocks and config.pool_size > available:
+        raise _error(
+            flag["pool_size"],
+            where,
+            f"{format_bytes(config.pool_size)} does not fit in {str(pool_dir)!r} "
+            f"({format_bytes(available)} available)",
+        )
+
+    sock = config.socket
+    if len(os.fsencode(sock)) > MAX_UNIX_PATH:
+        raise _error(flag["socket"], where, f"path is longer than {MAX_UNIX_PATH} bytes")
+    if not sock.parent.is_dir():
+        raise _error(flag["socket"], where, f"parent directory {str(sock.parent)!r} does not exist")
+    if not os.access(sock.parent, os.W_OK | os.X_OK):
+        raise _error(
+            flag["socket"], where, f"parent directory {str(sock.parent)!r} is not writable"
+        )
+    if sock.exists() or sock.is_symlink():
+        if not stat.S_ISSOCK(sock.lstat().st_mode):
+            raise _error(flag["socket"], where, f"{str(sock)!r} exists and is not a socket")
+        if _socket_is_live(sock):
+            raise _error(flag["socket"], where, f"another process is serving on {str(sock)!r}")
+
+    if config.numa_node is not None and not (NUMA_ROOT / f"node{config.numa_node}").is_dir():
+        raise _error(
+            flag["numa_node"], where, f"node {config.numa_node} does not exist under {NUMA_ROOT}"
+        )
+    return warnings
+
+
+def _socket_is_live(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(0.5)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def remove_stale_socket(path: Path) -> bool:
+    """Remove a socket file nobody serves on (left by a killed sidecar); True when removed."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISSOCK(mode) and not _socket_is_live(path):
+        path.unlink()
+        log.info("removed stale socket %s", path)
+        return True
+    return False

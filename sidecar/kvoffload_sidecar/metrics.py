@@ -1,0 +1,293 @@
+"""Prometheus metrics and RPC latency for one sidecar, declared as a table.
+
+Pool gauges and counters are read from `Pool.stats()` at scrape time by `PoolCollector` (nothing
+on the RPC hot path); the RPC duration histogram and the recent-latency rings are the only things
+updated per call. Each `SidecarMetrics` owns a private `CollectorRegistry`, so tests and several
+servers in one process never share state.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvoffload_sidecar.pool import NamespaceStats, Pool, PoolStats
+
+RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 1.0, 5.0)
+LATENCY_WINDOW = 4096  # recent calls per method kept for the Stats RPC's p50/p99
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("kvoffload")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+        return "0+unknown"
+
+
+Samples = Callable[["NamespaceStats", "PoolStats"], Iterable[tuple[tuple[str, ...], float]]]
+
+
+@dataclass(frozen=True)
+class NamespaceMetric:
+    """One per-namespace metric read from PoolStats; labels start with `namespace`."""
+
+    name: str  # counters without the `_total` suffix: client_python adds it
+    kind: str  # "gauge" | "counter"
+    help: str
+    labels: tuple[str, ...]
+    samples: Samples  # extra label values (after namespace) and value
+
+
+def _one(field: str) -> Samples:
+    return lambda ns, _pool: (((), float(getattr(ns, field))),)
+
+
+NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
+    NamespaceMetric(
+        "kvoffload_pool_capacity_bytes",
+        "gauge",
+        "Bytes of the namespace's partition usable for slots.",
+        ("namespace",),
+        _one("capacity_bytes"),
+    ),
+    NamespaceMetric(
+        "kvoffload_pool_used_bytes",
+        "gauge",
+        "Bytes in committed or reserved slots.",
+        ("namespace",),
+        _one("used_bytes"),
+    ),
+    NamespaceMetric(
+        "kvoffload_pool_pinned_bytes",
+        "gauge",
+        "Bytes in slots pinned by loads.",
+        ("namespace",),
+        _one("pinned_bytes"),
+    ),
+    NamespaceMetric(
+        "kvoffload_live_clients",
+        "gauge",
+        "Registered clients not yet detached or reaped.",
+        ("namespace",),
+        _one("live_clients"),
+    ),
+    NamespaceMetric(
+        "kvoffload_lookups",
+        "counter",
+        "Lookup queries (one per key list).",
+        ("namespace",),
+        _one("lookups"),
+    ),
+    NamespaceMetric(
+        "kvoffload_lookup_blocks",
+        "counter",
+        "Keys found by lookups (hit) and first missing key of each query that missed (miss).",
+        ("namespace", "result"),
+        lambda ns, _p: ((("hit",), float(ns.hit_blocks)), (("miss",), float(ns.miss_blocks))),
+    ),
+    NamespaceMetric(
+        "kvoffload_stored_blocks",
+        "counter",
+        "Slots committed by every rank.",
+        ("namespace",),
+        _one("stored_blocks"),
+    ),
+    NamespaceMetric(
+        "kvoffload_loaded_blocks",
+        "counter",
+        "Slots pinned for loading.",
+        ("namespace",),
+        _one("loaded_blocks"),
+    ),
+    NamespaceMetric(
+        "kvoffload_evicted_blocks",
+        "counter",
+        "Committed slots evicted to make room.",
+        ("namespace", "policy"),
+        lambda ns, pool: (((pool.eviction_policy,), float(ns.evicted_blocks)),),
+    ),
+    NamespaceMetric(
+        "kvoffload_stored_bytes",
+        "counter",
+        "Bytes of slots committed (all ranks).",
+        ("namespace",),
+        _one("stored_bytes"),
+    ),
+    NamespaceMetric(
+        "kvoffload_loaded_bytes",
+        "counter",
+        "Bytes of slots pinned for loading (all ranks).",
+        ("namespace",),
+        _one("loaded_bytes"),
+    ),
+)
+
+
+class PoolCollector(Collector):
+    """Reads one `Pool.stats()` per scrape and yields every table metric from it."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._pool.stats()
+        size = GaugeMetricFamily(
+            "kvoffload_pool_size_bytes", "Bytes of the pool file (all namespaces)."
+        )
+        size.add_metric([], float(stats.pool_bytes))
+        prefaulted = GaugeMetricFamily(
+            "kvoffload_pool_prefaulted_bytes",
+            "Bytes of the pool file already pre-faulted (all namespaces).",
+        )
+        prefaulted.add_metric([], float(stats.prefaulted_bytes))
+        ready = GaugeMetricFamily("kvoffload_pool_ready", "1 once the whole pool is pre-faulted.")
+        ready.add_metric([], 1.0 if stats.pool_ready else 0.0)
+        yield from (size, prefaulted, ready)
+        spec_info = GaugeMetricFamily(
+            "kvoffload_namespace_info",
+            "Spec of each namespace (value 1).",
+            labels=[
+                "namespace",
+                "model",
+                "dtype",
+                "kv_layout",
+                "block_size",
+                "chunk_blocks",
+                "tp_size",
+            ],
+        )
+        for ns in stats.namespaces:
+            spec = ns.spec
+            spec_info.add_metric(
+                [
+                    ns.namespace_id,
+                    spec.model,
+                    spec.dtype,
+                    spec.kv_layout,
+                    str(spec.block_size),
+                    str(spec.chunk_blocks),
+                    str(spec.tp_size),
+                ],
+                1.0,
+            )
+        yield spec_info
+        for spec_ in NAMESPACE_METRICS:
+            family_type = GaugeMetricFamily if spec_.kind == "gauge" else CounterMetricFamily
+            family = family_type(spec_.name, spec_.help, labels=list(spec_.labels))
+            for ns in stats.namespaces:
+                for extra, value in spec_.samples(ns, stats):
+                    family.add_metric([ns.namespace_id, *extra], value)
+            yield family
+
+
+@dataclass(frozen=True)
+class MethodLatency:
+    """Recent latency of one RPC method: calls since start, p50/p99 over the recent window."""
+
+    method: str
+    count: int
+    p50_seconds: float
+    p99_seconds: float
+
+
+class LatencyRecorder:
+    """Bounded ring of recent call durations per method (append is O(1), no lock on the hot path).
+
+    `deque.append` with a maxlen is atomic under the GIL, so the asyncio loop and a scrape thread
+    may touch it concurrently; `snapshot` copies before sorting.
+    """
+
+    def __init__(self, window: int = LATENCY_WINDOW) -> None:
+        self._window = window
+        self._recent: dict[str, deque[float]] = {}
+        self._counts: dict[str, int] = {}
+        self._lock = threading.Lock()  # only for creating a method's ring
+
+    def ring(self, method: str) -> deque[float]:
+        ring = self._recent.get(method)
+        if ring is None:
+            with self._lock:
+                ring = self._recent.setdefault(method, deque(maxlen=self._window))
+                self._counts.setdefault(method, 0)
+        return ring
+
+    def observe(self, method: str, seconds: float) -> None:
+        self.ring(method).append(seconds)
+        self._counts[method] += 1
+
+    def snapshot(self) -> tuple[MethodLatency, ...]:
+        result = []
+        for method in sorted(self._recent):
+            values = sorted(self._recent[method])
+            if not values:
+                continue
+            result.append(
+                MethodLatency(
+                    method, self._counts[method], _quantile(values, 0.50), _quantile(values, 0.99)
+                )
+            )
+        return tuple(result)
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank quantile of an already sorted, non-empty list."""
+    index = min(len(sorted_values) - 1, max(0, int(q * len(sorted_values) + 0.5) - 1))
+    return sorted_values[index]
+
+
+class SidecarMetrics:
+    """Registry, RPC histogram, latency rings and build info of one server instance."""
+
+    def __init__(self, pool: Pool | None, *, build_labels: dict[str, str] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.latency = LatencyRecorder()
+        self._rpc = Histogram(
+            "kvoffload_rpc_duration_seconds",
+            "Server-side duration of KVPool calls (unary and in-session), by method.",
+            ["method"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
+        self._children: dict[str, Any] = {}
+        build = Info("kvoffload_build", "Version of the running sidecar.", registry=self.registry)
+        build.info({"version": package_version(), **(build_labels or {})})
+        if pool is not None:
+            self.registry.register(PoolCollector(pool))
+
+    def observe(self, method: str, seconds: float) -> None:
+        """Record one call (hot path: a dict lookup, a deque append, a histogram observe)."""
+        child = self._children.get(method)
+        if child is None:
+            child = self._children.setdefault(method, self._rpc.labels(method))
+        child.observe(seconds)
+        self.latency.observe(method, seconds)
+
+    def serve_http(self, address: str) -> MetricsHttpServer:
+        """Start /metrics on HOST:PORT in a daemon thread (port 0 picks a free port)."""
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        httpd, thread = start_http_server(int(port), addr=host, registry=self.registry)
+        return MetricsHttpServer(httpd, thread)
+
+
+class MetricsHttpServer:
+    """The running /metrics endpoint; `port` is the bound port, `close()` stops it."""
+
+    def __init__(self, httpd: Any, thread: threading.Thread) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.port: int = httpd.server_address[1]
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,100 @@
+"""Run one sidecar process: Pool up, server up, reaper, signals, drain, Pool down.
+
+Shutdown order on SIGTERM/SIGINT (see STYLE.md §4): health NOT_SERVING, `pool.begin_drain()`,
+`server.stop(grace)` (open sessions end, their pins are released), `pool.close()`, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from kvoffload_sidecar.config import SidecarConfig
+from kvoffload_sidecar.errors import PoolError
+from kvoffload_sidecar.metrics import MetricsHttpServer
+from kvoffload_sidecar.pool import Pool, PoolSettings
+from kvoffload_sidecar.server import SidecarServer, create_server
+
+log = logging.getLogger("kvoffload_sidecar")
+
+
+def pool_settings(config: SidecarConfig) -> PoolSettings:
+    return PoolSettings(
+        pool_size=config.pool_size,
+        pool_dir=config.pool_dir,
+        eviction=config.eviction,
+        hugepages=config.hugepages,
+        numa_node=config.numa_node,
+        max_namespaces=config.max_namespaces,
+        client_timeout_s=config.client_timeout_s,
+    )
+
+
+async def reap_forever(pool: Pool, interval_s: float) -> None:
+    """Reap clients that went idle without a session; errors are logged, never fatal."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            reaped = pool.reap_idle_clients()
+        except Exception:  # noqa: BLE001
+            log.exception("reaping idle clients failed")
+            continue
+        if reaped:
+            log.info("reaped %d idle client(s)", reaped)
+
+
+async def serve(config: SidecarConfig, pool: Pool, *, stop: asyncio.Event | None = None) -> None:
+    """Serve `pool` (already started) until `stop` is set or SIGTERM/SIGINT arrives, then drain."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    sidecar: SidecarServer = create_server(config, pool)
+    http: MetricsHttpServer | None = None
+    reaper: asyncio.Task[None] | None = None
+    try:
+        await sidecar.start()
+        if config.metrics_listen:
+            http = sidecar.metrics.serve_http(config.metrics_listen)
+            host = config.metrics_listen.rpartition(":")[0]
+            log.info("metrics on http://%s:%d/metrics", host, http.port)
+        extra = f", health+Stats on TCP port {sidecar.tcp_port}" if config.listen else ""
+        log.info("serving KVPool on %s%s", sidecar.socket_target, extra)
+        reaper = asyncio.create_task(reap_forever(pool, config.reap_interval_s))
+        await stop.wait()
+        log.info(
+            "draining: %d open session(s), grace %.1fs",
+            sidecar.servicer.open_sessions,
+            config.drain_grace_s,
+        )
+    finally:
+        # The handlers stay installed while draining: a repeated SIGTERM only sets `stop` again.
+        if reaper is not None:
+            reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reaper
+        await sidecar.drain(config.drain_grace_s)
+        if http is not None:
+            http.close()
+        with contextlib.suppress(OSError):
+            config.socket.unlink()
+
+
+def run(config: SidecarConfig) -> int:
+    """Start the Pool, serve until a signal, close the Pool; the process exit code."""
+    pool = Pool(pool_settings(config))
+    try:
+        pool.start()
+    except (OSError, ValueError, PoolError) as exc:
+        log.error("cannot create the pool in %s: %s", config.pool_dir, exc)
+        return 2
+    try:
+        asyncio.run(serve(config, pool))
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):  # already draining: let pool.close() finish
+            signal.signal(signum, signal.SIG_IGN)
+        pool.close()
+    log.info("stopped")
+    return 0
