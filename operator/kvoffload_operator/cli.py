@@ -1,0 +1,107 @@
+"""`kvoffload operator` and `kvoffload inject` entry points (argv in, exit code out)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvoffload_operator.inject import RenderDefaults
+from kvoffload_operator.manifests import inject_documents
+from kvoffload_operator.policy import KIND, PolicyError, policies_from_documents
+from kvoffload_operator.settings import VERSION, parse_operator_args
+
+
+def _read(path: str) -> str:
+    return sys.stdin.read() if path == "-" else Path(path).read_text()
+
+
+def main_inject(argv: Sequence[str]) -> int:
+    """Print ``-f`` manifests with the sidecar injected for ``--policy`` (like kube-inject)."""
+    parser = argparse.ArgumentParser(
+        prog="kvoffload inject",
+        description="Inject the kvoffload sidecar into Pods, Deployments, StatefulSets, Jobs, "
+        "CronJobs and LeaderWorkerSets; other kinds pass through unchanged.",
+    )
+    parser.add_argument("-f", "--filename", required=True, help="manifest file, '-' for stdin")
+    parser.add_argument(
+        "--policy",
+        required=True,
+        action="append",
+        help="KVOffloadPolicy file (repeatable; several policies compete as in "
+        "a cluster: priority, then name)",
+    )
+    parser.add_argument("-o", "--output", help="write here instead of stdout")
+    parser.add_argument("--sidecar-image", default=RenderDefaults().sidecar_image)
+    parser.add_argument("--connector-image", default=RenderDefaults().connector_image)
+    args = parser.parse_args(list(argv))
+    try:
+        policy_docs = [d for p in args.policy for d in yaml.safe_load_all(_read(p))]
+        policies = policies_from_documents(policy_docs)
+        docs = [d for d in yaml.safe_load_all(_read(args.filename)) if d is not None]
+    except (OSError, yaml.YAMLError) as exc:
+        print(f"kvoffload inject: {exc}", file=sys.stderr)
+        return 2
+    except PolicyError as exc:
+        print(f"kvoffload inject: invalid policy: {exc}", file=sys.stderr)
+        return 2
+    if not policies:
+        print(f"kvoffload inject: no {KIND} in {', '.join(args.policy)}", file=sys.stderr)
+        return 2
+    defaults = RenderDefaults(args.sidecar_image, args.connector_image, VERSION)
+    out_docs, notes = inject_documents(docs, policies, defaults)
+    for note in notes:
+        print(f"kvoffload inject: {note.where}: {note.text}", file=sys.stderr)
+    text = dump_documents(out_docs)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def dump_documents(docs: Sequence[Any]) -> str:
+    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def main_operator(argv: Sequence[str]) -> int:
+    """Run the operator (kopf) with its webhook, metrics and health endpoints until stopped."""
+    import kopf
+    import prometheus_client
+
+    from kvoffload_operator.handlers import register
+    from kvoffload_operator.k8s import KubeApi, make_api_client
+    from kvoffload_operator.metrics import OperatorMetrics
+
+    config = parse_operator_args(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    registry = kopf.OperatorRegistry()
+    register(registry, config)
+    metrics = OperatorMetrics.create(version=VERSION)
+    if config.metrics_port:
+        prometheus_client.start_http_server(config.metrics_port, registry=metrics.registry)
+    memo = kopf.Memo(
+        config=config, metrics=metrics, api=KubeApi(make_api_client(config.api_server))
+    )
+    liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
+    asyncio.run(
+        kopf.operator(
+            registry=registry,
+            memo=memo,
+            clusterwide=config.namespace is None,
+            namespaces=[config.namespace] if config.namespace else (),
+            standalone=config.standalone,
+            peering_name=config.peering,
+            priority=config.priority,
+            liveness_endpoint=liveness,
+        )
+    )
+    return 0

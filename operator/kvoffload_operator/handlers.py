@@ -1,0 +1,224 @@
+"""kopf handlers: thin wrappers over the pure core, registered on a given registry.
+
+- index ``policy_index``: namespace → parsed policies (the webhook reads it, no API call);
+- ``mutate-pods``: the admission webhook (`admission.admit_pod`, the CLI's code path);
+- reconcile on create/update/resume: rollouts (template hash) + status;
+- timer: status refresh (matched/injected pods, sidecar readiness).
+No delete handler: deleting a policy leaves running pods alone; the index drops it, so
+injection stops. (The timer makes kopf hold a finalizer while the operator runs: uninstall
+policies before the operator, see the chart's NOTES.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvoffload_operator import certs
+from kvoffload_operator.admission import admit_pod
+from kvoffload_operator.inject import decide
+from kvoffload_operator.k8s import ApiError
+from kvoffload_operator.policy import (
+    API_GROUP,
+    API_VERSION,
+    PLURAL,
+    Policy,
+    PolicyError,
+    policy_from_resource,
+)
+from kvoffload_operator.settings import OperatorConfig, configure
+from kvoffload_operator.status import build_status, invalid_status
+from kvoffload_operator.webhook import PodWebhookServer
+from kvoffload_operator.workloads import ROLLOUT_KINDS, hash_patch, template_hash
+
+POLICIES = (API_GROUP, API_VERSION, PLURAL)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _namespace_policies(index: Any, namespace: str, fresh: Policy | None = None) -> list[Policy]:
+    policies = list(index.get(namespace, [])) if index is not None else []
+    if fresh is not None:
+        policies = [p for p in policies if p.name != fresh.name] + [fresh]
+    return policies
+
+
+def plan_rollouts(
+    policy: Policy, workloads: list[Mapping[str, Any]], namespace_policies: list[Policy]
+) -> list[Mapping[str, Any]]:
+    """Workloads whose new pods this policy would inject and whose template lacks its hash."""
+    out = []
+    for obj in workloads:
+        if obj.get("kind") not in ROLLOUT_KINDS or template_hash(obj) == policy.spec_hash:
+            continue
+        decision = decide(obj.get("spec", {}).get("template") or {}, namespace_policies)
+        if decision.inject and decision.policy is not None and decision.policy.name == policy.name:
+            out.append(obj)
+    return out
+
+
+def _refresh_status(
+    policy: Policy, memo: Any, index: Any, status: Mapping[str, Any], patch: kopf.Patch
+) -> None:
+    api = memo.api
+    enabled = memo.config.injection_enabled(api.namespace_labels(policy.namespace))
+    pods = api.list_pods(policy.namespace, policy.selector.to_query())
+    new = build_status(
+        policy,
+        pods,
+        _namespace_policies(index, policy.namespace, policy),
+        namespace_enabled=enabled,
+        now=_now(),
+        previous=status,
+    )
+    if {k: status.get(k) for k in new} != new:
+        patch.status.update(new)
+
+
+def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    """Register every handler on ``registry`` (tests use their own registry and config)."""
+
+    @kopf.on.startup(registry=registry)
+    async def startup(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: Any) -> None:
+        configure(settings, config)
+        if config.webhook_port:
+            cert, key = await asyncio.to_thread(_webhook_certificate, config, memo, logger)
+            settings.admission.server = PodWebhookServer(
+                addr=config.webhook_addr,
+                port=config.webhook_port,
+                certfile=str(cert),
+                pkeyfile=str(key),
+            )
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        if config.api_server:
+            return kopf.ConnectionInfo(server=config.api_server.rstrip("/"))
+        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+    @kopf.index(*POLICIES, id="policy_index", registry=registry)
+    def policy_index(body: Any, namespace: str, logger: Any, **_: Any) -> dict[str, Policy]:
+        try:
+            return {namespace: policy_from_resource(body)}
+        except PolicyError as exc:
+            logger.warning("kvoffload: policy ignored by the webhook: %s", exc)
+            return {}
+
+    if config.webhook_port:  # --webhook-port=0: a controller without a webhook server
+        _register_webhook(registry, config)
+
+    @kopf.on.resume(*POLICIES, id="reconcile", registry=registry)
+    @kopf.on.create(*POLICIES, id="reconcile", registry=registry)
+    @kopf.on.update(*POLICIES, id="reconcile", field="spec", registry=registry)
+    def reconcile(
+        body: Any,
+        status: Any,
+        patch: kopf.Patch,
+        memo: Any,
+        policy_index: Any,
+        logger: Any,
+        **_: Any,
+    ) -> None:
+        try:
+            policy = policy_from_resource(body)
+        except PolicyError as exc:
+            patch.status.update(
+                invalid_status(body["metadata"].get("generation", 1), str(exc), _now(), status)
+            )
+            memo.metrics.reconciles.labels(result="invalid").inc()
+            return
+        try:
+            _apply(policy, memo, policy_index, status, patch, logger)
+        except ApiError as exc:  # retried by kopf; counted here
+            memo.metrics.reconciles.labels(result="error").inc()
+            raise kopf.TemporaryError(f"API error: {exc.status} {exc.reason}", delay=30) from exc
+        memo.metrics.reconciles.labels(result="success").inc()
+
+    def _apply(
+        policy: Policy, memo: Any, policy_index: Any, status: Any, patch: kopf.Patch, logger: Any
+    ) -> None:
+        api = memo.api
+        enabled = config.injection_enabled(api.namespace_labels(policy.namespace))
+        if policy.rollout_enabled and enabled:
+            peers = _namespace_policies(policy_index, policy.namespace, policy)
+            for obj in plan_rollouts(policy, api.list_workloads(policy.namespace), peers):
+                meta = obj["metadata"]
+                api.patch_workload(
+                    obj["kind"], policy.namespace, meta["name"], hash_patch(policy.spec_hash)
+                )
+                memo.metrics.rollouts.labels(kind=obj["kind"]).inc()
+                logger.info(
+                    "kvoffload: rolling %s %s for policy hash %s",
+                    obj["kind"],
+                    meta["name"],
+                    policy.spec_hash,
+                )
+        _refresh_status(policy, memo, policy_index, status, patch)
+
+    @kopf.timer(*POLICIES, id="refresh-status", interval=config.status_interval, registry=registry)
+    def refresh(
+        body: Any, status: Any, patch: kopf.Patch, memo: Any, policy_index: Any, **_: Any
+    ) -> None:
+        try:
+            policy = policy_from_resource(body)
+        except PolicyError:
+            return  # reconcile() already reported it
+        _refresh_status(policy, memo, policy_index, status, patch)
+
+
+def _register_webhook(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
+    @kopf.on.mutate("pods", id="mutate-pods", operations={"CREATE"}, registry=registry)
+    def mutate_pods(
+        body: Any, patch: kopf.Patch, warnings: list[str], memo: Any, policy_index: Any, **_: Any
+    ) -> None:
+        # kopf turns a handler exception into a denial: nothing may escape (never block pods).
+        try:
+            pod = dict(body)
+            namespace = (pod.get("metadata") or {}).get("namespace") or ""
+            policies = _namespace_policies(policy_index, namespace)
+        except Exception as exc:
+            warnings.append(f"kvoffload: injection failed, pod admitted unchanged: {exc}")
+            return
+        result = admit_pod(pod, policies, config.render_defaults(), memo.metrics)
+        warnings.extend(result.warnings)
+        if result.pod != pod:
+            mutated = result.pod
+
+            def replace(target: dict[str, Any]) -> None:
+                target.clear()
+                target.update(mutated)
+
+            patch.fns.append(replace)
+
+
+def _webhook_certificate(config: OperatorConfig, memo: Any, logger: Any) -> tuple[Any, Any]:
+    """(cert, key) paths: the mounted pair, or the self-signed one (made or reused)."""
+    if not config.self_signed_certs:
+        return config.cert_dir / "tls.crt", config.cert_dir / "tls.key"
+    api = memo.api
+    names = certs.service_dns_names(config.service, config.pod_namespace)
+    stored = api.read_secret(config.pod_namespace, config.cert_secret) or {}
+    if (
+        stored.get("tls.crt")
+        and stored.get("tls.key")
+        and stored.get("ca.crt")
+        and certs.still_valid(stored["tls.crt"], names)
+    ):
+        bundle = certs.CertBundle(stored["ca.crt"], stored["tls.crt"], stored["tls.key"])
+        logger.info("kvoffload: reusing the webhook certificate in secret %s", config.cert_secret)
+    else:
+        bundle = certs.generate(names)
+        api.write_secret(
+            config.pod_namespace,
+            config.cert_secret,
+            {"tls.crt": bundle.cert_pem, "tls.key": bundle.key_pem, "ca.crt": bundle.ca_pem},
+        )
+        logger.info("kvoffload: generated a webhook certificate for %s", names[2])
+    api.patch_webhook_ca(config.webhook_config, bundle.ca_pem)
+    return bundle.write(config.cert_dir)

@@ -1,0 +1,231 @@
+"""Build the injected pod from a positive `Decision` (pure; returns a new dict).
+
+What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
+- init container ``kvoffload-connector-install`` (connector delivery ``initContainer`` only);
+- native sidecar ``kvoffload-sidecar`` (``restartPolicy: Always``, gRPC startup probe), appended
+  after the user's init containers so theirs (e.g. a model download) run first;
+- volumes ``kvoffload-pool`` (memory or hugepages emptyDir), ``kvoffload-run`` (the socket),
+  ``kvoffload-python`` (connector payload, initContainer delivery only);
+- in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args``, the mounts,
+  ``PYTHONHASHSEED=0`` when unset (block hashes must agree across processes), ``PYTHONPATH``;
+- annotations ``kvoffload.io/status|policy|policy-generation`` and label ``kvoffload.io/injected``.
+Nothing the user wrote is removed or replaced (a user's ``/dev/shm`` mount stays as it is).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload_operator import annotations as ann
+from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
+from kvoffload_operator.policy import Delivery, Policy, SecurityProfile, SidecarSpec
+from kvoffload_operator.sizing import PYTHON_DIR_LIMIT, RUN_DIR_LIMIT, size_pool
+
+INSTALLER_NAME = "kvoffload-connector-install"
+POOL_VOLUME, RUN_VOLUME, PYTHON_VOLUME = "kvoffload-pool", "kvoffload-run", "kvoffload-python"
+POOL_DIR, RUN_DIR, PYTHON_DIR = "/kvoffload/pool", "/kvoffload/run", "/kvoffload/python"
+SOCKET = RUN_DIR + "/pool.sock"
+GRPC_PORT, METRICS_PORT = 9400, 9401
+CONNECTOR_CLASS = "KVOffloadConnector"
+CONNECTOR_MODULE = "kvoffload_connector.connector"
+NONROOT_UID = 65532
+MINIMAL_INSTALLER = SidecarSpec()
+
+
+@dataclass(frozen=True)
+class RenderDefaults:
+    """Operator-wide values a policy may leave out (``--sidecar-image``, ``--connector-image``)."""
+
+    sidecar_image: str = "ghcr.io/kvoffload/kvoffload:0.1.0"
+    connector_image: str = "ghcr.io/kvoffload/kvoffload-connector:0.1.0"
+    version: str = "0.1.0"  # recorded in the status annotation
+
+
+def kv_transfer_config(policy: Policy) -> dict[str, Any]:
+    extra = {
+        **policy.connector.extra_config,
+        "socket": SOCKET,
+        "chunk_size": policy.offload.chunk_size,
+        "mode": policy.offload.mode.value,
+    }
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def security_context(sidecar: SidecarSpec) -> dict[str, Any]:
+    """``minimal``: Pod Security "restricted"-compatible; ``privileged``: what it says."""
+    if sidecar.security_profile is SecurityProfile.PRIVILEGED:
+        return {"privileged": True}
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if sidecar.extra_capabilities:
+        caps["add"] = list(sidecar.extra_capabilities)
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NONROOT_UID,
+        "runAsGroup": NONROOT_UID,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": caps,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _resources(policy: Policy, pool_bytes: int) -> dict[str, Any]:
+    sizing = size_pool(policy.pool, pool_bytes)
+    out: dict[str, Any] = {
+        "requests": dict(sizing.sidecar_requests),
+        "limits": dict(sizing.sidecar_limits),
+    }
+    for key in ("requests", "limits"):  # the policy's overrides win, key by key
+        out[key].update((policy.sidecar.resources or {}).get(key) or {})
+    return out
+
+
+def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults) -> dict[str, Any]:
+    args = [
+        f"--pool-size={pool_bytes}",
+        f"--pool-dir={POOL_DIR}",
+        f"--socket={SOCKET}",
+        f"--listen=0.0.0.0:{GRPC_PORT}",
+        f"--metrics-listen=0.0.0.0:{METRICS_PORT}",
+        f"--eviction={policy.pool.eviction.value}",
+    ]
+    if policy.pool.hugepages:
+        args.append("--hugepages")
+    if policy.pool.numa_node is not None:
+        args.append(f"--numa-node={policy.pool.numa_node}")
+    return {
+        "name": SIDECAR_NAME,
+        "image": policy.sidecar.image or defaults.sidecar_image,
+        "imagePullPolicy": "IfNotPresent",
+        "restartPolicy": "Always",
+        "command": ["kvoffload", "sidecar"],
+        "args": args,
+        "ports": [
+            {"name": "grpc-health", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
+        "startupProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 1, "failureThreshold": 120},
+        "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5},
+        "resources": _resources(policy, pool_bytes),
+        "securityContext": security_context(policy.sidecar),
+        "volumeMounts": [
+            {"name": POOL_VOLUME, "mountPath": POOL_DIR},
+            {"name": RUN_VOLUME, "mountPath": RUN_DIR},
+        ],
+    }
+
+
+def installer_container(policy: Policy, defaults: RenderDefaults) -> dict[str, Any]:
+    return {
+        "name": INSTALLER_NAME,
+        "image": policy.connector.image or defaults.connector_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["cp", "-R", "/payload/.", PYTHON_DIR],
+        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        # copying files needs no privilege and no capability, whatever the sidecar's profile
+        "securityContext": security_context(MINIMAL_INSTALLER),
+        "volumeMounts": [{"name": PYTHON_VOLUME, "mountPath": PYTHON_DIR}],
+    }
+
+
+def _volumes(policy: Policy, pool_bytes: int) -> list[dict[str, Any]]:
+    sizing = size_pool(policy.pool, pool_bytes)
+    vols = [
+        {
+            "name": POOL_VOLUME,
+            "emptyDir": {"medium": sizing.pool_medium, "sizeLimit": sizing.pool_size_limit},
+        },
+        {"name": RUN_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": RUN_DIR_LIMIT}},
+    ]
+    if policy.connector.delivery is Delivery.INIT_CONTAINER:
+        vols.append({"name": PYTHON_VOLUME, "emptyDir": {"sizeLimit": PYTHON_DIR_LIMIT}})
+    return vols
+
+
+def _patch_vllm(container: dict[str, Any], policy: Policy) -> list[str]:
+    """Mutate the vLLM container in place; returns the env names it added or changed."""
+    config = json.dumps(kv_transfer_config(policy), sort_keys=True, separators=(",", ":"))
+    container["args"] = [*(container.get("args") or []), f"--kv-transfer-config={config}"]
+    mounts = container.setdefault("volumeMounts", [])
+    mounts += [
+        {"name": POOL_VOLUME, "mountPath": POOL_DIR},
+        {"name": RUN_VOLUME, "mountPath": RUN_DIR},
+    ]
+    env = container.setdefault("env", [])
+    names = {e.get("name"): e for e in env}
+    touched = []
+    if "PYTHONHASHSEED" not in names:
+        env.append({"name": "PYTHONHASHSEED", "value": "0"})
+        touched.append("PYTHONHASHSEED")
+    if policy.connector.delivery is Delivery.INIT_CONTAINER:
+        mounts.append({"name": PYTHON_VOLUME, "mountPath": PYTHON_DIR, "readOnly": True})
+        current = names.get("PYTHONPATH")
+        if current is None:
+            env.append({"name": "PYTHONPATH", "value": PYTHON_DIR})
+        elif "value" in current:
+            current["value"] = (
+                f"{PYTHON_DIR}:{current['value']}" if current["value"] else PYTHON_DIR
+            )
+        else:  # valueFrom: keep the user's source; ours goes first through dependent expansion
+            env.remove(current)
+            env.append({"name": "KVOFFLOAD_USER_PYTHONPATH", "valueFrom": current["valueFrom"]})
+            env.append(
+                {"name": "PYTHONPATH", "value": f"{PYTHON_DIR}:$(KVOFFLOAD_USER_PYTHONPATH)"}
+            )
+        touched.append("PYTHONPATH")
+    return touched
+
+
+def render(pod: Mapping[str, Any], decision: Decision, defaults: RenderDefaults) -> dict[str, Any]:
+    """The injected copy of ``pod``; ``decision`` must say inject."""
+    if not decision.inject or decision.policy is None or decision.pool_bytes is None:
+        raise ValueError("render() needs a decision to inject")
+    policy, pool_bytes = decision.policy, decision.pool_bytes
+    out = copy.deepcopy(dict(pod))
+    spec = out.setdefault("spec", {})
+    inits = spec.setdefault("initContainers", [])
+    added = []
+    if policy.connector.delivery is Delivery.INIT_CONTAINER:
+        inits.append(installer_container(policy, defaults))
+        added.append(INSTALLER_NAME)
+    inits.append(sidecar_container(policy, pool_bytes, defaults))
+    added.append(SIDECAR_NAME)
+    volumes = _volumes(policy, pool_bytes)
+    spec["volumes"] = [*(spec.get("volumes") or []), *volumes]
+    vllm = next(c for c in spec["containers"] if c.get("name") == decision.container)
+    env = _patch_vllm(vllm, policy)
+    meta = out.setdefault("metadata", {})
+    status = {
+        "policy": policy.name,
+        "generation": policy.generation,
+        "version": defaults.version,
+        "vllmContainer": decision.container,
+        "initContainers": added,
+        "volumes": [v["name"] for v in volumes],
+        "env": env,
+    }
+    annotations = meta.setdefault("annotations", {})
+    annotations.pop(ann.SKIP_REASON, None)
+    annotations[ann.STATUS] = json.dumps(status, sort_keys=True, separators=(",", ":"))
+    annotations[ann.POLICY] = policy.name
+    annotations[ann.POLICY_GENERATION] = str(policy.generation)
+    meta.setdefault("labels", {})[ann.INJECTED_LABEL] = "true"
+    return out
+
+
+def annotate_skip(pod: Mapping[str, Any], reason: SkipReason) -> dict[str, Any]:
+    """A copy of ``pod`` carrying the skip reason (when the reason is one to write down)."""
+    out = copy.deepcopy(dict(pod))
+    if reason.annotated:
+        out.setdefault("metadata", {}).setdefault("annotations", {})[ann.SKIP_REASON] = reason.value
+    return out

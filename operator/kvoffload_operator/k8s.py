@@ -1,0 +1,156 @@
+"""The only module that talks to the Kubernetes API (besides kopf itself).
+
+Synchronous `kubernetes` client calls with a timeout on every request (kopf runs sync handlers
+in its thread pool). Objects come back as plain dicts in API (camelCase) form.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+REQUEST_TIMEOUT = (5.0, 30.0)  # (connect, read) seconds
+MERGE_PATCH = "application/merge-patch+json"
+ApiError = ApiException  # what callers catch, so they need not import the client
+
+
+def make_api_client(server: str | None = None) -> client.ApiClient:
+    """In-cluster config, else the kubeconfig; ``server`` (tests) points at a plain URL."""
+    if server:
+        cfg = client.Configuration()
+        cfg.host = server.rstrip("/")
+        return client.ApiClient(cfg)
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.ApiClient()
+
+
+def _json(response: Any) -> Any:
+    return json.loads(response.data)
+
+
+@dataclass
+class KubeApi:
+    api: client.ApiClient
+
+    def __post_init__(self) -> None:
+        self.core = client.CoreV1Api(self.api)
+        self.apps = client.AppsV1Api(self.api)
+        self.admission = client.AdmissionregistrationV1Api(self.api)
+
+    def list_pods(self, namespace: str, label_selector: str = "") -> list[dict[str, Any]]:
+        resp = self.core.list_namespaced_pod(
+            namespace,
+            label_selector=label_selector,
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+        return list(_json(resp).get("items") or [])
+
+    def list_workloads(self, namespace: str) -> list[dict[str, Any]]:
+        """Deployments and StatefulSets of ``namespace``, each with ``kind`` set."""
+        out = []
+        for kind, fn in (
+            ("Deployment", self.apps.list_namespaced_deployment),
+            ("StatefulSet", self.apps.list_namespaced_stateful_set),
+        ):
+            resp = fn(namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            out += [{**item, "kind": kind} for item in _json(resp).get("items") or []]
+        return out
+
+    def patch_workload(self, kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> None:
+        fn = (
+            self.apps.patch_namespaced_deployment
+            if kind == "Deployment"
+            else self.apps.patch_namespaced_stateful_set
+        )
+        fn(
+            name,
+            namespace,
+            dict(body),
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+
+    def namespace_labels(self, namespace: str) -> dict[str, str] | None:
+        """The namespace's labels; None when it cannot be read (403/404)."""
+        try:
+            resp = self.core.read_namespace(
+                namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                return None
+            raise
+        return dict((_json(resp).get("metadata") or {}).get("labels") or {})
+
+    def read_secret(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        try:
+            resp = self.core.read_namespaced_secret(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        data = _json(resp).get("data") or {}
+        return {k: base64.b64decode(v) for k, v in data.items()}
+
+    def write_secret(self, namespace: str, name: str, data: Mapping[str, bytes]) -> None:
+        """Create the TLS secret, or overwrite its data when it exists (the chart may own it)."""
+        encoded = {k: base64.b64encode(v).decode() for k, v in data.items()}
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "kubernetes.io/tls",
+            "metadata": {"name": name, "namespace": namespace},
+            "data": encoded,
+        }
+        try:
+            self.core.create_namespaced_secret(
+                namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            self.core.patch_namespaced_secret(
+                name,
+                namespace,
+                {"data": encoded},
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+
+    def patch_webhook_ca(self, config_name: str, ca_pem: bytes) -> None:
+        """Set ``caBundle`` on every webhook of the MutatingWebhookConfiguration."""
+        resp = self.admission.read_mutating_webhook_configuration(
+            config_name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+        )
+        webhooks = _json(resp).get("webhooks") or []
+        bundle = base64.b64encode(ca_pem).decode()
+        patch = [
+            {
+                "op": "replace" if "caBundle" in (w.get("clientConfig") or {}) else "add",
+                "path": f"/webhooks/{i}/clientConfig/caBundle",
+                "value": bundle,
+            }
+            for i, w in enumerate(webhooks)
+        ]
+        if patch:
+            self.admission.patch_mutating_webhook_configuration(
+                config_name,
+                patch,
+                _content_type="application/json-patch+json",
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT,
+            )

@@ -1,0 +1,158 @@
+"""Offline stand-in for the API server's CR validation: defaults, structural schema, CEL.
+
+- defaults: applied as the API server does (a defaulted ``{}`` object gets its fields' defaults);
+- schema: ``openAPIV3Schema`` → JSON Schema (``x-kubernetes-*`` dropped, unknown fields rejected
+  as ``kubectl apply``'s strict field validation does) checked with ``jsonschema``;
+- CEL: every ``x-kubernetes-validations`` rule evaluated with ``cel-python`` at its node. The
+  Kubernetes quantity library (``quantity()``, ``isInteger``, ``asInteger``, ``compareTo``,
+  ``isGreaterThan``, ``isLessThan``) is provided here; cel-python has no other k8s libraries.
+"""
+
+from __future__ import annotations
+
+import copy
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import yaml
+from celpy import celtypes
+from kvoffload_operator.policy import parse_quantity
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "kvoffloadpolicy.yaml"
+
+
+def load_crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+def openapi_schema(crd: dict[str, Any] | None = None) -> dict[str, Any]:
+    crd = crd or load_crd()
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def apply_defaults(value: Any, schema: dict[str, Any]) -> Any:
+    if isinstance(value, dict) and schema.get("type") == "object":
+        props = schema.get("properties") or {}
+        for key, sub in props.items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = apply_defaults(value[key], sub)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in set(value) - set(props):
+                value[key] = apply_defaults(value[key], extra)
+    elif isinstance(value, list) and "items" in schema:
+        return [apply_defaults(v, schema["items"]) for v in value]
+    return value
+
+
+def to_jsonschema(schema: Any, top: bool = True) -> Any:
+    if isinstance(schema, list):
+        return [to_jsonschema(s, False) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: to_jsonschema(v, False)
+        for k, v in schema.items()
+        if not k.startswith("x-kubernetes-") and k not in ("format", "description")
+    }
+    if "properties" in schema:
+        out["properties"] = {k: to_jsonschema(v, False) for k, v in schema["properties"].items()}
+        if "additionalProperties" not in schema and k8s_strict(schema, top):
+            out["additionalProperties"] = False
+    return out
+
+
+def k8s_strict(schema: dict[str, Any], top: bool) -> bool:
+    # metadata is validated by the API server itself; everything else is pruned (rejected by
+    # kubectl's strict field validation) when unknown.
+    return not schema.get("x-kubernetes-preserve-unknown-fields")
+
+
+# -- the Kubernetes CEL quantity library, enough for our rules ---------------------------------
+class Quantity:
+    def __init__(self, value: Fraction) -> None:
+        self.value = value
+
+
+def _quantity(text: Any) -> Quantity:
+    s = str(text)
+    try:
+        return Quantity(Fraction(parse_quantity(s)))
+    except ValueError:
+        # fractional bytes: parse the number and the suffix exactly
+        for suffix, mult in sorted(_MULTS.items(), key=lambda kv: -len(kv[0])):
+            if suffix and s.endswith(suffix):
+                return Quantity(Fraction(s[: -len(suffix)]) * mult)
+        return Quantity(Fraction(s))
+
+
+_MULTS = {
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+    "Ki": 1 << 10,
+    "Mi": 1 << 20,
+    "Gi": 1 << 30,
+    "Ti": 1 << 40,
+    "Pi": 1 << 50,
+    "Ei": 1 << 60,
+}
+
+CEL_FUNCTIONS = {
+    "quantity": _quantity,
+    "isInteger": lambda q: celtypes.BoolType(q.value.denominator == 1),
+    "asInteger": lambda q: celtypes.IntType(int(q.value)),
+    "compareTo": lambda a, b: celtypes.IntType((a.value > b.value) - (a.value < b.value)),
+    "isGreaterThan": lambda a, b: celtypes.BoolType(a.value > b.value),
+    "isLessThan": lambda a, b: celtypes.BoolType(a.value < b.value),
+}
+
+_ENV = celpy.Environment()
+
+
+def cel_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    errors: list[str] = []
+    for rule in schema.get("x-kubernetes-validations") or []:
+        program = _ENV.program(_ENV.compile(rule["rule"]), functions=CEL_FUNCTIONS)
+        result = program.evaluate({"self": celpy.json_to_cel(value)})
+        if isinstance(result, Exception) or not bool(result):
+            errors.append(f"{path or '<root>'}: Invalid value: {rule['message']}")
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        for key, sub in value.items():
+            child = props.get(key) or (
+                schema.get("additionalProperties")
+                if isinstance(schema.get("additionalProperties"), dict)
+                else None
+            )
+            if child is not None:
+                errors += cel_errors(sub, child, f"{path}.{key}" if path else key)
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += cel_errors(item, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+def validate(obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(defaulted object, errors). Schema errors come first; CEL runs only on a valid schema
+    (the API server also skips CEL for fields that failed their schema)."""
+    schema = openapi_schema()
+    obj = apply_defaults(copy.deepcopy(obj), schema)
+    validator = jsonschema.Draft7Validator(to_jsonschema(schema))
+    errors = [
+        f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+        for e in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
+    ]
+    if errors:
+        return obj, errors
+    return obj, cel_errors(obj, schema)
