@@ -1,0 +1,351 @@
+"""CudaEngine: staged copies, so PCIe always sees large DMA transfers whatever the KV layout.
+
+Why staged (DESIGN.md "Data path", H100): DMA of scattered 16-32 KiB pieces reaches 5-39 GB/s,
+SM copy kernels through the UVA mapping ~51-52 GB/s (92-95% of the 55 GB/s ceiling) and only
+~57 GB/s with both directions at once, while large DMA transfers reach the ceiling and ~87 GB/s
+full duplex. The pool's slot format is block-major, so a slot run is contiguous in the pool;
+only the GPU side is scattered, and HBM (~3 TB/s) absorbs that with a gather/scatter kernel.
+
+Per direction, a ring of ``ring`` (2) staging buffers of ``piece_bytes`` (64 MiB) in GPU memory
+(256 MiB in all), a kernel stream and ``dma_streams`` (1) copy streams, chained with events (no
+host waits). Defaults chosen on an H100 (docs/BENCHMARKS.md): one copy stream per direction
+beat two for H2D; 64 MiB pieces gave the best full-duplex rate; a deeper ring did not help. The
+first STORE piece and the last LOAD piece are at most ``edge_bytes`` (8 MiB), so PCIe starts
+after a short gather and a load ends soon after its last DMA.
+
+- STORE (d2h): waits for an event recorded on the caller's current (compute) stream at
+  submit; gather kernel KV -> staging on the gather stream with ``store_ctas`` (8) CTAs of 512
+  threads, i.e. at most 8 SMs (of 132 on an H100), in short bursts that run ahead of PCIe by at
+  most ``ring`` pieces (measured 352 GB/s, ~6x PCIe, so busy ~15% of the time); then DMA
+  staging -> pool on a copy stream (copy engines, no SMs).
+- LOAD (h2d): DMA pool -> staging on a high-priority copy stream (no SMs); scatter kernel
+  staging -> KV on a high-priority stream with ``load_ctas`` (16) CTAs of 512 threads (measured
+  661 GB/s, busy ~8% of the load's time), after an
+  event recorded on the compute stream at submit (the target blocks may just have been freed
+  by work still queued there).
+
+Completion: one timing event per job, queried by ``poll`` (never blocks). Jobs of one direction
+complete in submission order; the two directions run concurrently, touching disjoint slots
+(the pool never hands a slot to a store while a load reads it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvoffload_connector.transfer.engine import (
+    Direction,
+    JobResult,
+    TransferBatch,
+    validate_batches,
+)
+from kvoffload_connector.transfer.kernels import CopyKernels, unit_bytes, vector_width
+from kvoffload_connector.transfer.plan import Piece, plan_pieces
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvoffload_connector.layout import CanonicalLayout
+    from kvoffload_connector.pool_view import PoolView
+
+__all__ = ["CudaEngine"]
+
+_STAGING_ALIGN = 256
+
+
+@dataclass
+class _Job:
+    job_id: int
+    nbytes: int
+    start: Any  # torch.cuda.Event (timing)
+    end: Any
+    keep: list  # device tensors the queued work reads (block ids); freed when reported
+
+
+@dataclass(frozen=True)
+class _GroupTable:
+    regions: Any  # torch int64 [R, 4] on the device: addr, stride, bytes, offset in block
+    n_regions: int
+    block_bytes: int
+    width: int  # vector width of the copy kernel
+    units_per_region: int
+
+
+class _Pipe:
+    """One direction's staging ring, streams and hand-over events (raw driver handles: the
+    per-piece enqueue path is a few driver calls, no torch wrappers)."""
+
+    def __init__(self, device: Any, capacity: int, ring: int, priority: int, dmas: int) -> None:
+        import torch
+        from cuda.bindings import driver as drv
+
+        self.bufs = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(ring)]
+        self.buf_ptrs = [b.data_ptr() for b in self.bufs]
+        self.kernel = torch.cuda.Stream(device, priority=priority)
+        # piece k's DMA goes on dmas[k % len] (one copy stream measured best for H2D)
+        self.dmas = [torch.cuda.Stream(device, priority=priority) for _ in range(dmas)]
+        self.kernel_h = drv.CUstream(self.kernel.cuda_stream)
+        self.dma_h = [drv.CUstream(d.cuda_stream) for d in self.dmas]
+        flags = 2  # CU_EVENT_DISABLE_TIMING: hand-over events only order work
+        self.filled = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
+        self.free = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
+        self.next = 0
+
+    def take(self) -> int:
+        k = self.next
+        self.next = (k + 1) % len(self.bufs)
+        return k
+
+
+class CudaEngine:
+    """Staged gather/scatter + large DMA; see the module docstring for streams and SM use."""
+
+    def __init__(
+        self,
+        layout: CanonicalLayout,
+        pool: PoolView,
+        device: torch.device,
+        *,
+        piece_bytes: int = 64 << 20,
+        ring: int = 2,
+        store_ctas: int = 8,
+        load_ctas: int = 16,
+        dma_streams: int = 1,
+        edge_bytes: int = 8 << 20,
+    ) -> None:
+        import torch
+
+        if device.type != "cuda":
+            raise ValueError(f"CudaEngine needs a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not 1 <= store_ctas <= 8:
+            raise ValueError(f"stores use at most 8 CTAs, got {store_ctas}")
+        if pool.slot_bytes < layout.slot_bytes:
+            raise ValueError(
+                f"pool slots of {pool.slot_bytes} bytes < layout's {layout.slot_bytes}"
+            )
+        for s in layout.storages:
+            if s.device != device:
+                raise ValueError(f"KV storage on {s.device}, engine on {device}")
+        self._torch = torch
+        self._device = device
+        self._layout = layout
+        self._pool = pool
+        self._store_ctas = store_ctas
+        self._load_ctas = load_ctas
+        max_gbb = max(g.block_bytes for g in layout.groups)
+        cap = max(piece_bytes, max_gbb)
+        self._capacity = -(-cap // _STAGING_ALIGN) * _STAGING_ALIGN
+        with torch.cuda.device(device):
+            self._pipes = {
+                Direction.STORE: _Pipe(device, self._capacity, ring, 0, dma_streams),
+                Direction.LOAD: _Pipe(device, self._capacity, ring, -1, dma_streams),
+            }
+            self._tables = {g.group_id: self._table(g) for g in layout.groups}
+            self._kernels = CopyKernels(device.index, torch.cuda.get_device_capability(device))
+        from cuda.bindings import driver
+
+        self._driver = driver
+        self._lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}
+        self._done: dict[int, JobResult] = {}
+        self._closed = False
+        self._edge_bytes = edge_bytes
+        # set to [] to record host timestamps of the last submit (benchmarks)
+        self.trace: list[tuple[str, float]] | None = None
+
+    def _table(self, g: Any) -> _GroupTable:
+        rows = []
+        for r, inoff in zip(g.regions, g.region_offsets(), strict=True):
+            base = self._layout.storages[r.storage].data_ptr()
+            rows.append((base + r.offset, r.block_stride, r.block_bytes, inoff))
+        arr = np.array(rows, dtype=np.int64)
+        width = vector_width([*arr.reshape(-1).tolist(), g.block_bytes, _STAGING_ALIGN])
+        units = -(-int(arr[:, 2].max()) // unit_bytes(width))
+        regions = self._torch.from_numpy(arr).to(self._device)
+        return _GroupTable(regions, len(rows), g.block_bytes, width, units)
+
+    # ---- the TransferEngine protocol -------------------------------------------------------
+
+    def submit(self, job_id: int, direction: Direction, batches: Sequence[TransferBatch]) -> None:
+        """Validate and enqueue; never waits for the GPU. ValueError on bad input; a pool not
+        yet registered, or a CUDA error while enqueuing, gives a failed JobResult."""
+        if self.trace is not None:
+            self.trace = [("submit", time.perf_counter())]
+        nbytes = validate_batches(self._layout, self._pool.slot_count, direction, batches)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            if job_id in self._jobs or job_id in self._done:
+                raise ValueError(f"job id {job_id} is still in flight or unreported")
+            if not self._pool.registered:
+                err = self._pool.error or "pool not registered with CUDA (yet)"
+                self._done[job_id] = JobResult(job_id, False, 0, 0.0, err)
+                return
+            t0 = time.perf_counter()
+            try:
+                self._mark("locked")
+                store = direction is Direction.STORE
+                pieces = plan_pieces(
+                    batches,
+                    {gid: t.block_bytes for gid, t in self._tables.items()},
+                    self._pool.slot_bytes,
+                    self._capacity,
+                    self._pool.piece_bytes,
+                    head=self._edge_bytes if store else 0,
+                    tail=0 if store else self._edge_bytes,
+                )
+                self._mark("planned")
+                with self._torch.cuda.device(self._device):
+                    self._jobs[job_id] = self._enqueue(job_id, direction, pieces, nbytes)
+                self._mark("enqueued")
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"
+                self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
+
+    def poll(self) -> list[JobResult]:
+        with self._lock:
+            for job in list(self._jobs.values()):
+                if job.end.query():
+                    self._finish(job)
+            out = list(self._done.values())
+            self._done.clear()
+        return out
+
+    def wait(self, job_ids: Collection[int]) -> list[JobResult]:
+        with self._lock:
+            out = []
+            for job_id in sorted(set(job_ids)):
+                job = self._jobs.get(job_id)
+                if job is not None:
+                    job.end.synchronize()
+                    self._finish(job)
+                if job_id in self._done:
+                    out.append(self._done.pop(job_id))
+            return out
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for job in list(self._jobs.values()):
+                job.end.synchronize()
+                self._finish(job)
+            self._closed = True
+            for pipe in self._pipes.values():
+                for stream in (pipe.kernel, *pipe.dmas):
+                    stream.synchronize()
+                for ev in (*pipe.filled, *pipe.free):
+                    self._driver.cuEventDestroy(ev)
+                pipe.filled, pipe.free, pipe.bufs = [], [], []
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _mark(self, label: str) -> None:
+        if self.trace is not None:
+            self.trace.append((label, time.perf_counter()))
+
+    def _finish(self, job: _Job) -> None:
+        seconds = job.start.elapsed_time(job.end) / 1e3
+        self._done[job.job_id] = JobResult(job.job_id, True, job.nbytes, seconds)
+        del self._jobs[job.job_id]
+
+    def _enqueue(self, job_id: int, direction: Direction, pieces: list[Piece], nbytes: int) -> _Job:
+        torch = self._torch
+        pipe = self._pipes[direction]
+        compute_ready = torch.cuda.Event()
+        compute_ready.record(torch.cuda.current_stream(self._device))
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        keep: list = []
+        ids_at = np.cumsum([0] + [len(p.gpu_blocks) for p in pieces])
+
+        def ids_ptr(i: int) -> int:
+            """Device address of piece i's block ids; uploads them all on first use (after
+            the first LOAD DMA is queued, so PCIe starts before the host pins memory)."""
+            if not keep:
+                ids = np.concatenate([p.gpu_blocks for p in pieces])
+                with torch.cuda.stream(pipe.kernel):
+                    dev = torch.from_numpy(ids).pin_memory().to(self._device, non_blocking=True)
+                keep.append(dev)
+            return keep[0].data_ptr() + 8 * int(ids_at[i])
+
+        store = direction is Direction.STORE
+        pipe.kernel.wait_event(compute_ready)
+        if store:
+            start.record(pipe.kernel)
+        else:
+            start.record(pipe.dmas[0])
+            for d in pipe.dmas[1:]:
+                d.wait_event(start)
+        self._mark("started")
+        base = self._pool.base_ptr
+        drv = self._driver
+        memcpy, record, wait = drv.cuMemcpyAsync, drv.cuEventRecord, drv.cuStreamWaitEvent
+        kstream = pipe.kernel_h
+        for i, p in enumerate(pieces):
+            k = pipe.take()
+            buf = pipe.buf_ptrs[k]
+            dstream = pipe.dma_h[k % len(pipe.dma_h)]
+            runs = p.runs.tolist()
+            if store:
+                _ok(wait(kstream, pipe.free[k], 0), "cuStreamWaitEvent")
+                self._copy_kernel(p, ids_ptr(i), buf, kstream, True, self._store_ctas)
+                _ok(record(pipe.filled[k], kstream), "cuEventRecord")
+                _ok(wait(dstream, pipe.filled[k], 0), "cuStreamWaitEvent")
+                for pool_off, stg_off, n in runs:
+                    _ok(memcpy(base + pool_off, buf + stg_off, n, dstream), "cuMemcpyAsync d2h")
+                _ok(record(pipe.free[k], dstream), "cuEventRecord")
+            else:
+                _ok(wait(dstream, pipe.free[k], 0), "cuStreamWaitEvent")
+                for pool_off, stg_off, n in runs:
+                    _ok(memcpy(buf + stg_off, base + pool_off, n, dstream), "cuMemcpyAsync h2d")
+                _ok(record(pipe.filled[k], dstream), "cuEventRecord")
+                _ok(wait(kstream, pipe.filled[k], 0), "cuStreamWaitEvent")
+                self._copy_kernel(p, ids_ptr(i), buf, kstream, False, self._load_ctas)
+                _ok(record(pipe.free[k], kstream), "cuEventRecord")
+            if i == 0:
+                self._mark("first piece")
+        # the job ends when every stream of its pipe has drained its work
+        streams = [pipe.kernel, *pipe.dmas]
+        tail = pipe.dmas[0] if store else pipe.kernel
+        for other in streams:
+            if other is not tail:
+                handover = torch.cuda.Event()
+                handover.record(other)
+                tail.wait_event(handover)
+        end.record(tail)
+        return _Job(job_id, nbytes, start, end, keep)
+
+    def _copy_kernel(
+        self, p: Piece, ids_ptr: int, buf: int, stream: Any, to_staging: bool, ctas: int
+    ) -> None:
+        t = self._tables[p.group]
+        n = len(p.gpu_blocks)
+        work = n * t.n_regions * t.units_per_region  # warp units
+        grid = max(1, min(ctas, -(-work // (512 // 32))))
+        self._kernels.launch(
+            t.width,
+            grid,
+            stream,
+            ids_ptr,
+            n,
+            t.regions.data_ptr(),
+            t.n_regions,
+            t.units_per_region,
+            buf,
+            t.block_bytes,
+            to_staging,
+        )
+
+
+def _ok(result: tuple, what: str) -> Any:
+    """Raise on a driver error; return the call's value (if any)."""
+    if int(result[0]) != 0:
+        raise RuntimeError(f"{what} failed: {result[0]!r}")
+    return result[1] if len(result) > 1 else None

@@ -1,0 +1,150 @@
+"""The transfer-engine contract: move GPU blocks of a canonical layout to and from pool slots.
+
+A job is a list of ``TransferBatch`` (one KV group each). ``submit`` never blocks on the copy;
+``poll`` reports finished jobs once; ``wait`` blocks for given jobs (preemption fencing,
+shutdown). Malformed batches raise ``ValueError`` in ``submit`` before anything is queued, so a
+bad request loses nothing; copy failures come back as ``JobResult(ok=False, error=...)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvoffload_connector.layout import CanonicalLayout
+    from kvoffload_connector.pool_view import PoolView
+
+__all__ = [
+    "Direction",
+    "JobResult",
+    "TransferBatch",
+    "TransferEngine",
+    "make_engine",
+    "validate_batches",
+]
+
+
+class Direction(enum.Enum):
+    STORE = "d2h"  # GPU blocks -> pool slots
+    LOAD = "h2d"  # pool slots -> GPU blocks
+
+
+@dataclass(frozen=True, eq=False)
+class TransferBatch:
+    """Blocks of one KV group: block ``gpu_blocks[i]`` <-> position ``slot_block_index[i]`` of
+    slot ``slots[i]``. Arrays are coerced to contiguous 1-D int64 of equal length."""
+
+    group: int
+    gpu_blocks: np.ndarray  # int64 [n], GPU block ids of that group
+    slots: np.ndarray  # int64 [n], pool slot of each block
+    slot_block_index: np.ndarray  # int64 [n], position inside the slot's chunk
+
+    def __post_init__(self) -> None:
+        arrays = []
+        for name in ("gpu_blocks", "slots", "slot_block_index"):
+            a = np.ascontiguousarray(getattr(self, name), dtype=np.int64)
+            if a.ndim != 1:
+                raise ValueError(f"TransferBatch.{name} must be 1-D, got shape {a.shape}")
+            object.__setattr__(self, name, a)
+            arrays.append(a)
+        if len({len(a) for a in arrays}) != 1:
+            raise ValueError(f"TransferBatch arrays differ in length: {[len(a) for a in arrays]}")
+
+    def __len__(self) -> int:
+        return len(self.gpu_blocks)
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: int
+    ok: bool
+    bytes: int  # bytes moved (GPU block bytes; 0 when failed)
+    seconds: float  # submit -> completion as the engine measured it
+    error: str = ""
+
+
+class TransferEngine(Protocol):
+    def submit(self, job_id: int, direction: Direction, batches: Sequence[TransferBatch]) -> None:
+        """Queue a job; non-blocking. STORE runs after the work already queued on the current
+        compute stream and never delays the next step's compute; when ``poll`` reports a LOAD
+        ok, its bytes are in GPU memory. ValueError on malformed batches or a reused job id."""
+        ...
+
+    def poll(self) -> list[JobResult]:
+        """Jobs finished since the last call (each reported once, here or by ``wait``)."""
+        ...
+
+    def wait(self, job_ids: Collection[int]) -> list[JobResult]:
+        """Block until these jobs are done; returns their results (ids already reported or
+        never submitted are skipped)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Finish queued jobs and release threads, streams and buffers."""
+        ...
+
+
+def validate_batches(
+    layout: CanonicalLayout,
+    slot_count: int,
+    direction: Direction,
+    batches: Sequence[TransferBatch],
+) -> int:
+    """Check ids against the layout and pool; return the GPU bytes the job moves.
+
+    A LOAD may not write one GPU block twice and a STORE may not write one slot position
+    twice: such a job has no defined result, so it is refused.
+    """
+    if not isinstance(direction, Direction):
+        raise ValueError(f"direction must be a Direction, got {direction!r}")
+    total = 0
+    seen: dict[int, list[np.ndarray]] = {}
+    for b in batches:
+        if not isinstance(b, TransferBatch):
+            raise ValueError(f"expected TransferBatch, got {type(b).__name__}")
+        try:
+            g = layout.group(b.group)
+        except KeyError as exc:
+            raise ValueError(str(exc)) from None
+        if len(b) == 0:
+            continue
+        _check_range("gpu_blocks", b.gpu_blocks, g.num_blocks)
+        _check_range("slots", b.slots, slot_count)
+        _check_range("slot_block_index", b.slot_block_index, layout.chunk_blocks)
+        if direction is Direction.LOAD:
+            seen.setdefault(b.group, []).append(b.gpu_blocks)
+        else:
+            seen.setdefault(-1, []).append(b.slots * layout.chunk_blocks + b.slot_block_index)
+        total += len(b) * g.block_bytes
+    for key, parts in seen.items():
+        ids = np.concatenate(parts)
+        if len(np.unique(ids)) != len(ids):
+            what = f"GPU block of group {key}" if key >= 0 else "slot position"
+            raise ValueError(f"{direction.name} job writes some {what} twice")
+    return total
+
+
+def _check_range(name: str, a: np.ndarray, end: int) -> None:
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= end:
+        raise ValueError(f"{name} out of range [0, {end}): min {lo}, max {hi}")
+
+
+def make_engine(layout: CanonicalLayout, pool: PoolView, device: torch.device) -> TransferEngine:
+    """CPU device -> CpuTorchEngine (worker thread); CUDA device -> CudaEngine."""
+    if device.type == "cuda":
+        from kvoffload_connector.transfer.cuda import CudaEngine
+
+        return CudaEngine(layout, pool, device)
+    if device.type == "cpu":
+        from kvoffload_connector.transfer.cpu import CpuTorchEngine
+
+        return CpuTorchEngine(layout, pool)
+    raise ValueError(f"no transfer engine for device type {device.type!r}")

@@ -1,0 +1,250 @@
+"""CpuTorchEngine: bit-exact round trips for every layout, refusals that change nothing."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from kvoffload_connector.layout import canonicalize
+from kvoffload_connector.pool_view import PoolView
+from kvoffload_connector.transfer import Direction, TransferBatch, make_engine
+from kvoffload_connector.transfer.cpu import CpuTorchEngine
+from kvoffload_connector.transfer.testing import (
+    KIND_NAMES,
+    POISON,
+    expected_block,
+    fill_random,
+    make_kv_caches,
+    round_trip,
+)
+
+
+@pytest.fixture
+def pool_factory(tmp_path):
+    """Open PoolViews over real files (in /dev/shm when present); closes them afterwards."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    made = []
+
+    def make(slot_bytes: int, slot_count: int) -> PoolView:
+        path = os.path.join(base, f"kvoffload-cpu-{os.getpid()}-{len(made)}-{id(tmp_path)}.shm")
+        with open(path, "wb") as f:
+            f.truncate(slot_bytes * slot_count + 8192)
+        view = PoolView.open(path, 4096, slot_bytes, slot_count)
+        made.append((view, path))
+        return view
+
+    yield make
+    for view, path in made:
+        view.close()
+        os.unlink(path)
+
+
+def build(kind, pool_factory, chunk_blocks=4, slot_count=24, **kw):
+    kw.setdefault("num_blocks", 24)
+    setup = make_kv_caches(kind, **kw)
+    layout = canonicalize(setup.kv_caches, setup.layer_groups, chunk_blocks, setup.kv_cache_config)
+    pool = pool_factory(layout.slot_bytes, slot_count)
+    return setup, layout, pool
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+@pytest.mark.parametrize("inline", [False, True])
+def test_round_trip_every_kind(kind, inline, pool_factory):
+    setup, layout, pool = build(kind, pool_factory, groups=2, shared=True, heads=3)
+    engine = CpuTorchEngine(layout, pool, inline=inline)
+    try:
+        rng = random.Random(hash((kind, inline)) & 0xFFFF)
+        for _ in range(3):
+            assert round_trip(setup, layout, pool, engine, rng) > 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"kind": "LBNHC", "dtype": "bfloat16", "heads": 5, "pad": 32},
+        {"kind": "BLHNC", "dtype": "float8_e4m3fn", "heads": 7, "head_size": 24},
+        {"kind": "LBHNC", "kernel_split": 2, "block_size": 8},
+        {"kind": "LHBNC", "dtype": "float8_e4m3fn", "heads": 1},
+    ],
+)
+def test_round_trip_dtypes_odd_heads_padding_kernel_split(params, pool_factory):
+    params = dict(params)
+    setup, layout, pool = build(params.pop("kind"), pool_factory, chunk_blocks=3, **params)
+    engine = make_engine(layout, pool, torch.device("cpu"))
+    assert isinstance(engine, CpuTorchEngine)
+    try:
+        rng = random.Random(7)
+        for _ in range(3):
+            round_trip(setup, layout, pool, engine, rng)
+    finally:
+        engine.shutdown()
+
+
+def test_unaligned_chunk_lands_at_its_positions(pool_factory):
+    """Blocks 5, 9, 2 as positions 2, 3 of slot 6 and 0 of slot 1 (a chunk starting mid-slot)."""
+    setup, layout, pool = build("LBHNC", pool_factory, chunk_blocks=4)
+    fill_random(layout, seed=11)
+    pool.tensor.fill_(POISON)
+    engine = CpuTorchEngine(layout, pool)
+    batch = TransferBatch(0, np.array([5, 9, 2]), np.array([6, 6, 1]), np.array([2, 3, 0]))
+    engine.submit(3, Direction.STORE, [batch])
+    [res] = engine.wait([3])
+    engine.shutdown()
+    gbb = layout.groups[0].block_bytes
+    assert res.ok and res.bytes == 3 * gbb
+    slot6 = pool.tensor[6].numpy()
+    assert (slot6[: 2 * gbb] == POISON).all()
+    assert np.array_equal(slot6[2 * gbb : 3 * gbb], expected_block(setup, layout, 0, 5))
+    assert np.array_equal(slot6[3 * gbb : 4 * gbb], expected_block(setup, layout, 0, 9))
+    assert np.array_equal(pool.tensor[1, :gbb].numpy(), expected_block(setup, layout, 0, 2))
+    assert (pool.tensor[1, gbb:].numpy() == POISON).all()
+    others = [s for s in range(pool.slot_count) if s not in (1, 6)]
+    assert (pool.tensor[others].numpy() == POISON).all()
+
+
+def _batch(group=0, blocks=(0,), slots=(0,), pos=(0,)):
+    return TransferBatch(group, np.array(blocks), np.array(slots), np.array(pos))
+
+
+@pytest.mark.parametrize(
+    ("direction", "batch", "message"),
+    [
+        (Direction.STORE, _batch(blocks=(24,)), "gpu_blocks out of range"),
+        (Direction.STORE, _batch(blocks=(-1,)), "gpu_blocks out of range"),
+        (Direction.STORE, _batch(slots=(24,)), "slots out of range"),
+        (Direction.STORE, _batch(pos=(4,)), "slot_block_index out of range"),
+        (Direction.STORE, _batch(group=5), "no KV group 5"),
+        (
+            Direction.LOAD,
+            _batch(blocks=(1, 1), slots=(0, 1), pos=(0, 0)),
+            "GPU block of group 0 twice",
+        ),
+        (Direction.STORE, _batch(blocks=(1, 2), slots=(3, 3), pos=(1, 1)), "slot position twice"),
+    ],
+)
+def test_bad_batches_are_refused_and_nothing_moves(direction, batch, message, pool_factory):
+    setup, layout, pool = build("LBHNC", pool_factory)
+    fill_random(layout, seed=1)
+    pool.tensor.fill_(POISON)
+    before = [s.clone() for s in layout.storages]
+    engine = CpuTorchEngine(layout, pool)
+    try:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(1, direction, [batch])
+        assert engine.wait([1]) == [] and engine.poll() == []
+        assert (pool.tensor.numpy() == POISON).all()
+        assert all(torch.equal(a, b) for a, b in zip(before, layout.storages, strict=True))
+    finally:
+        engine.shutdown()
+
+
+def test_batch_arrays_are_checked():
+    with pytest.raises(ValueError, match="differ in length"):
+        TransferBatch(0, np.array([1, 2]), np.array([1]), np.array([0]))
+    with pytest.raises(ValueError, match="1-D"):
+        TransferBatch(0, np.zeros((2, 2)), np.zeros(2), np.zeros(2))
+    b = TransferBatch(0, [3, 4], [1, 1], [0, 1])
+    assert b.gpu_blocks.dtype == np.int64 and len(b) == 2
+
+
+def test_poll_reports_each_job_once_and_job_ids_are_not_reused_in_flight(pool_factory):
+    setup, layout, pool = build("BLHNC", pool_factory)
+    engine = CpuTorchEngine(layout, pool)
+    try:
+        for j in range(5):
+            engine.submit(j, Direction.STORE, [_batch(blocks=(j,), slots=(j,))])
+        done = engine.wait([0, 1])
+        assert [r.job_id for r in done] == [0, 1]
+        assert engine.wait([0, 1]) == []  # already reported
+        engine.wait([4])  # jobs run in order: 2..4 are done too
+        assert sorted(r.job_id for r in engine.poll()) == [2, 3]
+        assert engine.poll() == []
+        engine.submit(9, Direction.STORE, [_batch()])
+        with pytest.raises(ValueError, match="in flight or unreported"):
+            engine.submit(9, Direction.STORE, [_batch()])
+        assert [r.ok for r in engine.wait([9])] == [True]
+    finally:
+        engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit(10, Direction.STORE, [_batch()])
+
+
+def test_empty_job_completes(pool_factory):
+    _, layout, pool = build("LBHNC", pool_factory)
+    engine = CpuTorchEngine(layout, pool, inline=True)
+    engine.submit(1, Direction.LOAD, [_batch(blocks=(), slots=(), pos=())])
+    [res] = engine.poll()
+    assert res.ok and res.job_id == 1 and res.bytes == 0
+
+
+def _run_plan_store(layout, pool, pieces, capacity):
+    """Execute a staged plan with numpy: gather regions into staging, then copy the runs."""
+    flat = pool.tensor.view(-1).numpy()
+    for p in pieces:
+        g = layout.group(p.group)
+        staging = np.full(capacity, 0xEE, dtype=np.uint8)
+        for i, blk in enumerate(p.gpu_blocks):
+            at = i * g.block_bytes
+            for r in g.regions:
+                src = layout.storages[r.storage].numpy()
+                start = r.offset + int(blk) * r.block_stride
+                staging[at : at + r.block_bytes] = src[start : start + r.block_bytes]
+                at += r.block_bytes
+        for pool_off, stg_off, n in p.runs:
+            flat[pool_off : pool_off + n] = staging[stg_off : stg_off + n]
+
+
+@pytest.mark.parametrize(
+    ("capacity_blocks", "head", "tail"), [(1, 0, 0), (3, 0, 0), (64, 0, 0), (5, 1, 0), (5, 2, 3)]
+)
+def test_staged_plan_moves_what_the_reference_moves(capacity_blocks, head, tail, pool_factory):
+    """The CUDA engine's plan (pieces + DMA runs), executed with numpy, writes the same pool
+    bytes as the reference engine; runs never cross a registration piece and are maximal."""
+    from kvoffload_connector.transfer.plan import plan_pieces
+    from kvoffload_connector.transfer.testing import random_batches
+
+    setup, layout, pool = build("LBNHC", pool_factory, groups=2, chunk_blocks=4, num_blocks=40)
+    fill_random(layout, seed=5)
+    rng = random.Random(5)
+    batches = random_batches(layout, pool.slot_count, rng, max_blocks=16)
+    # a long unaligned chunk run over consecutive slots, to exercise run merging
+    batches.append(
+        TransferBatch(
+            0,
+            np.arange(30, 40),
+            np.array([20] * 2 + [21] * 4 + [22] * 4),
+            np.array([2, 3, 0, 1, 2, 3, 0, 1, 2, 3]),
+        )
+    )
+    batches = [b for b in batches if b.group == 1] + [batches[-1]]
+    reg = 2 * pool.slot_bytes  # registration pieces of two slots
+    gbb = {g.group_id: g.block_bytes for g in layout.groups}
+    cap = capacity_blocks * max(gbb.values())
+    unit = max(gbb.values())
+    pieces = plan_pieces(batches, gbb, pool.slot_bytes, cap, reg, head * unit, tail * unit)
+    for p in pieces:
+        assert len(p.gpu_blocks) * gbb[p.group] <= cap
+    by_group: dict[int, list] = {}
+    for p in pieces:
+        by_group.setdefault(p.group, []).append(len(p.gpu_blocks))
+    for sizes in by_group.values():
+        assert not head or sizes[0] <= head
+        assert not tail or sizes[-1] <= tail
+        for pool_off, _, n in p.runs:
+            assert pool_off // reg == (pool_off + n - 1) // reg
+    pool.tensor.fill_(POISON)
+    _run_plan_store(layout, pool, pieces, cap)
+    got = pool.tensor.clone()
+    pool.tensor.fill_(POISON)
+    engine = CpuTorchEngine(layout, pool, inline=True)
+    engine.submit(1, Direction.STORE, batches)
+    assert engine.poll()[0].ok
+    assert torch.equal(got, pool.tensor)
+    if capacity_blocks == 64:  # slots 20..22 hold positions 2..3,0..3,0..1..: runs of 6 and 4
+        last = pieces[-1]
+        assert sorted(last.runs[:, 2].tolist()) == [4 * gbb[0], 6 * gbb[0]]

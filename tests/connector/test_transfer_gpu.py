@@ -1,0 +1,238 @@
+"""CudaEngine on a real GPU: bit-exact round trips through a registered shared-memory pool."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from kvoffload_connector.layout import canonicalize
+from kvoffload_connector.pool_view import PoolView
+from kvoffload_connector.transfer import Direction, TransferBatch, make_engine
+from kvoffload_connector.transfer.cpu import CpuTorchEngine
+from kvoffload_connector.transfer.testing import (
+    KIND_NAMES,
+    POISON,
+    expected_block,
+    fill_random,
+    make_kv_caches,
+    round_trip,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture
+def pools(tmp_path):
+    """Open and CUDA-register PoolViews over files in /dev/shm (the sidecar's emptyDir)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    made = []
+
+    def make(slot_bytes: int, slot_count: int, register: bool = True) -> PoolView:
+        path = os.path.join(base, f"kvoffload-gpu-{os.getpid()}-{len(made)}.shm")
+        with open(path, "wb") as f:
+            f.truncate(slot_bytes * slot_count)
+        view = PoolView.open(path, 0, slot_bytes, slot_count)
+        made.append((view, path))
+        if register:
+            view.start_device_registration(torch.device("cuda"))
+            assert view.wait_ready(60), view.error
+        return view
+
+    yield make
+    for view, path in made:
+        view.close()
+        os.unlink(path)
+
+
+def build(kind, pools, chunk_blocks=4, slot_count=40, **kw):
+    kw.setdefault("num_blocks", 64)
+    setup = make_kv_caches(kind, device="cuda", **kw)
+    layout = canonicalize(setup.kv_caches, setup.layer_groups, chunk_blocks, setup.kv_cache_config)
+    return setup, layout, pools(layout.slot_bytes, slot_count)
+
+
+def small_engine(layout, pool, blocks_per_piece=3, dma_streams=1):
+    """Staging pieces of a few blocks and a ring of 2: many pieces, ring reuse in every job."""
+    from kvoffload_connector.transfer.cuda import CudaEngine
+
+    gbb = max(g.block_bytes for g in layout.groups)
+    return CudaEngine(
+        layout,
+        pool,
+        torch.device("cuda"),
+        piece_bytes=blocks_per_piece * gbb,
+        ring=2,
+        dma_streams=dma_streams,
+    )
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn"])
+def test_round_trip_every_kind_and_dtype(kind, dtype, pools):
+    setup, layout, pool = build(kind, pools, groups=2, shared=True, heads=3, dtype=dtype)
+    engine = small_engine(layout, pool, dma_streams=1 + len(dtype) % 2)
+    try:
+        rng = random.Random(hash((kind, dtype)) & 0xFFFF)
+        for _ in range(3):
+            round_trip(setup, layout, pool, engine, rng, max_blocks=12)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"kind": "LBNHC", "heads": 5, "pad": 48, "head_size": 24},  # 8-byte vectors
+        {"kind": "BLHNC", "heads": 7, "dtype": "float8_e4m3fn", "head_size": 3},  # odd bytes
+        {"kind": "LBHNC", "kernel_split": 2, "block_size": 16},
+        {"kind": "LHBNC", "heads": 1, "num_layers": 5},
+    ],
+)
+def test_round_trip_odd_geometry(params, pools):
+    params = dict(params)
+    setup, layout, pool = build(params.pop("kind"), pools, chunk_blocks=5, **params)
+    engine = make_engine(layout, pool, torch.device("cuda"))
+    try:
+        rng = random.Random(3)
+        for _ in range(3):
+            round_trip(setup, layout, pool, engine, rng)
+    finally:
+        engine.shutdown()
+
+
+def test_matches_the_reference_engine(pools):
+    setup, layout, pool = build("LBHNC", pools, groups=2, num_layers=4)
+    fill_random(layout, seed=9)
+    rng = random.Random(9)
+    from kvoffload_connector.transfer.testing import random_batches
+
+    batches = random_batches(layout, pool.slot_count, rng, max_blocks=20)
+    pool.tensor.fill_(POISON)
+    ref = CpuTorchEngine(layout, pool, inline=True)
+    ref.submit(1, Direction.STORE, batches)
+    assert ref.poll()[0].ok
+    want = pool.tensor.clone()
+    pool.tensor.fill_(POISON)
+    engine = small_engine(layout, pool)
+    engine.submit(1, Direction.STORE, batches)
+    [res] = engine.wait([1])
+    engine.shutdown()
+    assert res.ok and res.seconds > 0
+    assert torch.equal(want, pool.tensor)
+
+
+def test_store_runs_after_the_compute_stream(pools):
+    """A STORE submitted while the compute stream is still writing the blocks stores the
+    values written, not the earlier ones."""
+    setup, layout, pool = build("BLHNC", pools)
+    fill_random(layout, seed=1)
+    storage = layout.storages[0]
+    engine = small_engine(layout, pool)
+    blocks = np.arange(8)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream
+    storage.fill_(0x33)  # queued behind the sleep
+    engine.submit(1, Direction.STORE, [TransferBatch(0, blocks, blocks // 4, blocks % 4)])
+    [res] = engine.wait([1])
+    engine.shutdown()
+    assert res.ok
+    gbb = layout.groups[0].block_bytes
+    assert (pool.tensor[:2, : 4 * gbb].numpy() == 0x33).all()
+
+
+def test_concurrent_loads_and_stores_on_neighbouring_slots_never_mix(pools):
+    """Stores into odd slots while loads read even slots (the same pages), several jobs in
+    flight in both directions; every byte ends where it belongs."""
+    setup, layout, pool = build("LBHNC", pools, num_blocks=256, num_layers=4, slot_count=64)
+    engine = small_engine(layout, pool, blocks_per_piece=5, dma_streams=2)
+    cb = layout.chunk_blocks
+    gbb = layout.groups[0].block_bytes
+    try:
+        fill_random(layout, seed=2)
+        pool.tensor.fill_(POISON)
+        # phase 1: blocks 0..63 into even slots 0, 2, .., 30
+        a_blocks = np.arange(64)
+        a_slots = 2 * (a_blocks // cb)
+        engine.submit(0, Direction.STORE, [TransferBatch(0, a_blocks, a_slots, a_blocks % cb)])
+        assert engine.wait([0])[0].ok
+        a_data = {int(b): expected_block(setup, layout, 0, int(b)) for b in a_blocks}
+        fill_random(layout, seed=3)  # new KV everywhere
+        b_blocks = np.arange(64, 128)
+        b_data = {int(b): expected_block(setup, layout, 0, int(b)) for b in b_blocks}
+        c_blocks = np.arange(128, 192)  # load targets
+        jobs = []
+        for j in range(4):
+            sl = slice(16 * j, 16 * j + 16)
+            bb = b_blocks[sl]
+            engine.submit(
+                10 + j,
+                Direction.STORE,
+                [TransferBatch(0, bb, 2 * ((bb - 64) // cb) + 1, (bb - 64) % cb)],
+            )
+            engine.submit(
+                20 + j,
+                Direction.LOAD,
+                [TransferBatch(0, c_blocks[sl], a_slots[sl], a_blocks[sl] % cb)],
+            )
+            jobs += [10 + j, 20 + j]
+        results = engine.wait(jobs)
+        assert sorted(r.job_id for r in results) == sorted(jobs) and all(r.ok for r in results)
+        for b in a_blocks:
+            slot, pos = 2 * (b // cb), b % cb
+            assert np.array_equal(pool.tensor[slot, pos * gbb : (pos + 1) * gbb].numpy(), a_data[b])
+            assert np.array_equal(expected_block(setup, layout, 0, int(b) + 128), a_data[int(b)])
+        for b in b_blocks:
+            slot, pos = 2 * ((b - 64) // cb) + 1, (b - 64) % cb
+            assert np.array_equal(pool.tensor[slot, pos * gbb : (pos + 1) * gbb].numpy(), b_data[b])
+    finally:
+        engine.shutdown()
+
+
+def test_unregistered_pool_fails_the_job_not_the_process(pools):
+    setup, layout, _ = build("LBHNC", pools)
+    pool = pools(layout.slot_bytes, 8, register=False)  # registration never started
+    assert not pool.registered
+    engine = small_engine(layout, pool)
+    engine.submit(1, Direction.LOAD, [TransferBatch(0, [1], [0], [0])])
+    [res] = engine.poll()
+    engine.shutdown()
+    assert not res.ok and "not registered" in res.error
+
+
+def test_large_job_many_pieces_full_ring(pools):
+    """A 1,024-block (256 MiB) job through the default engine (32 MiB pieces, ring of 3)."""
+    setup, layout, pool = build(
+        "BLHNC",
+        pools,
+        num_blocks=1024,
+        num_layers=8,
+        heads=8,
+        head_size=64,
+        block_size=16,
+        slot_count=300,
+    )
+    engine = make_engine(layout, pool, torch.device("cuda"))
+    try:
+        fill_random(layout, seed=4)
+        pool.tensor.fill_(POISON)
+        perm = np.random.default_rng(4).permutation(1024)
+        slots = np.random.default_rng(5).permutation(300)[:256]
+        batch = TransferBatch(0, perm, np.repeat(slots, 4), np.tile(np.arange(4), 256))
+        engine.submit(1, Direction.STORE, [batch])
+        [region] = layout.groups[0].regions  # block-major: one region per block
+        blocks = layout.storages[0][region.offset : region.offset + 1024 * region.block_stride]
+        before = blocks.clone()
+        assert engine.wait([1])[0].ok  # a slot is loaded only once its store is committed
+        blocks.fill_(POISON)
+        engine.submit(2, Direction.LOAD, [batch])
+        [res] = engine.wait([2])
+        assert res.ok and res.bytes == 1024 * layout.groups[0].block_bytes
+        assert torch.equal(before, blocks)
+    finally:
+        engine.shutdown()
