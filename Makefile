@@ -65,6 +65,7 @@ imports: $(STAMP) ## import-linter layer contracts
 bench: $(STAMP) ## CPU benchmarks (sidecar RPC + index); GPU ones: see docs/BENCHMARKS.md
 	$(PY) bench/sidecar_rpc.py
 	$(PY) bench/index_ops.py
+	$(PY) bench/connector_overhead.py
 
 crds-sync: ## copy crds/ into the chart (the chart's copy is generated)
 	@mkdir -p charts/kvoffload/crds

