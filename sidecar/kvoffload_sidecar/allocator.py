@@ -9,6 +9,7 @@ pre-faulted yet and cannot be allocated.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 
 __all__ = ["FreeSlots"]
 
@@ -46,11 +47,42 @@ class FreeSlots:
             return self._fresh - 1
         return None
 
+    def allocate_many(self, n: int) -> list[int]:
+        """Up to `n` free, ready slots (fewer when fewer are available), in the order n calls of
+        `allocate` would hand them out."""
+        if n == 1:  # the common single-key call: skip the slicing
+            slot = self.allocate()
+            return [] if slot is None else [slot]
+        freed = self._freed
+        take = min(n, len(freed))
+        out: list[int] = []
+        if take:
+            cut = len(freed) - take
+            out = freed[cut:].tolist()
+            out.reverse()  # LIFO, like `allocate`
+            del freed[cut:]
+        fresh = min(n - take, self._ready - self._fresh)
+        if fresh > 0:
+            out.extend(range(self._fresh, self._fresh + fresh))
+            self._fresh += fresh
+        return out
+
     def release(self, slot: int) -> None:
         """Give back a slot taken by `allocate` (the index guarantees it is not free already)."""
         if not 0 <= slot < self._fresh:
             raise ValueError(f"slot {slot} was never allocated")
         self._freed.append(slot)
+
+    def release_many(self, slots: Sequence[int]) -> None:
+        """`release` for each slot in order; all or nothing (ValueError before any is taken)."""
+        if len(slots) <= 1:
+            if slots:
+                self.release(slots[0])
+            return
+        if min(slots) < 0 or max(slots) >= self._fresh:
+            bad = next(s for s in slots if not 0 <= s < self._fresh)
+            raise ValueError(f"slot {bad} was never allocated")
+        self._freed.extend(slots)
 
     def free_slots(self) -> set[int]:
         """Every free slot, ready or not (for invariant checks; O(slot_count))."""

@@ -4,6 +4,10 @@ Mechanics only: no eviction choice (that is the policy's) and no free list (the 
 Per-slot state lives in compact arrays that grow with the highest slot ever used, so a large,
 mostly empty pool costs almost nothing; only live keys are dict entries.
 
+The pool calls the batched forms (`committed_prefix`, `pin_prefix`, `reserve_many`, `evict_many`)
+once per request: whole-list passes (`map` over the dict, `dict.update`) instead of a method call
+per key, checked before anything changes (see docs/BENCHMARKS.md, "Sidecar index").
+
 Lifecycle of a slot:
     FREE --reserve--> RESERVED(store) --commit by every rank--> COMMITTED (visible)
     COMMITTED --pin--> pinned (n > 0; never evicted) --unpin--> COMMITTED
@@ -91,16 +95,21 @@ class SlotIndex:
     def key_at(self, slot: int) -> PoolKey | None:
         return self._key_of[slot] if slot < len(self._key_of) else None
 
+    def slots_of(self, keys: Sequence[PoolKey]) -> list[int | None]:
+        """Per key, its slot (reserved or committed) or None; one C-level pass."""
+        return list(map(self._slot_of.get, keys))
+
     def committed_prefix(self, keys: Sequence[PoolKey]) -> list[int]:
         """Slots of the longest prefix of `keys` that is committed (visible)."""
-        slots: list[int] = []
-        slot_of, state = self._slot_of, self._state
-        committed = SlotState.COMMITTED
-        for key in keys:
-            slot = slot_of.get(key)
-            if slot is None or state[slot] != committed:
-                break
-            slots.append(slot)
+        slots = list(map(self._slot_of.get, keys))
+        if None in slots:  # cheaper than catching index()'s ValueError when all are found
+            del slots[slots.index(None) :]
+        if self.counts.reserved:  # else every mapped key is committed
+            state, committed = self._state, SlotState.COMMITTED
+            for i, slot in enumerate(slots):
+                if state[slot] != committed:
+                    del slots[i:]
+                    break
         return slots
 
     def is_pinned_key(self, key: object) -> bool:
@@ -133,6 +142,32 @@ class SlotIndex:
         self._slot_of[key] = slot
         self.counts.reserved += 1
 
+    def reserve_many(self, keys: Sequence[PoolKey], slots: Sequence[int]) -> None:
+        """`reserve` for each (key, slot) pair; all or nothing. Keys must be distinct and slots
+        distinct (the allocator hands out each free slot once); ValueError before any change
+        when a key or slot is in use."""
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
+        if len(slots) <= 1:  # the common single-key call
+            if slots:
+                self.reserve(keys[0], slots[0])
+            return
+        if min(slots) < 0:
+            raise ValueError(f"slot {min(slots)} out of range 0..{self.slot_count - 1}")
+        self._ensure(max(slots))
+        slot_of, state, key_of = self._slot_of, self._state, self._key_of
+        if not slot_of.keys().isdisjoint(keys):
+            raise ValueError("a key of the batch is already in use")
+        for slot in slots:
+            if state[slot]:
+                raise ValueError(f"slot {slot} is already in use")
+        reserved = SlotState.RESERVED
+        for slot, key in zip(slots, keys, strict=True):
+            state[slot] = reserved
+            key_of[slot] = key
+        slot_of.update(zip(keys, slots, strict=True))
+        self.counts.reserved += len(slots)
+
     def open_store(self, store_id: int, client_id: int, slots: Sequence[int]) -> StoreRecord:
         record = StoreRecord(store_id, client_id, array("I", slots))
         self.stores[store_id] = record
@@ -151,12 +186,12 @@ class SlotIndex:
         record.committed_ranks |= 1 << rank
         if record.committed_ranks != self._all_ranks:
             return None
-        keys: list[PoolKey] = []
-        state, key_of = self._state, self._key_of
-        for slot in record.slots:
-            state[slot] = SlotState.COMMITTED
-            keys.append(key_of[slot])  # type: ignore[arg-type]
-        n = len(record.slots)
+        slots, state = record.slots, self._state
+        keys: list[PoolKey] = list(map(self._key_of.__getitem__, slots))  # type: ignore[arg-type]
+        committed = SlotState.COMMITTED
+        for slot in slots:
+            state[slot] = committed
+        n = len(slots)
         self.counts.reserved -= n
         self.counts.committed += n
         del self.stores[store_id]
@@ -170,10 +205,10 @@ class SlotIndex:
         record = self.stores.pop(store_id, None)
         if record is None:
             raise NotFound(f"unknown store id {store_id} (never reserved, committed or aborted)")
-        for slot in record.slots:
-            self._free(slot)
-        self.counts.reserved -= len(record.slots)
-        return list(record.slots)
+        slots = record.slots.tolist()
+        self._free_many(slots)
+        self.counts.reserved -= len(slots)
+        return slots
 
     def evict(self, key: PoolKey) -> int:
         """COMMITTED, unpinned -> FREE; returns the slot."""
@@ -184,6 +219,28 @@ class SlotIndex:
         self.counts.committed -= 1
         return slot
 
+    def evict_many(self, keys: Sequence[PoolKey]) -> list[int]:
+        """`evict` for each key (distinct); all or nothing. Returns the slots in key order."""
+        if len(keys) == 1:
+            return [self.evict(keys[0])]
+        slot_of = self._slot_of
+        slots = list(map(slot_of.get, keys))
+        state, pins, committed = self._state, self._pins, SlotState.COMMITTED
+        for key, slot in zip(keys, slots, strict=True):
+            if slot is None or state[slot] != committed or pins[slot]:
+                raise ValueError(f"key {key.hex()} is not an unpinned committed slot")
+        self._free_many(slots)  # type: ignore[arg-type]
+        self.counts.committed -= len(slots)
+        return slots  # type: ignore[return-value]
+
+    def _free_many(self, slots: Sequence[int]) -> None:
+        state, key_of, free = self._state, self._key_of, SlotState.FREE
+        slot_of = self._slot_of
+        for slot in slots:
+            del slot_of[key_of[slot]]  # type: ignore[arg-type]
+            key_of[slot] = None
+            state[slot] = free
+
     def _free(self, slot: int) -> None:
         key = self._key_of[slot]
         self._key_of[slot] = None
@@ -192,15 +249,27 @@ class SlotIndex:
 
     def pin(self, pin_id: int, client_id: int, slots: Sequence[int]) -> PinRecord:
         """Pin committed slots (a slot may be pinned by several records)."""
-        pins, counts = self._pins, self.counts
+        state, committed = self._state, SlotState.COMMITTED
         for slot in slots:
-            if self._state[slot] != SlotState.COMMITTED:
+            if state[slot] != committed:
                 raise ValueError(f"slot {slot} is not committed")
+        return self._pin(pin_id, client_id, tuple(slots))
+
+    def pin_prefix(self, pin_id: int, client_id: int, keys: Sequence[PoolKey]) -> PinRecord | None:
+        """`pin` the slots of `committed_prefix(keys)` in one pass; None (no record) when the
+        prefix is empty."""
+        slots = self.committed_prefix(keys)
+        return self._pin(pin_id, client_id, tuple(slots)) if slots else None
+
+    def _pin(self, pin_id: int, client_id: int, slots: tuple[int, ...]) -> PinRecord:
+        pins, newly = self._pins, 0
         for slot in slots:
-            if pins[slot] == 0:
-                counts.pinned += 1
-            pins[slot] += 1
-        record = PinRecord(pin_id, client_id, tuple(slots))
+            count = pins[slot]
+            if not count:
+                newly += 1
+            pins[slot] = count + 1
+        self.counts.pinned += newly
+        record = PinRecord(pin_id, client_id, slots)
         self.pin_records[pin_id] = record
         return record
 
@@ -209,11 +278,13 @@ class SlotIndex:
         record = self.pin_records.pop(pin_id, None)
         if record is None:
             raise NotFound(f"unknown pin id {pin_id}")
-        pins, counts = self._pins, self.counts
+        pins, unpinned = self._pins, 0
         for slot in record.slots:
-            pins[slot] -= 1
-            if pins[slot] == 0:
-                counts.pinned -= 1
+            count = pins[slot] - 1
+            pins[slot] = count
+            if not count:
+                unpinned += 1
+        self.counts.pinned -= unpinned
         return len(record.slots)
 
     # -- invariants ---------------------------------------------------------------------------

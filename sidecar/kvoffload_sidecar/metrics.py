@@ -4,6 +4,10 @@ Pool gauges and counters are read from `Pool.stats()` at scrape time by `PoolCol
 on the RPC hot path); the RPC duration histogram and the recent-latency rings are the only things
 updated per call. Each `SidecarMetrics` owns a private `CollectorRegistry`, so tests and several
 servers in one process never share state.
+
+Per-namespace series are labelled `pool_namespace` (the pool's namespace id), never `namespace`:
+that name is the Kubernetes target label a PodMonitor adds, and Prometheus would rename ours to
+`exported_namespace`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ if TYPE_CHECKING:
 
 RPC_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 1.0, 5.0)
 LATENCY_WINDOW = 4096  # recent calls per method kept for the Stats RPC's p50/p99
+NAMESPACE_LABEL = "pool_namespace"  # not `namespace`: Kubernetes scrapes own that label
 
 
 def package_version() -> str:
@@ -38,13 +43,13 @@ Samples = Callable[["NamespaceStats", "PoolStats"], Iterable[tuple[tuple[str, ..
 
 @dataclass(frozen=True)
 class NamespaceMetric:
-    """One per-namespace metric read from PoolStats; labels start with `namespace`."""
+    """One per-namespace metric read from PoolStats; labels start with `pool_namespace`."""
 
     name: str  # counters without the `_total` suffix: client_python adds it
     kind: str  # "gauge" | "counter"
     help: str
     labels: tuple[str, ...]
-    samples: Samples  # extra label values (after namespace) and value
+    samples: Samples  # extra label values (after pool_namespace) and value
 
 
 def _one(field: str) -> Samples:
@@ -56,77 +61,77 @@ NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
         "kvoffload_pool_capacity_bytes",
         "gauge",
         "Bytes of the namespace's partition usable for slots.",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("capacity_bytes"),
     ),
     NamespaceMetric(
         "kvoffload_pool_used_bytes",
         "gauge",
         "Bytes in committed or reserved slots.",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("used_bytes"),
     ),
     NamespaceMetric(
         "kvoffload_pool_pinned_bytes",
         "gauge",
         "Bytes in slots pinned by loads.",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("pinned_bytes"),
     ),
     NamespaceMetric(
         "kvoffload_live_clients",
         "gauge",
         "Registered clients not yet detached or reaped.",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("live_clients"),
     ),
     NamespaceMetric(
         "kvoffload_lookups",
         "counter",
         "Lookup queries (one per key list).",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("lookups"),
     ),
     NamespaceMetric(
         "kvoffload_lookup_blocks",
         "counter",
         "Keys found by lookups (hit) and first missing key of each query that missed (miss).",
-        ("namespace", "result"),
+        (NAMESPACE_LABEL, "result"),
         lambda ns, _p: ((("hit",), float(ns.hit_blocks)), (("miss",), float(ns.miss_blocks))),
     ),
     NamespaceMetric(
         "kvoffload_stored_blocks",
         "counter",
         "Slots committed by every rank.",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("stored_blocks"),
     ),
     NamespaceMetric(
         "kvoffload_loaded_blocks",
         "counter",
         "Slots pinned for loading.",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("loaded_blocks"),
     ),
     NamespaceMetric(
         "kvoffload_evicted_blocks",
         "counter",
         "Committed slots evicted to make room.",
-        ("namespace", "policy"),
+        (NAMESPACE_LABEL, "policy"),
         lambda ns, pool: (((pool.eviction_policy,), float(ns.evicted_blocks)),),
     ),
     NamespaceMetric(
         "kvoffload_stored_bytes",
         "counter",
         "Bytes of slots committed (all ranks).",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("stored_bytes"),
     ),
     NamespaceMetric(
         "kvoffload_loaded_bytes",
         "counter",
         "Bytes of slots pinned for loading (all ranks).",
-        ("namespace",),
+        (NAMESPACE_LABEL,),
         _one("loaded_bytes"),
     ),
 )
@@ -156,7 +161,7 @@ class PoolCollector(Collector):
             "kvoffload_namespace_info",
             "Spec of each namespace (value 1).",
             labels=[
-                "namespace",
+                NAMESPACE_LABEL,
                 "model",
                 "dtype",
                 "kv_layout",

@@ -16,8 +16,10 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import is_
 from pathlib import Path
 
 from kvoffload_sidecar.allocator import FreeSlots
@@ -112,6 +114,9 @@ class StoreDecision(enum.IntEnum):
     NEW = 1  # slot allocated: write it, then commit
     PRESENT = 2  # already committed or being stored: skip
     NO_SPACE = 3  # nothing allocatable: not stored
+
+
+_NEW, _PRESENT, _NO_SPACE = StoreDecision.NEW, StoreDecision.PRESENT, StoreDecision.NO_SPACE
 
 
 @dataclass(frozen=True)
@@ -499,8 +504,7 @@ class Pool:
         for pin_id in client.pins:
             ns.index.unpin(pin_id)
         for store_id in client.stores:
-            for slot in ns.index.abort_store(store_id):
-                ns.free.release(slot)
+            ns.free.release_many(ns.index.abort_store(store_id))
         ns.clients.discard(client.client_id)
         del self._clients[client.client_id]
 
@@ -518,7 +522,7 @@ class Pool:
                 n = len(slots)
                 hits.append(n)
                 if n:
-                    policy.touch(keys[:n])
+                    policy.touch(keys[:n] if n < len(keys) else keys)
                 counters.hit_blocks += n
                 if n < len(keys):
                     counters.miss_blocks += 1
@@ -533,16 +537,16 @@ class Pool:
             ns = self._namespace(namespace_id)
             client = self._owned_client(ns, client_id)
             key_list = split_keys(keys, ns.spec.key_size)
-            slots = ns.index.committed_prefix(key_list)
-            if not slots:
-                return LoadPin(0, ())
             pin_id = self._next_pin
+            record = ns.index.pin_prefix(pin_id, client.client_id, key_list)
+            if record is None:
+                return LoadPin(0, ())
             self._next_pin += 1
-            ns.index.pin(pin_id, client.client_id, slots)
             client.pins.add(pin_id)
-            ns.policy.touch(key_list[: len(slots)])
-            ns.counters.loaded_blocks += len(slots)
-            return LoadPin(pin_id, tuple(slots))
+            n = len(record.slots)
+            ns.policy.touch(key_list[:n] if n < len(key_list) else key_list)
+            ns.counters.loaded_blocks += n
+            return LoadPin(pin_id, record.slots)
 
     def release(self, namespace_id: str, client_id: int, pin_ids: Sequence[int]) -> int:
         """Drop pins taken by `reserve_load`; all or nothing. Returns the slots released."""
@@ -578,39 +582,37 @@ class Pool:
             client = self._owned_client(ns, client_id)
             key_list = split_keys(keys, ns.spec.key_size)
             index, free = ns.index, ns.free
-            fresh: list[PoolKey] = []
-            fresh_set: set[PoolKey] = set()
-            for key in key_list:
-                if index.find(key) is None and key not in fresh_set:
-                    fresh.append(key)
-                    fresh_set.add(key)
+            found = index.slots_of(key_list)
+            fresh = list(compress(key_list, map(is_, found, repeat(None))))
+            if not fresh:
+                return StoreReservation(0, (_PRESENT,) * len(key_list), ())
+            unique = len(set(fresh)) == len(fresh)
+            if not unique:
+                fresh = list(dict.fromkeys(fresh))  # first occurrences, in key order
             shortfall = len(fresh) - free.available()
             if shortfall > 0:
-                self._evict(ns, shortfall, _Protected(index, set(key_list)))
-            decisions: list[StoreDecision] = []
-            slots: list[int] = []
-            full = False
-            for key in key_list:
-                if key not in fresh_set or index.find(key) is not None:
-                    decisions.append(StoreDecision.PRESENT)
-                    continue
-                slot = None if full else free.allocate()
-                if slot is None:
-                    full = True
-                    decisions.append(StoreDecision.NO_SPACE)
-                    continue
-                index.reserve(key, slot)
-                decisions.append(StoreDecision.NEW)
-                slots.append(slot)
+                self._evict(ns, shortfall, self._protected(index, key_list))
+            # Eviction only removes keys, so `fresh` is still exactly the keys not in the index.
+            slots = free.allocate_many(len(fresh))
+            stored = fresh[: len(slots)]
+            index.reserve_many(stored, slots)
+            decisions = _store_decisions(key_list, stored, fresh[len(slots) :], unique)
             store_id = 0
             if slots:
                 store_id = self._next_store
                 self._next_store += 1
                 index.open_store(store_id, client.client_id, slots)
                 client.stores.add(store_id)
-            return StoreReservation(store_id, tuple(decisions), tuple(slots))
+            return StoreReservation(store_id, decisions, tuple(slots))
 
-    def _evict(self, ns: _Namespace, n: int, protected: _Protected) -> None:
+    @staticmethod
+    def _protected(index: SlotIndex, request: Sequence[PoolKey]) -> Container[PoolKey]:
+        """What eviction must spare: the request's keys and, when any, the pinned keys."""
+        if not index.counts.pinned:
+            return set(request)  # a plain set: membership tests stay in C
+        return _Protected(index, set(request))
+
+    def _evict(self, ns: _Namespace, n: int, protected: Container[PoolKey]) -> None:
         """Free `n` slots by eviction, or as many as the policy can give when fewer are evictable.
 
         `evict` is all-or-nothing, so on a refusal ask for half as many and keep going: at most
@@ -622,8 +624,7 @@ class Pool:
             if victims is None:
                 ask //= 2
                 continue
-            for key in victims:
-                ns.free.release(ns.index.evict(key))
+            ns.free.release_many(ns.index.evict_many(victims))
             ns.counters.evicted_blocks += len(victims)
             n -= len(victims)
             ask = min(ask, n)
@@ -639,8 +640,9 @@ class Pool:
             if keys is None:
                 return False
             if record is not None:  # it just completed (else a repeat of a completed store)
+                insert = ns.policy.insert
                 for key in keys:
-                    ns.policy.insert(key)
+                    insert(key)
                 ns.counters.stored_blocks += len(keys)
                 client = self._clients.get(record.client_id)
                 if client is not None:
@@ -655,8 +657,7 @@ class Pool:
             self._check_id(store_id, "store id")
             record = ns.index.stores.get(store_id)
             slots = ns.index.abort_store(store_id)
-            for slot in slots:
-                ns.free.release(slot)
+            ns.free.release_many(slots)
             if record is not None:
                 client = self._clients.get(record.client_id)
                 if client is not None:
@@ -802,3 +803,24 @@ class Pool:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _store_decisions(
+    keys: Sequence[PoolKey], stored: Sequence[PoolKey], unstored: Sequence[PoolKey], unique: bool
+) -> tuple[StoreDecision, ...]:
+    """Per key: NEW for the first occurrence of a stored key, NO_SPACE for every occurrence of
+    a fresh key that got no slot, PRESENT otherwise (in the index already, or a repeat)."""
+    if len(stored) == len(keys):
+        return (_NEW,) * len(keys)
+    decide: dict[PoolKey, StoreDecision] = dict.fromkeys(stored, _NEW)
+    if unstored:
+        decide.update(dict.fromkeys(unstored, _NO_SPACE))
+    if unique:  # one C-level pass: keys outside `decide` are PRESENT
+        return tuple(map(decide.get, keys, repeat(_PRESENT)))  # type: ignore[arg-type]
+    decisions: list[StoreDecision] = []
+    for key in keys:
+        decision = decide.get(key, _PRESENT)
+        if decision is _NEW:
+            decide[key] = _PRESENT  # a repeat of a stored key is PRESENT
+        decisions.append(decision)
+    return tuple(decisions)

@@ -118,3 +118,27 @@ def test_counters_are_queried_as_total_and_gauges_as_is():
         or (m.endswith("_total") and kinds.get(m[: -len("_total")]) == "gauge")
     }
     assert kinds and not wrong
+
+
+def test_pool_metrics_filter_by_the_pool_namespace_label():
+    """The sidecar labels per-namespace series `pool_namespace` (a PodMonitor's `namespace` is the
+    pod's Kubernetes namespace): every query of such a series filters by the dashboard variable
+    of the same name, and nothing relies on Prometheus' `exported_namespace` rename."""
+    metrics = pytest.importorskip("kvoffload_sidecar.metrics")
+    label = metrics.NAMESPACE_LABEL
+    assert label != "namespace"
+    series = {
+        m.name + ("_total" if m.kind == "counter" else "")
+        for m in metrics.NAMESPACE_METRICS
+        if m.labels[0] == label
+    }
+    dashboard = _dashboard()
+    assert label in {v["name"] for v in dashboard["templating"]["list"]}
+    filtered: set[str] = set()
+    for expr in _exprs(dashboard):
+        assert "exported_namespace" not in expr, expr
+        for name, selector in re.findall(r"(kvoffload_[a-z0-9_]+)\{([^}]*)\}", expr):
+            if name in series and "label_values" not in expr:
+                assert f'{label}=~"${label}"' in selector, expr
+                filtered.add(name)
+    assert filtered and filtered >= REQUIRED & series

@@ -133,7 +133,7 @@ def test_metrics_and_tcp_listeners_of_the_process(busy_sidecar: tuple[SidecarPro
     url = f"http://127.0.0.1:{metrics_port.group(1)}/metrics"
     with urllib.request.urlopen(url, timeout=5) as resp:
         body = resp.read().decode()
-    assert f'kvoffload_stored_blocks_total{{namespace="{namespace_id}"}} 3.0' in body
+    assert f'kvoffload_stored_blocks_total{{pool_namespace="{namespace_id}"}} 3.0' in body
     assert 'kvoffload_rpc_duration_seconds_bucket{le="0.001",method="ReserveStore"}' in body
     assert health_status(f"127.0.0.1:{tcp_port.group(1)}") == 1  # SERVING
     assert main_stats(["--address", f"127.0.0.1:{tcp_port.group(1)}", "--json"]) == 0

@@ -6,6 +6,7 @@ live Pool's invariants after the clients are done.
 
 from __future__ import annotations
 
+import re
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -380,23 +381,26 @@ def test_metrics_endpoint_has_the_table(server: ServerThread, client: Client) ->
     client.release(pin.pin_id)
     ns = client.namespace_id
     expected = [
-        f'kvoffload_pool_capacity_bytes{{namespace="{ns}"}}',
-        f'kvoffload_pool_used_bytes{{namespace="{ns}"}} {float(2 * SLOT_BYTES)}',
-        f'kvoffload_pool_pinned_bytes{{namespace="{ns}"}} {float(SLOT_BYTES)}',
+        f'kvoffload_pool_capacity_bytes{{pool_namespace="{ns}"}}',
+        f'kvoffload_pool_used_bytes{{pool_namespace="{ns}"}} {float(2 * SLOT_BYTES)}',
+        f'kvoffload_pool_pinned_bytes{{pool_namespace="{ns}"}} {float(SLOT_BYTES)}',
         "kvoffload_pool_prefaulted_bytes 1.6777216e+07",
-        f'kvoffload_lookups_total{{namespace="{ns}"}} 1.0',
-        f'kvoffload_lookup_blocks_total{{namespace="{ns}",result="hit"}} 2.0',
-        f'kvoffload_lookup_blocks_total{{namespace="{ns}",result="miss"}} 1.0',
-        f'kvoffload_stored_blocks_total{{namespace="{ns}"}} 2.0',
-        f'kvoffload_loaded_blocks_total{{namespace="{ns}"}} 1.0',
-        f'kvoffload_evicted_blocks_total{{namespace="{ns}",policy="lru"}} 0.0',
-        f'kvoffload_stored_bytes_total{{namespace="{ns}"}} {float(2 * SLOT_BYTES)}',
-        f'kvoffload_loaded_bytes_total{{namespace="{ns}"}} {float(SLOT_BYTES)}',
+        f'kvoffload_lookups_total{{pool_namespace="{ns}"}} 1.0',
+        f'kvoffload_lookup_blocks_total{{pool_namespace="{ns}",result="hit"}} 2.0',
+        f'kvoffload_lookup_blocks_total{{pool_namespace="{ns}",result="miss"}} 1.0',
+        f'kvoffload_stored_blocks_total{{pool_namespace="{ns}"}} 2.0',
+        f'kvoffload_loaded_blocks_total{{pool_namespace="{ns}"}} 1.0',
+        f'kvoffload_evicted_blocks_total{{policy="lru",pool_namespace="{ns}"}} 0.0',
+        f'kvoffload_stored_bytes_total{{pool_namespace="{ns}"}} {float(2 * SLOT_BYTES)}',
+        f'kvoffload_loaded_bytes_total{{pool_namespace="{ns}"}} {float(SLOT_BYTES)}',
         'kvoffload_rpc_duration_seconds_count{method="Lookup"} 1.0',
         'kvoffload_build_info{version="',
     ]
     missing = [line for line in expected if line not in body]
     assert not missing, f"missing {missing} in:\n{body}"
+    # No series uses Kubernetes' `namespace` target label (a scrape would rename it).
+    assert re.search(rf'^kvoffload_namespace_info{{.*pool_namespace="{ns}".*}} 1.0$', body, re.M)
+    assert not re.search(r'[{,]namespace="', body), body
 
 
 def _wait_for(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator
+from itertools import filterfalse, islice
 
 from kvoffload_sidecar.keys import PoolKey
+from kvoffload_sidecar.policies.base import consume
 
 __all__ = ["ARCPolicy"]
 
@@ -60,43 +63,42 @@ class ARCPolicy:
             self._t2.pop(key, None)
 
     def touch(self, keys: Iterable[PoolKey]) -> None:
+        keys = keys if type(keys) in (list, tuple) else list(keys)  # iterated twice below
         t1, t2 = self._t1, self._t2
-        for key in keys:
-            if key in t1:
-                del t1[key]
-                t2[key] = None
-            elif key in t2:
-                t2.move_to_end(key)
+        promoted = t1.keys() & keys  # hit once before: T1 -> T2 (set ops in C)
+        if promoted:
+            consume(map(t1.__delitem__, promoted))
+            t2.update(dict.fromkeys(promoted))
+        try:
+            # Every touched key is in T2 now; moving them to the back in key order leaves T2
+            # exactly as the key-by-key version would.
+            consume(map(t2.move_to_end, keys))
+        except KeyError:  # some key is not held: redo in order, skipping those (same result)
+            for key in keys:
+                if key in t2:
+                    t2.move_to_end(key)
 
     def evict(self, n: int, protected: Container[PoolKey]) -> list[PoolKey] | None:
         if n <= 0:
             return []
         if n > len(self._t1) + len(self._t2):
             return None
-        # Plan without changing anything, so a failure leaves the policy as it was.
-        cand1 = (k for k in self._t1 if k not in protected)
-        cand2 = (k for k in self._t2 if k not in protected)
-        next1, next2 = next(cand1, None), next(cand2, None)
-        t1_len = len(self._t1)
-        from_t1: list[PoolKey] = []
-        from_t2: list[PoolKey] = []
-        for _ in range(n):
-            if next1 is None and next2 is None:
+        # Plan without changing anything, so a failure leaves the policy as it was. While T1 is
+        # over its target p, victims come from T1's LRU end, then from T2's; a list that runs
+        # out of unprotected keys hands over to the other (whole runs taken with islice).
+        skip = protected.__contains__
+        cand1, cand2 = filterfalse(skip, self._t1), filterfalse(skip, self._t2)
+        over_target = max(0, math.ceil(len(self._t1) - self.p))
+        from_t1 = list(islice(cand1, min(n, over_target)))
+        from_t2 = list(islice(cand2, n - len(from_t1)))
+        if len(from_t1) + len(from_t2) < n:
+            from_t1 += islice(cand1, n - len(from_t1) - len(from_t2))
+            if len(from_t1) + len(from_t2) < n:
                 return None
-            if next1 is not None and (t1_len > self.p or next2 is None):
-                from_t1.append(next1)
-                t1_len -= 1
-                next1 = next(cand1, None)
-            else:
-                assert next2 is not None
-                from_t2.append(next2)
-                next2 = next(cand2, None)
-        for key in from_t1:
-            del self._t1[key]
-            self._b1[key] = None
-        for key in from_t2:
-            del self._t2[key]
-            self._b2[key] = None
+        consume(map(self._t1.__delitem__, from_t1))
+        self._b1.update(dict.fromkeys(from_t1))
+        consume(map(self._t2.__delitem__, from_t2))
+        self._b2.update(dict.fromkeys(from_t2))
         self._trim_ghosts()
         return from_t1 + from_t2
 

@@ -7,12 +7,17 @@ a policy with its lock held; policies are not thread-safe themselves.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator
-from typing import Protocol, runtime_checkable
+from collections import deque
+from collections.abc import Callable, Container, Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 from kvoffload_sidecar.keys import PoolKey
 
-__all__ = ["CachePolicy"]
+__all__ = ["CachePolicy", "consume"]
+
+consume: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend
+"""Run an iterator to its end, keeping nothing: `consume(map(d.move_to_end, keys))` does a
+per-key method call in C, about twice as fast as the same Python `for` loop."""
 
 
 @runtime_checkable

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator
+from itertools import filterfalse, islice
 
 from kvoffload_sidecar.keys import PoolKey
+from kvoffload_sidecar.policies.base import consume
 
 __all__ = ["LRUPolicy"]
 
@@ -24,33 +26,30 @@ class LRUPolicy:
         self._order: OrderedDict[PoolKey, None] = OrderedDict()
 
     def insert(self, key: PoolKey) -> None:
-        self._order[key] = None
-        self._order.move_to_end(key)
+        self._order[key] = None  # a new key goes to the back (the protocol: never held already)
 
     def remove(self, key: PoolKey) -> None:
         self._order.pop(key, None)
 
     def touch(self, keys: Iterable[PoolKey]) -> None:
+        keys = keys if type(keys) in (list, tuple) else list(keys)  # iterated twice below
         order = self._order
-        for key in keys:
-            if key in order:
-                order.move_to_end(key)
+        try:
+            consume(map(order.move_to_end, keys))  # the pool touches held keys: all in C
+        except KeyError:  # some key is not held: redo in order, skipping those (same result)
+            for key in keys:
+                if key in order:
+                    order.move_to_end(key)
 
     def evict(self, n: int, protected: Container[PoolKey]) -> list[PoolKey] | None:
         if n <= 0:
             return []
         if n > len(self._order):
             return None
-        victims: list[PoolKey] = []
-        for key in self._order:
-            if key not in protected:
-                victims.append(key)
-                if len(victims) == n:
-                    break
+        victims = list(islice(filterfalse(protected.__contains__, self._order), n))
         if len(victims) < n:
             return None
-        for key in victims:
-            del self._order[key]
+        consume(map(self._order.__delitem__, victims))
         return victims
 
     def __len__(self) -> int:

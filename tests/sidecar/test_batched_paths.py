@@ -1,0 +1,307 @@
+"""The batched hot paths (whole-list index, allocator, policy and encoder steps) give exactly the
+answers of the key-at-a-time rules they replaced.
+
+Each test drives the batched call and a plain key-by-key reference side by side: single-key
+calls of the same API, or a small model of the documented rules computed from the pool's state
+just before the call. Random histories are seeded, so a failure repeats.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kvoffload.v1 import pool_pb2 as pb
+from kvoffload_sidecar import convert
+from kvoffload_sidecar.allocator import FreeSlots
+from kvoffload_sidecar.index import SlotIndex, SlotState
+from kvoffload_sidecar.keys import PoolKey
+from kvoffload_sidecar.policies import make_policy
+from kvoffload_sidecar.policies.arc import ARCPolicy
+from kvoffload_sidecar.pool import Pool, StoreDecision, StoreReservation
+
+MiB = 1 << 20
+NEW, PRESENT, NO_SPACE = StoreDecision.NEW, StoreDecision.PRESENT, StoreDecision.NO_SPACE
+POLICIES = ["lru", "arc"]
+
+
+def key_bytes(i: int) -> PoolKey:
+    return PoolKey(i.to_bytes(8, "big"))
+
+
+def pack(ints: list[int]) -> bytes:
+    return b"".join(key_bytes(i) for i in ints)
+
+
+# -- allocator ---------------------------------------------------------------------------------
+
+
+def test_allocate_many_hands_out_what_repeated_allocate_would():
+    rng = random.Random(7)
+    batched, single = FreeSlots(64), FreeSlots(64)
+    held: list[int] = []
+    for step in range(400):
+        if step % 50 == 0:
+            ready = min(64, step // 5 + 8)
+            batched.set_ready(ready)
+            single.set_ready(ready)
+        if held and rng.random() < 0.45:
+            rng.shuffle(held)
+            cut = rng.randint(1, len(held))
+            back, held = held[:cut], held[cut:]
+            batched.release_many(back)
+            for slot in back:
+                single.release(slot)
+        else:
+            n = rng.randint(0, 12)
+            got = batched.allocate_many(n)
+            expected = [s for s in (single.allocate() for _ in range(n)) if s is not None]
+            assert got == expected
+            held += got
+        assert batched.available() == single.available()
+        assert batched.free_slots() == single.free_slots()
+
+
+def test_release_many_is_all_or_nothing():
+    free = FreeSlots(8)
+    free.set_ready(8)
+    taken = free.allocate_many(3)
+    with pytest.raises(ValueError, match="slot 5 was never allocated"):
+        free.release_many([taken[0], 5])
+    assert free.available() == 5  # nothing went back
+    free.release_many(taken)
+    assert free.available() == 8
+
+
+# -- index -------------------------------------------------------------------------------------
+
+
+def test_reserve_many_and_evict_many_refuse_used_keys_or_slots_and_change_nothing():
+    index = SlotIndex(slot_count=8, num_ranks=1)
+    index.reserve_many([key_bytes(1), key_bytes(2)], [0, 1])
+    with pytest.raises(ValueError, match="key of the batch is already in use"):
+        index.reserve_many([key_bytes(3), key_bytes(2)], [2, 3])
+    with pytest.raises(ValueError, match="slot 1 is already in use"):
+        index.reserve_many([key_bytes(3), key_bytes(4)], [2, 1])
+    assert (index.find(key_bytes(3)), index.state(2), index.counts.reserved) == (
+        None,
+        SlotState.FREE,
+        2,
+    )
+    index.open_store(1, client_id=1, slots=[0, 1])
+    assert index.commit_rank(1, 0) == [key_bytes(1), key_bytes(2)]
+    index.pin(1, client_id=1, slots=[1])
+    with pytest.raises(ValueError, match="not an unpinned committed slot"):
+        index.evict_many([key_bytes(1), key_bytes(2)])  # 2 is pinned: 1 stays too
+    assert index.counts.committed == 2 and index.find(key_bytes(1)) == 0
+    index.unpin(1)
+    assert index.evict_many([key_bytes(2), key_bytes(1)]) == [1, 0]
+    index.check(free_slots=set(range(8)))
+
+
+def test_pin_prefix_pins_the_committed_prefix_only():
+    index = SlotIndex(slot_count=8, num_ranks=1)
+    index.reserve_many([key_bytes(i) for i in range(4)], [3, 2, 1, 0])
+    index.open_store(1, client_id=1, slots=[3, 2])  # keys 0 and 1 become visible
+    index.open_store(2, client_id=1, slots=[1, 0])  # keys 2 and 3 stay reserved
+    index.commit_rank(1, 0)
+    assert index.pin_prefix(5, 1, [key_bytes(2), key_bytes(0)]) is None  # reserved: invisible
+    record = index.pin_prefix(6, 1, [key_bytes(0), key_bytes(1), key_bytes(2), key_bytes(0)])
+    assert record is not None and record.slots == (3, 2)
+    assert (index.pin_count(3), index.pin_count(2), index.counts.pinned) == (1, 1, 2)
+    index.check(free_slots=set(range(4, 8)))
+
+
+# -- policies ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_batched_touch_orders_keys_like_one_key_at_a_time(name):
+    """Duplicates and keys the policy does not hold included (those take the fallback path)."""
+    rng = random.Random(11)
+    batched, single = make_policy(name, 32), make_policy(name, 32)
+    for i in range(24):
+        batched.insert(key_bytes(i))
+        single.insert(key_bytes(i))
+    for _ in range(200):
+        keys = [key_bytes(rng.randrange(30)) for _ in range(rng.randint(0, 10))]
+        batched.touch(keys)
+        for key in keys:
+            single.touch([key])
+        assert list(batched.keys()) == list(single.keys())
+        if rng.random() < 0.2:  # evictions and re-inserts (ARC: ghost hits) keep lists moving
+            protected = {key_bytes(rng.randrange(24))}
+            victims = batched.evict(2, protected)
+            assert victims is not None and victims == single.evict(2, protected)
+            for key in victims:
+                batched.insert(key)
+                single.insert(key)
+            assert list(batched.keys()) == list(single.keys())
+
+
+def _arc_evict_key_by_key(arc: ARCPolicy, n: int, protected: set[PoolKey]) -> list | None:
+    """ARC's victim choice one key at a time, as the policy was first written (the reference)."""
+    if n <= 0:
+        return []
+    if n > len(arc._t1) + len(arc._t2):  # noqa: SLF001 - the reference works on the lists
+        return None
+    cand1 = (k for k in arc._t1 if k not in protected)  # noqa: SLF001
+    cand2 = (k for k in arc._t2 if k not in protected)  # noqa: SLF001
+    next1, next2 = next(cand1, None), next(cand2, None)
+    t1_len, from_t1, from_t2 = len(arc._t1), [], []  # noqa: SLF001
+    for _ in range(n):
+        if next1 is None and next2 is None:
+            return None
+        if next1 is not None and (t1_len > arc.p or next2 is None):
+            from_t1.append(next1)
+            t1_len -= 1
+            next1 = next(cand1, None)
+        else:
+            from_t2.append(next2)
+            next2 = next(cand2, None)
+    for key in from_t1:
+        del arc._t1[key]  # noqa: SLF001
+        arc._b1[key] = None  # noqa: SLF001
+    for key in from_t2:
+        del arc._t2[key]  # noqa: SLF001
+        arc._b2[key] = None  # noqa: SLF001
+    b1, b2 = arc._b1, arc._b2  # noqa: SLF001
+    while b1 and len(arc._t1) + len(b1) > arc.capacity:  # noqa: SLF001
+        b1.popitem(last=False)
+    while len(b1) + len(b2) > arc.capacity:
+        (b2 if len(b2) >= len(b1) else b1).popitem(last=False)
+    return from_t1 + from_t2
+
+
+def test_arc_batched_evict_picks_the_victims_of_the_key_by_key_rule():
+    """Random inserts (ghost hits move p), touches and evictions of 1..12 keys, some out of
+    reach, with random protected keys: same victims, same T1/T2/B1/B2 order, same p."""
+    rng = random.Random(5)
+    cap = 8
+    batched, reference = ARCPolicy(cap), ARCPolicy(cap)
+    held: list[PoolKey] = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.45 and len(held) < cap:
+            key = key_bytes(rng.randrange(30))
+            if key not in batched:
+                batched.insert(key)
+                reference.insert(key)
+                held.append(key)
+        elif op < 0.7:
+            keys = [key_bytes(rng.randrange(30)) for _ in range(rng.randint(1, 6))]
+            batched.touch(keys)
+            reference.touch(keys)
+        else:
+            n = rng.randint(1, cap + 2)
+            protected = set(rng.sample(held, min(len(held), rng.randint(0, 4))))
+            victims = batched.evict(n, protected)
+            assert victims == _arc_evict_key_by_key(reference, n, protected)
+            held = [k for k in held if k not in (victims or ())]
+        state = [list(getattr(p, name)) for p in (batched, reference) for name in _ARC_LISTS]
+        assert state[:4] == state[4:] and batched.p == reference.p
+        t1, _, b1, b2 = state[:4]
+        assert len(t1) + len(b1) <= cap and len(b1) + len(b2) <= cap  # the ghost bounds
+
+
+_ARC_LISTS = ("_t1", "_t2", "_b1", "_b2")
+
+
+# -- pool: reserve_store decisions against the documented rule ---------------------------------
+
+
+def _expected_store(pool: Pool, ns_id: str, keys: list[PoolKey]) -> tuple[tuple, int]:
+    """(decisions, evictions) the key-by-key rule gives from the pool's current state: PRESENT
+    for keys in the index and repeats of a stored key; the first occurrences of the other keys
+    take free slots, then slots of evicted unpinned committed keys not in the request; every
+    occurrence of a key left over is NO_SPACE."""
+    ns = pool._namespaces[ns_id]  # noqa: SLF001 - the model reads the state the rule depends on
+    index = ns.index
+    request = set(keys)
+    fresh = list(dict.fromkeys(k for k in keys if index.find(k) is None))
+    evictable = sum(
+        1 for k in index.committed_keys() if k not in request and not index.pin_count(index.find(k))
+    )
+    room = min(len(fresh), ns.free.available() + evictable)
+    stored = set(fresh[:room])
+    decisions, seen = [], set()
+    for key in keys:
+        if key in stored and key not in seen:
+            decisions.append(NEW)
+            seen.add(key)
+        elif key in stored or index.find(key) is not None:
+            decisions.append(PRESENT)
+        else:
+            decisions.append(NO_SPACE)
+    return tuple(decisions), max(0, room - ns.free.available())
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_random_histories_match_the_key_by_key_rules(make_pool, small_spec, name):
+    pool = make_pool(eviction=name)  # 8 MiB of 1 MiB slots: 8 slots, so it fills quickly
+    reg = pool.register(small_spec(), 1, MiB, "test")
+    ns, cid = reg.namespace_id, reg.client_id
+    rng = random.Random(20261122)
+    stores: dict[int, tuple[PoolKey, ...]] = {}
+    pins: list[int] = []
+    for _ in range(600):
+        op = rng.random()
+        ints = [rng.randrange(20) for _ in range(rng.randint(1, 12))]
+        keys = [key_bytes(i) for i in ints]
+        if op < 0.4:
+            expected, evictions = _expected_store(pool, ns, keys)
+            evicted_before = pool.stats().namespaces[0].evicted_blocks
+            res = pool.reserve_store(ns, cid, pack(ints))
+            assert res.decisions == expected
+            assert pool.stats().namespaces[0].evicted_blocks - evicted_before == evictions
+            new = tuple(k for k, d in zip(keys, res.decisions, strict=True) if d == NEW)
+            index = pool._namespaces[ns].index  # noqa: SLF001
+            assert [index.find(k) for k in new] == list(res.slots)
+            assert len(set(res.slots)) == len(res.slots)
+            if res.store_id:
+                stores[res.store_id] = new
+        elif op < 0.6 and stores:
+            store_id = rng.choice(list(stores))
+            if rng.random() < 0.7:
+                assert pool.commit_store(ns, store_id, 0) is True
+                assert pool.lookup(ns, [b"".join(stores[store_id])]) == [len(stores[store_id])]
+            else:
+                assert pool.abort_store(ns, store_id) == len(stores[store_id])
+            del stores[store_id]
+        elif op < 0.75:
+            committed = pool._namespaces[ns].index.committed_keys()  # noqa: SLF001
+            prefix = next((i for i, k in enumerate(keys) if k not in committed), len(keys))
+            assert pool.lookup(ns, [pack(ints)]) == [prefix]
+            pin = pool.reserve_load(ns, cid, pack(ints))
+            assert len(pin.slots) == prefix and (pin.pin_id > 0) == (prefix > 0)
+            if pin.pin_id:
+                pins.append(pin.pin_id)
+        elif pins:
+            release = rng.sample(pins, rng.randint(1, len(pins)))
+            pool.release(ns, cid, release)
+            pins = [p for p in pins if p not in release]
+        pool.check_invariants()
+
+
+# -- servicer encoding -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 1024, 20_000])
+def test_store_answer_encodes_like_repeated_field_extend(n):
+    """Decisions go out as one pre-packed field; the bytes equal the plain proto's (incl. a
+    length that needs a two- or three-byte varint) and inside a Session envelope too."""
+    decisions = tuple((NEW, PRESENT, NO_SPACE)[(i * 7) % 3] for i in range(n))
+    res = StoreReservation(9, decisions, tuple(range(0, 3 * n, 3)))
+    reference = pb.ReserveStoreResponse(
+        store_id=9, decisions=[int(d) for d in decisions], slots=res.slots
+    )
+    out = pb.ReserveStoreResponse()
+    convert.store_reservation_to_proto(res, out)
+    assert out.SerializeToString() == reference.SerializeToString()
+    envelope = pb.SessionResponse(seq=3)
+    inner = envelope.reserve_store
+    inner.SetInParent()
+    convert.store_reservation_to_proto(res, inner)
+    assert envelope == pb.SessionResponse(seq=3, reserve_store=reference)
+    decoded = pb.SessionResponse.FromString(envelope.SerializeToString())
+    assert list(decoded.reserve_store.decisions) == [int(d) for d in decisions]
