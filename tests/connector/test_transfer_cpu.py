@@ -248,3 +248,111 @@ def test_staged_plan_moves_what_the_reference_moves(capacity_blocks, head, tail,
     if capacity_blocks == 64:  # slots 20..22 hold positions 2..3,0..3,0..1..: runs of 6 and 4
         last = pieces[-1]
         assert sorted(last.runs[:, 2].tolist()) == [4 * gbb[0], 6 * gbb[0]]
+
+
+def _random_job(rng: np.random.Generator, groups: int, cb: int, slot_count: int, dup: bool):
+    """Batches of random blocks, chunks starting mid-slot, in random slots or (every other
+    group) in consecutive slots, so DMA runs cross slots; ``dup`` makes a LOAD read some slot
+    positions twice (allowed: two GPU blocks from one pool block)."""
+    batches = []
+    for g in range(groups):
+        n = int(rng.integers(0 if g else 1, 60))
+        order = rng.permutation(slot_count) if g % 2 else np.arange(slot_count)
+        pos, slots, at, used = [], [], int(rng.integers(cb)), int(rng.integers(8))
+        while len(pos) < n:
+            take = min(cb - at, n - len(pos))
+            pos += range(at, at + take)
+            slots += [int(order[used])] * take
+            used += 1
+            at = 0
+        blocks = rng.permutation(200)[:n]
+        b = TransferBatch(g, blocks, np.array(slots, dtype=np.int64), np.array(pos, dtype=np.int64))
+        if dup and n > 2:
+            s, p = b.slots.copy(), b.slot_block_index.copy()
+            s[-1], p[-1] = s[0], p[0]
+            b = TransferBatch(g, blocks, s, p)
+        batches.append(b)
+    return batches
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_job_plan_equals_the_eager_plan(seed):
+    """JobPlan (lazy: piece 0 first, the rest in one pass) yields exactly plan_pieces' pieces,
+    whatever piece is asked for first; ``ids``/``ids_at`` hold each piece's block ids."""
+    from kvoffload_connector.transfer.plan import JobPlan, plan_pieces
+
+    rng = np.random.default_rng(seed)
+    cb, slot_count = 4, 64
+    gbb = {0: 96, 1: 64, 2: 32}
+    slot_bytes = cb * 96 + 16
+    cap = int(rng.choice([96, 3 * 96, 7 * 96, 100 * 96]))
+    head, tail = [(0, 0), (96, 0), (0, 2 * 96), (2 * 96, 96)][seed % 4]
+    reg = int(rng.choice([slot_bytes, 2 * slot_bytes, 1 << 40]))
+    batches = _random_job(rng, 3, cb, slot_count, dup=seed % 2 == 1)
+    want = plan_pieces(batches, gbb, slot_bytes, cap, reg, head, tail)
+    for first in (0, len(want) - 1, len(want) // 2):
+        plan = JobPlan(batches, gbb, slot_bytes, cap, reg, head, tail)
+        assert len(plan) == len(want)
+        plan.piece(first)
+        got = list(plan)
+        for a, b in zip(want, got, strict=True):
+            assert a.group == b.group
+            assert np.array_equal(a.gpu_blocks, b.gpu_blocks)
+            assert np.array_equal(a.runs, b.runs)
+        assert plan.ids_at[-1] == len(plan.ids) == sum(len(b) for b in batches)
+        assert sum(len(p.runs) for p in got) < len(plan.ids)  # some runs span blocks
+        for i, p in enumerate(got):
+            assert np.array_equal(plan.ids[plan.ids_at[i] : plan.ids_at[i + 1]], p.gpu_blocks)
+
+
+def test_job_plan_piece_zero_is_built_alone():
+    """The engine enqueues piece 0 before the rest of the job is planned."""
+    from kvoffload_connector.transfer.plan import JobPlan
+
+    n = 64
+    batch = TransferBatch(
+        0, np.arange(n)[::-1], np.repeat(np.arange(16), 4), np.tile(np.arange(4), 16)
+    )
+    plan = JobPlan([batch], {0: 32}, 128, 8 * 32, 1 << 40, head=2 * 32)
+    p0 = plan.piece(0)
+    assert list(plan._cache) == [0]
+    assert p0.gpu_blocks.tolist() == [63, 62] and p0.runs.tolist() == [[0, 0, 64]]
+    plan.piece(1)
+    assert sorted(plan._cache) == list(range(len(plan)))
+    assert [len(p.gpu_blocks) for p in plan] == [2] + [8] * 7 + [6]
+
+
+def test_job_plan_empty_and_refusals():
+    from kvoffload_connector.transfer.plan import JobPlan
+
+    plan = JobPlan([_batch(blocks=(), slots=(), pos=())], {0: 32}, 128, 256, 1 << 40)
+    assert len(plan) == 0 and list(plan) == [] and plan.ids.dtype == np.int64
+    assert plan.ids_at.tolist() == [0]
+    with pytest.raises(ValueError, match="staging capacity"):
+        JobPlan([_batch()], {0: 512}, 2048, 256, 1 << 40)
+
+
+def test_validator_refuses_duplicates_across_batches_and_counts_bytes(pool_factory):
+    """Duplicates split over two batches are caught (a STORE's slot positions across groups, a
+    LOAD's blocks within one group); a valid job returns its GPU bytes."""
+    from kvoffload_connector.transfer.engine import BatchValidator
+
+    _, layout, pool = build("LBHNC", pool_factory, groups=2)
+    check = BatchValidator(layout)
+    g0, g1 = (g.block_bytes for g in layout.groups)
+    store = [_batch(0, (1, 2), (3, 3), (0, 1)), _batch(1, (1,), (3,), (1,))]
+    with pytest.raises(ValueError, match="STORE job writes some slot position twice"):
+        check(pool.slot_count, Direction.STORE, store)
+    load = [_batch(0, (4,), (1,), (0,)), _batch(0, (4,), (2,), (0,))]
+    with pytest.raises(ValueError, match="GPU block of group 0 twice"):
+        check(pool.slot_count, Direction.LOAD, load)
+    # the same block ids in two groups are two different blocks
+    ok = [_batch(0, (4, 5), (1, 1), (0, 1)), _batch(1, (4,), (2,), (0,)), _batch(1, (), (), ())]
+    assert check(pool.slot_count, Direction.LOAD, ok) == 2 * g0 + g1
+    assert check(pool.slot_count, Direction.STORE, ok) == 2 * g0 + g1
+    with pytest.raises(ValueError, match=r"slots out of range \[0, 24\): min -3, max 0"):
+        check(pool.slot_count, Direction.STORE, [_batch(blocks=(1, 2), slots=(0, -3), pos=(0, 1))])
+    with pytest.raises(ValueError, match="must be a Direction"):
+        check(pool.slot_count, "h2d", ok)
+    with pytest.raises(ValueError, match="expected TransferBatch"):
+        check(pool.slot_count, Direction.LOAD, [object()])

@@ -146,6 +146,34 @@ def test_store_runs_after_the_compute_stream(pools):
     assert (pool.tensor[:2, : 4 * gbb].numpy() == 0x33).all()
 
 
+def test_back_to_back_stores_each_wait_for_the_compute_queued_before_them(pools):
+    """The compute-stream event is reused by every job of a pipe: job 2's STORE waits for the
+    work queued before its own submit (a write behind a ~0.1 s sleep), job 1's for none of
+    it; the trace shows piece 0 queued before the job is fully enqueued."""
+    setup, layout, pool = build("LBHNC", pools, num_layers=4)
+    storage = layout.storages[0]
+    engine = small_engine(layout, pool, blocks_per_piece=2, dma_streams=2)
+    try:
+        storage.fill_(0x11)
+        torch.cuda.synchronize()
+        first, second = np.arange(8), np.arange(8, 16)
+        engine.trace = []
+        engine.submit(1, Direction.STORE, [TransferBatch(0, first, first // 4, first % 4)])
+        labels = [label for label, _ in engine.trace]
+        assert labels.index("first piece") < labels.index("enqueued")
+        engine.trace = None
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the current stream
+        storage.fill_(0x44)  # queued behind the sleep, after job 1's submit
+        engine.submit(2, Direction.STORE, [TransferBatch(0, second, second // 4, second % 4)])
+        results = engine.wait([1, 2])
+        assert [r.ok for r in results] == [True, True]
+    finally:
+        engine.shutdown()
+    gbb = layout.groups[0].block_bytes
+    assert (pool.tensor[:2, : 4 * gbb].numpy() == 0x11).all()
+    assert (pool.tensor[2:4, : 4 * gbb].numpy() == 0x44).all()
+
+
 def test_concurrent_loads_and_stores_on_neighbouring_slots_never_mix(pools):
     """Stores into odd slots while loads read even slots (the same pages), several jobs in
     flight in both directions; every byte ends where it belongs."""

@@ -24,6 +24,11 @@ after a short gather and a load ends soon after its last DMA.
   event recorded on the compute stream at submit (the target blocks may just have been freed
   by work still queued there).
 
+Host path (what stands between ``submit()`` and the first DMA): validation against per-layout
+limits read once (``BatchValidator``), one sort and the piece cuts (``JobPlan``), then piece 0 is
+queued before the DMA runs of the other pieces are built; the compute-stream and hand-over
+events are created once per pipe and re-recorded per job.
+
 Completion: one timing event per job, queried by ``poll`` (never blocks). Jobs of one direction
 complete in submission order; the two directions run concurrently, touching disjoint slots
 (the pool never hands a slot to a store while a load reads it).
@@ -40,13 +45,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvoffload_connector.transfer.engine import (
+    BatchValidator,
     Direction,
     JobResult,
     TransferBatch,
-    validate_batches,
 )
 from kvoffload_connector.transfer.kernels import CopyKernels, unit_bytes, vector_width
-from kvoffload_connector.transfer.plan import Piece, plan_pieces
+from kvoffload_connector.transfer.plan import JobPlan, Piece
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +100,10 @@ class _Pipe:
         flags = 2  # CU_EVENT_DISABLE_TIMING: hand-over events only order work
         self.filled = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
         self.free = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
+        # reused by every job: a stream wait binds to the record made before it, so re-recording
+        # for the next job cannot disturb waits already queued (no event created per job)
+        self.ready = _ok(drv.cuEventCreate(flags), "cuEventCreate")  # compute stream at submit
+        self.handover = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(dmas)]
         self.next = 0
 
     def take(self) -> int:
@@ -150,6 +159,9 @@ class CudaEngine:
             }
             self._tables = {g.group_id: self._table(g) for g in layout.groups}
             self._kernels = CopyKernels(device.index, torch.cuda.get_device_capability(device))
+        # per-layout constants, read once: submit's host time gates the first copy
+        self._validate = BatchValidator(layout)
+        self._block_bytes = {gid: t.block_bytes for gid, t in self._tables.items()}
         from cuda.bindings import driver
 
         self._driver = driver
@@ -179,7 +191,7 @@ class CudaEngine:
         yet registered, or a CUDA error while enqueuing, gives a failed JobResult."""
         if self.trace is not None:
             self.trace = [("submit", time.perf_counter())]
-        nbytes = validate_batches(self._layout, self._pool.slot_count, direction, batches)
+        nbytes = self._validate(self._pool.slot_count, direction, batches)
         with self._lock:
             if self._closed:
                 raise RuntimeError("engine is shut down")
@@ -193,9 +205,10 @@ class CudaEngine:
             try:
                 self._mark("locked")
                 store = direction is Direction.STORE
-                pieces = plan_pieces(
+                # sorted and cut up front; DMA runs of piece 0 first, the rest while it copies
+                plan = JobPlan(
                     batches,
-                    {gid: t.block_bytes for gid, t in self._tables.items()},
+                    self._block_bytes,
                     self._pool.slot_bytes,
                     self._capacity,
                     self._pool.piece_bytes,
@@ -204,7 +217,7 @@ class CudaEngine:
                 )
                 self._mark("planned")
                 with self._torch.cuda.device(self._device):
-                    self._jobs[job_id] = self._enqueue(job_id, direction, pieces, nbytes)
+                    self._jobs[job_id] = self._enqueue(job_id, direction, plan, nbytes)
                 self._mark("enqueued")
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"
@@ -240,9 +253,9 @@ class CudaEngine:
             for pipe in self._pipes.values():
                 for stream in (pipe.kernel, *pipe.dmas):
                     stream.synchronize()
-                for ev in (*pipe.filled, *pipe.free):
+                for ev in (*pipe.filled, *pipe.free, pipe.ready, *pipe.handover):
                     self._driver.cuEventDestroy(ev)
-                pipe.filled, pipe.free, pipe.bufs = [], [], []
+                pipe.filled, pipe.free, pipe.handover, pipe.bufs = [], [], [], []
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -255,28 +268,31 @@ class CudaEngine:
         self._done[job.job_id] = JobResult(job.job_id, True, job.nbytes, seconds)
         del self._jobs[job.job_id]
 
-    def _enqueue(self, job_id: int, direction: Direction, pieces: list[Piece], nbytes: int) -> _Job:
+    def _enqueue(self, job_id: int, direction: Direction, plan: JobPlan, nbytes: int) -> _Job:
         torch = self._torch
         pipe = self._pipes[direction]
-        compute_ready = torch.cuda.Event()
-        compute_ready.record(torch.cuda.current_stream(self._device))
+        drv = self._driver
+        record, wait = drv.cuEventRecord, drv.cuStreamWaitEvent
+        kstream = pipe.kernel_h
+        compute = drv.CUstream(torch.cuda.current_stream(self._device).cuda_stream)
+        _ok(record(pipe.ready, compute), "cuEventRecord")
+        _ok(wait(kstream, pipe.ready, 0), "cuStreamWaitEvent")
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         keep: list = []
-        ids_at = np.cumsum([0] + [len(p.gpu_blocks) for p in pieces])
+        ids_at = plan.ids_at
 
         def ids_ptr(i: int) -> int:
-            """Device address of piece i's block ids; uploads them all on first use (after
-            the first LOAD DMA is queued, so PCIe starts before the host pins memory)."""
+            """Device address of piece i's block ids; uploads the job's ids (known before any
+            run list is built) on first use: after the first LOAD DMA is queued, so PCIe starts
+            before the host pins memory."""
             if not keep:
-                ids = np.concatenate([p.gpu_blocks for p in pieces])
                 with torch.cuda.stream(pipe.kernel):
-                    dev = torch.from_numpy(ids).pin_memory().to(self._device, non_blocking=True)
-                keep.append(dev)
+                    host = torch.from_numpy(plan.ids).pin_memory()
+                    keep.append(host.to(self._device, non_blocking=True))
             return keep[0].data_ptr() + 8 * int(ids_at[i])
 
         store = direction is Direction.STORE
-        pipe.kernel.wait_event(compute_ready)
         if store:
             start.record(pipe.kernel)
         else:
@@ -285,10 +301,9 @@ class CudaEngine:
                 d.wait_event(start)
         self._mark("started")
         base = self._pool.base_ptr
-        drv = self._driver
-        memcpy, record, wait = drv.cuMemcpyAsync, drv.cuEventRecord, drv.cuStreamWaitEvent
-        kstream = pipe.kernel_h
-        for i, p in enumerate(pieces):
+        memcpy = drv.cuMemcpyAsync
+        for i in range(len(plan)):
+            p = plan.piece(i)
             k = pipe.take()
             buf = pipe.buf_ptrs[k]
             dstream = pipe.dma_h[k % len(pipe.dma_h)]
@@ -299,12 +314,16 @@ class CudaEngine:
                 _ok(record(pipe.filled[k], kstream), "cuEventRecord")
                 _ok(wait(dstream, pipe.filled[k], 0), "cuStreamWaitEvent")
                 for pool_off, stg_off, n in runs:
-                    _ok(memcpy(base + pool_off, buf + stg_off, n, dstream), "cuMemcpyAsync d2h")
+                    err = memcpy(base + pool_off, buf + stg_off, n, dstream)[0]
+                    if int(err):  # inline: this loop is most of submit()'s driver calls
+                        raise RuntimeError(f"cuMemcpyAsync d2h failed: {err!r}")
                 _ok(record(pipe.free[k], dstream), "cuEventRecord")
             else:
                 _ok(wait(dstream, pipe.free[k], 0), "cuStreamWaitEvent")
                 for pool_off, stg_off, n in runs:
-                    _ok(memcpy(buf + stg_off, base + pool_off, n, dstream), "cuMemcpyAsync h2d")
+                    err = memcpy(buf + stg_off, base + pool_off, n, dstream)[0]
+                    if int(err):
+                        raise RuntimeError(f"cuMemcpyAsync h2d failed: {err!r}")
                 _ok(record(pipe.filled[k], dstream), "cuEventRecord")
                 _ok(wait(kstream, pipe.filled[k], 0), "cuStreamWaitEvent")
                 self._copy_kernel(p, ids_ptr(i), buf, kstream, False, self._load_ctas)
@@ -312,14 +331,13 @@ class CudaEngine:
             if i == 0:
                 self._mark("first piece")
         # the job ends when every stream of its pipe has drained its work
-        streams = [pipe.kernel, *pipe.dmas]
-        tail = pipe.dmas[0] if store else pipe.kernel
-        for other in streams:
-            if other is not tail:
-                handover = torch.cuda.Event()
-                handover.record(other)
-                tail.wait_event(handover)
-        end.record(tail)
+        streams = [kstream, *pipe.dma_h]
+        tail = pipe.dma_h[0] if store else kstream
+        others = [st for st in streams if st is not tail]
+        for ev, other in zip(pipe.handover, others, strict=True):
+            _ok(record(ev, other), "cuEventRecord")
+            _ok(wait(tail, ev, 0), "cuStreamWaitEvent")
+        end.record(pipe.dmas[0] if store else pipe.kernel)
         return _Job(job_id, nbytes, start, end, keep)
 
     def _copy_kernel(
