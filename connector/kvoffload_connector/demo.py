@@ -118,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="also write the results here")
     args = ap.parse_args(argv)
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # The demo prints its own progress and table; vLLM's start-up chatter (and the workers'
+    # deprecation warnings) would bury them. Both stay overridable from the environment.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
     t_start = time.monotonic()
     say(f"starting the kvoffload sidecar (pool {args.pool_size})")
     sidecar = SidecarProcess(pool_size=args.pool_size)
