@@ -35,7 +35,9 @@ def generate(src: Path, out: Path) -> list[Path]:
         while pkg != out:
             (pkg / "__init__.py").touch()
             pkg = pkg.parent
-    return sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return sorted(
+        p.relative_to(out) for p in out.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
 
 
 def main() -> None:
@@ -51,12 +53,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         fresh = generate(ns.src, Path(tmp))
         current = sorted(
-            p.relative_to(ns.out) for p in ns.out.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+            p.relative_to(ns.out)
+            for p in ns.out.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
         )
-        stale = [str(f) for f in fresh if not (ns.out / f).exists() or not filecmp.cmp(Path(tmp) / f, ns.out / f, shallow=False)]
+        stale = [
+            str(f)
+            for f in fresh
+            if not (ns.out / f).exists()
+            or not filecmp.cmp(Path(tmp) / f, ns.out / f, shallow=False)
+        ]
         extra = [str(f) for f in current if f not in fresh]
         if stale or extra:
-            sys.exit(f"protos/gen is stale (differs: {stale}, not generated: {extra}); run 'make protos'")
+            sys.exit(
+                f"protos/gen is stale (differs: {stale}, not generated: {extra}); run 'make protos'"
+            )
     print("protos/gen is up to date")
 
 

@@ -13,7 +13,10 @@ from collections.abc import Callable, Sequence
 
 # name -> ("module:function", one-line help). The function takes argv and returns an exit code.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "sidecar": ("kvoffload_sidecar.cli:main_sidecar", "run the pool sidecar (gRPC on a Unix socket)"),
+    "sidecar": (
+        "kvoffload_sidecar.cli:main_sidecar",
+        "run the pool sidecar (gRPC on a Unix socket)",
+    ),
     "stats": ("kvoffload_sidecar.cli:main_stats", "print a sidecar's stats as a table or JSON"),
     "inject": ("kvoffload_operator.cli:main_inject", "print manifests with the sidecar injected"),
     "operator": ("kvoffload_operator.cli:main_operator", "run the Kubernetes operator and webhook"),
