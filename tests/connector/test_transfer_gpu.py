@@ -19,6 +19,7 @@ from kvoffload_connector.transfer.testing import (
     fill_random,
     make_kv_caches,
     round_trip,
+    write_block,
 )
 
 pytestmark = [
@@ -262,5 +263,136 @@ def test_large_job_many_pieces_full_ring(pools):
         [res] = engine.wait([2])
         assert res.ok and res.bytes == 1024 * layout.groups[0].block_bytes
         assert torch.equal(before, blocks)
+    finally:
+        engine.shutdown()
+
+
+def _store_jobs(rng, blocks, positions, sizes, cb):
+    """Split (block, slot position) pairs into jobs of ``sizes`` entries, each job as one or two
+    batches of group 0 (two batches: the job's ids are concatenated before the upload)."""
+    jobs, at = [], 0
+    for n in sizes:
+        b, p = blocks[at : at + n], positions[at : at + n]
+        at += n
+        cut = rng.randrange(1, n) if n > 1 and rng.random() < 0.5 else n
+        parts = [(b[:cut], p[:cut]), (b[cut:], p[cut:])]
+        jobs.append([TransferBatch(0, bb, pp // cb, pp % cb) for bb, pp in parts if len(bb)])
+    return jobs
+
+
+def _pool_block(pool, gbb, cb, position):
+    slot, pos = divmod(int(position), cb)
+    return pool.tensor[slot, pos * gbb : (pos + 1) * gbb].numpy()
+
+
+def test_back_to_back_jobs_of_varying_sizes_reuse_the_id_buffers(pools):
+    """Rounds of store and load jobs of 1..64 blocks, submitted back to back (a dozen in flight
+    in both directions), each with its own block-id permutation: every job reads the ids it
+    was given although the pinned and device id buffers and the timing events are reused, and
+    each job's time is its own (positive, within the round's wall time)."""
+    import time
+
+    setup, layout, pool = build("LBHNC", pools, num_blocks=256, num_layers=4, slot_count=64)
+    engine = small_engine(layout, pool, blocks_per_piece=5, dma_streams=2)
+    cb, gbb = layout.chunk_blocks, layout.groups[0].block_bytes
+    half = 32 * cb  # slot positions 0..127 (slots 0..31) and 128..255 (slots 32..63)
+    rng = random.Random(11)
+    nprng = np.random.default_rng(11)
+    sizes_a = [1, 37, 5, 64, 2, 19]  # 128 blocks
+    sizes_b = [64, 1, 30, 3, 17, 13]
+    ids_cap = {d: engine._pipes[d].ids.capacity for d in Direction}
+    job_id = 0
+    try:
+        for rnd in range(3):
+            fill_random(layout, seed=20 + rnd)
+            pool.tensor.fill_(POISON)
+            src = nprng.permutation(128)  # blocks 0..127: store sources
+            data = {int(b): expected_block(setup, layout, 0, int(b)) for b in src}
+            # phase 1: stores of blocks 0..127 into positions 0..127, all in flight at once
+            pos1 = nprng.permutation(half)
+            ids = []
+            for batches in _store_jobs(rng, src, pos1, sizes_a if rnd % 2 else sizes_b, cb):
+                job_id += 1
+                engine.submit(job_id, Direction.STORE, batches)
+                ids.append(job_id)
+            assert all(r.ok for r in engine.wait(ids))
+            for b, p in zip(src, pos1, strict=True):
+                assert np.array_equal(_pool_block(pool, gbb, cb, p), data[int(b)]), (rnd, b, p)
+            # phase 2, both directions in flight: loads of positions 0..127 into poisoned
+            # blocks 128..255 (a new permutation), stores of blocks 0..127 into 128..255
+            targets = 128 + nprng.permutation(128)
+            for t in targets:
+                write_block(setup, layout, 0, int(t), np.full(gbb, POISON, np.uint8))
+            pos2 = half + nprng.permutation(half)
+            src2 = nprng.permutation(128)
+            loads = _store_jobs(rng, targets, pos1, sizes_b if rnd % 2 else sizes_a, cb)
+            stores = _store_jobs(rng, src2, pos2, sizes_a, cb)
+            ids = []
+            t0 = time.perf_counter()
+            for ld, st in zip(loads, stores, strict=True):
+                engine.submit(job_id + 1, Direction.LOAD, ld)
+                engine.submit(job_id + 2, Direction.STORE, st)
+                ids += [job_id + 1, job_id + 2]
+                job_id += 2
+            results = engine.wait(ids)
+            wall = time.perf_counter() - t0
+            assert sorted(r.job_id for r in results) == ids and all(r.ok for r in results)
+            assert all(0 < r.seconds <= wall for r in results), [r.seconds for r in results]
+            for t, b in zip(targets, src, strict=True):  # src[i] was stored at pos1[i]
+                assert np.array_equal(expected_block(setup, layout, 0, int(t)), data[int(b)])
+            for b, p in zip(src2, pos2, strict=True):
+                assert np.array_equal(_pool_block(pool, gbb, cb, p), data[int(b)]), (rnd, b, p)
+        for d in Direction:
+            pipe = engine._pipes[d]
+            assert pipe.ids.capacity == ids_cap[d]  # no job outgrew the first device buffer
+            # uploads finish in stream order, so the ring grows only when all of it is busy
+            assert pipe.ids.host_buffers <= 1 + len(sizes_a)
+            # 18 (LOAD) or 36 (STORE) jobs, at most 6 of a pipe in flight: timing pairs reused
+            assert 1 <= len(pipe.timers) <= len(sizes_a)
+    finally:
+        engine.shutdown()
+
+
+def test_jobs_queued_behind_compute_keep_their_ids_and_outgrow_the_buffers(pools):
+    """STOREs queued while the compute stream sleeps (~0.1 s): no upload of theirs can run
+    yet, so each takes a fresh pinned buffer instead of overwriting a pending one; one job
+    reads blocks into more slot positions than the GPU has blocks (more ids than the first
+    buffers hold), so the device buffer grows while earlier kernels that read the old one are
+    still queued. Every position gets its own block's bytes; a LOAD then reads them back."""
+    setup, layout, pool = build("BLHNC", pools, num_blocks=24, num_layers=3, slot_count=64)
+    engine = small_engine(layout, pool, blocks_per_piece=4)
+    cb, gbb = layout.chunk_blocks, layout.groups[0].block_bytes
+    nprng = np.random.default_rng(12)
+    pipe = engine._pipes[Direction.STORE]
+    first_cap = pipe.ids.capacity
+    assert first_cap == 24
+    sizes = [7, 3, 24, 150, 1, 20]  # 205 positions of 256; the 150-block job outgrows 24 ids
+    try:
+        fill_random(layout, seed=12)
+        pool.tensor.fill_(POISON)
+        data = {b: expected_block(setup, layout, 0, b) for b in range(24)}
+        blocks = nprng.integers(0, 24, size=sum(sizes))  # a STORE may read one block twice
+        positions = nprng.permutation(64 * cb)[: sum(sizes)]
+        jobs = _store_jobs(random.Random(12), blocks, positions, sizes, cb)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # every STORE below waits for this
+        for i, batches in enumerate(jobs):
+            engine.submit(i, Direction.STORE, batches)
+        assert pipe.ids.host_buffers >= len(jobs)  # none was free to refill
+        assert pipe.ids.capacity >= 150 > first_cap
+        results = engine.wait(range(len(jobs)))
+        assert [r.ok for r in results] == [True] * len(jobs)
+        for b, p in zip(blocks, positions, strict=True):
+            assert np.array_equal(_pool_block(pool, gbb, cb, p), data[int(b)]), (b, p)
+        # read 24 of the stored positions back into all 24 (poisoned) blocks
+        srcs = [(int(b), int(p)) for b, p in zip(blocks[:24], positions[:24], strict=True)]
+        for t in range(24):
+            write_block(setup, layout, 0, t, np.full(gbb, POISON, np.uint8))
+        pos = np.array([p for _, p in srcs])
+        engine.submit(100, Direction.LOAD, [TransferBatch(0, np.arange(24), pos // cb, pos % cb)])
+        [res] = engine.wait([100])
+        assert res.ok
+        for t, (b, _) in enumerate(srcs):
+            assert np.array_equal(expected_block(setup, layout, 0, t), data[b]), t
     finally:
         engine.shutdown()

@@ -26,10 +26,13 @@ after a short gather and a load ends soon after its last DMA.
 
 Host path (what stands between ``submit()`` and the first DMA): validation against per-layout
 limits read once (``BatchValidator``), one sort and the piece cuts (``JobPlan``), then piece 0 is
-queued before the DMA runs of the other pieces are built; the compute-stream and hand-over
-events are created once per pipe and re-recorded per job.
+queued before the DMA runs of the other pieces are built. Nothing is allocated or created per
+job: the compute-stream and hand-over events are re-recorded, the timing events come from a
+per-pipe free list, the block ids go through persistent pinned and device buffers
+(``_BlockIds``), and the compute stream's driver handle is cached per stream.
 
-Completion: one timing event per job, queried by ``poll`` (never blocks). Jobs of one direction
+Completion: a pair of timing events per job (start, end), the end queried by ``poll`` (never
+blocks); the pair returns to its pipe's free list once the job is reported. Jobs of one direction
 complete in submission order; the two directions run concurrently, touching disjoint slots
 (the pool never hands a slot to a store while a load reads it).
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -64,13 +68,17 @@ __all__ = ["CudaEngine"]
 _STAGING_ALIGN = 256
 
 
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY: cuEventQuery on work not yet done
+_NO_TIMING = 2  # CU_EVENT_DISABLE_TIMING: events that only order work
+
+
 @dataclass
 class _Job:
     job_id: int
     nbytes: int
-    start: Any  # torch.cuda.Event (timing)
+    start: Any  # torch.cuda.Event (timing), owned by the job until it is reported
     end: Any
-    keep: list  # device tensors the queued work reads (block ids); freed when reported
+    pipe: _Pipe  # whose free list the two events go back to
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,9 @@ class _Pipe:
     """One direction's staging ring, streams and hand-over events (raw driver handles: the
     per-piece enqueue path is a few driver calls, no torch wrappers)."""
 
-    def __init__(self, device: Any, capacity: int, ring: int, priority: int, dmas: int) -> None:
+    def __init__(
+        self, device: Any, capacity: int, ring: int, priority: int, dmas: int, ids: int
+    ) -> None:
         import torch
         from cuda.bindings import driver as drv
 
@@ -97,7 +107,7 @@ class _Pipe:
         self.dmas = [torch.cuda.Stream(device, priority=priority) for _ in range(dmas)]
         self.kernel_h = drv.CUstream(self.kernel.cuda_stream)
         self.dma_h = [drv.CUstream(d.cuda_stream) for d in self.dmas]
-        flags = 2  # CU_EVENT_DISABLE_TIMING: hand-over events only order work
+        flags = _NO_TIMING
         self.filled = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
         self.free = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
         # reused by every job: a stream wait binds to the record made before it, so re-recording
@@ -105,11 +115,129 @@ class _Pipe:
         self.ready = _ok(drv.cuEventCreate(flags), "cuEventCreate")  # compute stream at submit
         self.handover = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(dmas)]
         self.next = 0
+        self.ids = _BlockIds(torch, device, self.kernel, ids)
+        # (start, end) timing events of reported jobs: a pair is re-recorded only after the job
+        # that used it was reported (its elapsed time read), so no job reads a later job's record
+        self.timers: list[tuple[Any, Any]] = []
 
     def take(self) -> int:
         k = self.next
         self.next = (k + 1) % len(self.bufs)
         return k
+
+    def take_timers(self) -> tuple[Any, Any]:
+        """A free (start, end) pair; new ones only while more jobs are in flight than ever."""
+        if self.timers:
+            return self.timers.pop()
+        event = self.ids.torch.cuda.Event
+        return event(enable_timing=True), event(enable_timing=True)
+
+    def close(self, destroy: Any) -> None:
+        """Release events and buffers (the caller synchronized this pipe's streams)."""
+        for ev in (*self.filled, *self.free, self.ready, *self.handover):
+            destroy(ev)
+        self.ids.close(destroy)
+        self.filled, self.free, self.handover, self.bufs, self.timers = [], [], [], [], []
+
+
+@dataclass
+class _HostIds:
+    """One pinned host buffer of block ids and the event recorded after its last upload."""
+
+    tensor: Any  # torch int64, pinned
+    view: np.ndarray  # numpy view of ``tensor`` (same memory)
+    ptr: int
+    uploaded: Any  # CUevent (no timing)
+
+
+class _BlockIds:
+    """A pipe's block-id upload: persistent pinned host buffers -> one device buffer, with one
+    ``np.copyto`` and one async H2D copy per job on the pipe's kernel stream (no pinned or
+    device allocation per job; ``cudaHostAlloc`` per job cost ~0.1-0.3 ms before a STORE's
+    first gather).
+
+    Why reuse is safe:
+    - Device buffer: written only by ``upload``, queued on the kernel stream, and read only by
+      copy kernels queued on that same stream. A stream runs its work in order, so job N+1's
+      upload starts after every kernel of job N (and earlier) has finished reading the buffer:
+      no event or second buffer is needed. It is allocated with the kernel stream current, so
+      torch's caching allocator never hands it memory another stream's queued work still uses.
+      When a job needs more ids the buffer grows (geometrically) and the old one is retired,
+      not freed: earlier kernels may still read it; retired buffers go at ``close``.
+    - Pinned host buffers: the H2D copy reads one after ``upload`` returns. Each has an event
+      recorded on the kernel stream after its copy; a buffer is refilled only when
+      ``cuEventQuery`` says that copy is done (a never-recorded event counts as done). The
+      oldest buffer is tried first; if it is still in use (jobs queued deeper than the ring),
+      a new buffer joins the ring instead: ``submit()`` never waits for the GPU here.
+    """
+
+    def __init__(self, torch: Any, device: Any, stream: Any, n: int) -> None:
+        from cuda.bindings import driver as drv
+
+        self.torch = torch
+        self._drv = drv
+        self._device = device
+        self._stream = stream  # torch.cuda.Stream: the kernel stream
+        n = max(1, n)
+        self._dev = self._device_buffer(n)
+        self._retired: list[Any] = []
+        self._host: deque[_HostIds] = deque(self._host_buffer(n) for _ in range(2))
+
+    @property
+    def capacity(self) -> int:
+        """Ids the device buffer holds without growing."""
+        return int(self._dev.numel())
+
+    @property
+    def host_buffers(self) -> int:
+        """Pinned buffers in the ring (2, more only if uploads were ever queued deeper)."""
+        return len(self._host)
+
+    def _device_buffer(self, n: int) -> Any:
+        with self.torch.cuda.stream(self._stream):
+            return self.torch.empty(n, dtype=self.torch.int64, device=self._device)
+
+    def _host_buffer(self, n: int) -> _HostIds:
+        t = self.torch.empty(n, dtype=self.torch.int64, pin_memory=True)
+        ev = _ok(self._drv.cuEventCreate(_NO_TIMING), "cuEventCreate")
+        return _HostIds(t, t.numpy(), t.data_ptr(), ev)
+
+    def upload(self, ids: np.ndarray, stream: Any) -> int:
+        """Queue ``ids`` (int64) to the device buffer on ``stream`` (the kernel stream's
+        CUstream); return the device address. Never waits for the GPU."""
+        n = len(ids)
+        if n > self.capacity:
+            self._retired.append(self._dev)
+            self._dev = self._device_buffer(max(n, 2 * self.capacity))
+        host = self._host[0]
+        idle = self._idle(host)
+        if idle and n <= len(host.view):
+            self._host.rotate(-1)
+        else:
+            if idle:  # too small and its last copy is done: freeing it is safe
+                self._drv.cuEventDestroy(self._host.popleft().uploaded)
+            size = max(n, max(len(h.view) for h in self._host) if self._host else n)
+            host = self._host_buffer(size)
+            self._host.append(host)
+        np.copyto(host.view[:n], ids)
+        dev = self._dev.data_ptr()
+        if n:
+            _ok(self._drv.cuMemcpyAsync(dev, host.ptr, 8 * n, stream), "cuMemcpyAsync ids")
+            _ok(self._drv.cuEventRecord(host.uploaded, stream), "cuEventRecord")
+        return dev
+
+    def _idle(self, host: _HostIds) -> bool:
+        err = int(self._drv.cuEventQuery(host.uploaded)[0])
+        if err not in (0, _NOT_READY):
+            raise RuntimeError(f"cuEventQuery failed: {err}")
+        return err == 0
+
+    def close(self, destroy: Any) -> None:
+        for h in self._host:
+            destroy(h.uploaded)
+        self._host.clear()
+        self._retired.clear()
+        self._dev = None
 
 
 class CudaEngine:
@@ -152,10 +280,13 @@ class CudaEngine:
         max_gbb = max(g.block_bytes for g in layout.groups)
         cap = max(piece_bytes, max_gbb)
         self._capacity = -(-cap // _STAGING_ALIGN) * _STAGING_ALIGN
+        # a LOAD writes each GPU block at most once, so this many ids fit any LOAD and most
+        # STOREs (a STORE may read a block into several slots: the id buffers then grow once)
+        ids = sum(g.num_blocks for g in layout.groups)
         with torch.cuda.device(device):
             self._pipes = {
-                Direction.STORE: _Pipe(device, self._capacity, ring, 0, dma_streams),
-                Direction.LOAD: _Pipe(device, self._capacity, ring, -1, dma_streams),
+                Direction.STORE: _Pipe(device, self._capacity, ring, 0, dma_streams, ids),
+                Direction.LOAD: _Pipe(device, self._capacity, ring, -1, dma_streams, ids),
             }
             self._tables = {g.group_id: self._table(g) for g in layout.groups}
             self._kernels = CopyKernels(device.index, torch.cuda.get_device_capability(device))
@@ -170,6 +301,7 @@ class CudaEngine:
         self._done: dict[int, JobResult] = {}
         self._closed = False
         self._edge_bytes = edge_bytes
+        self._compute: dict[int, Any] = {}  # raw stream handle -> its CUstream wrapper
         # set to [] to record host timestamps of the last submit (benchmarks)
         self.trace: list[tuple[str, float]] | None = None
 
@@ -253,9 +385,7 @@ class CudaEngine:
             for pipe in self._pipes.values():
                 for stream in (pipe.kernel, *pipe.dmas):
                     stream.synchronize()
-                for ev in (*pipe.filled, *pipe.free, pipe.ready, *pipe.handover):
-                    self._driver.cuEventDestroy(ev)
-                pipe.filled, pipe.free, pipe.handover, pipe.bufs = [], [], [], []
+                pipe.close(self._driver.cuEventDestroy)
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -267,30 +397,48 @@ class CudaEngine:
         seconds = job.start.elapsed_time(job.end) / 1e3
         self._done[job.job_id] = JobResult(job.job_id, True, job.nbytes, seconds)
         del self._jobs[job.job_id]
+        job.pipe.timers.append((job.start, job.end))  # read: free for a later job
+
+    def _compute_stream(self) -> Any:
+        """The caller's current stream as a CUstream (it may change between calls: the raw
+        handle is read each time, the wrapper built once per handle)."""
+        h = self._torch.cuda.current_stream(self._device).cuda_stream
+        cu = self._compute.get(h)
+        if cu is None:
+            cu = self._compute[h] = self._driver.CUstream(h)
+        return cu
 
     def _enqueue(self, job_id: int, direction: Direction, plan: JobPlan, nbytes: int) -> _Job:
-        torch = self._torch
         pipe = self._pipes[direction]
         drv = self._driver
         record, wait = drv.cuEventRecord, drv.cuStreamWaitEvent
         kstream = pipe.kernel_h
-        compute = drv.CUstream(torch.cuda.current_stream(self._device).cuda_stream)
-        _ok(record(pipe.ready, compute), "cuEventRecord")
+        _ok(record(pipe.ready, self._compute_stream()), "cuEventRecord")
         _ok(wait(kstream, pipe.ready, 0), "cuStreamWaitEvent")
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        keep: list = []
+        start, end = pipe.take_timers()
+        try:
+            self._enqueue_pieces(pipe, direction, plan, start, end)
+        except BaseException:
+            pipe.timers.append((start, end))  # never reported: free again
+            raise
+        return _Job(job_id, nbytes, start, end, pipe)
+
+    def _enqueue_pieces(
+        self, pipe: _Pipe, direction: Direction, plan: JobPlan, start: Any, end: Any
+    ) -> None:
+        drv = self._driver
+        record, wait = drv.cuEventRecord, drv.cuStreamWaitEvent
+        kstream = pipe.kernel_h
         ids_at = plan.ids_at
+        ids_base: list[int] = []
 
         def ids_ptr(i: int) -> int:
             """Device address of piece i's block ids; uploads the job's ids (known before any
             run list is built) on first use: after the first LOAD DMA is queued, so PCIe starts
-            before the host pins memory."""
-            if not keep:
-                with torch.cuda.stream(pipe.kernel):
-                    host = torch.from_numpy(plan.ids).pin_memory()
-                    keep.append(host.to(self._device, non_blocking=True))
-            return keep[0].data_ptr() + 8 * int(ids_at[i])
+            first; before a STORE's first gather, on the kernel stream (see ``_BlockIds``)."""
+            if not ids_base:
+                ids_base.append(pipe.ids.upload(plan.ids, kstream))
+            return ids_base[0] + 8 * int(ids_at[i])
 
         store = direction is Direction.STORE
         if store:
@@ -338,7 +486,6 @@ class CudaEngine:
             _ok(record(ev, other), "cuEventRecord")
             _ok(wait(tail, ev, 0), "cuStreamWaitEvent")
         end.record(pipe.dmas[0] if store else pipe.kernel)
-        return _Job(job_id, nbytes, start, end, keep)
 
     def _copy_kernel(
         self, p: Piece, ids_ptr: int, buf: int, stream: Any, to_staging: bool, ctas: int
