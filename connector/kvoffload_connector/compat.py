@@ -14,6 +14,7 @@ Known differences the connector relies on:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 try:  # the base classes only give vLLM's isinstance checks something to see
@@ -36,6 +37,18 @@ except Exception:  # pragma: no cover - without vLLM (pure unit tests of other p
     HAVE_VLLM = False
 
 WorkerMetadataBase: Any = _WorkerMetadataBase
+
+try:  # vLLM 0.32+; 0.26 has no get_transfer_results and so no result type
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except Exception:  # noqa: BLE001
+
+    @dataclass
+    class KVConnectorTransferResults:  # type: ignore[no-redef]
+        """Same fields as vLLM 0.32+'s; on 0.26 nothing calls get_transfer_results."""
+
+        finished_sending: set[str] = field(default_factory=set)
+        finished_recving: set[str] = field(default_factory=set)
+        failed_recving: set[str] = field(default_factory=set)
 
 
 def hash_algo(vllm_config: Any) -> str:

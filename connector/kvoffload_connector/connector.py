@@ -16,11 +16,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 
 from kvoffload_connector import compat
+from kvoffload_connector.compat import KVConnectorTransferResults
 from kvoffload_connector.config import parse_extra_config
 from kvoffload_connector.metadata import ConnectorMeta
 from kvoffload_connector.stats import ConnectorStats, PromMetrics
@@ -166,7 +166,15 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         md = self._connector_metadata
         return md if isinstance(md, ConnectorMeta) else None
 
+    def _submit_unsaved_stores(self) -> None:
+        """vLLM 0.26 skips `wait_for_save` in steps that schedule no tokens but still binds their
+        metadata and asks for results: submit those stores here, or their GPU blocks stay
+        referenced by the scheduler forever (the engine stalls once the cache is full).
+        A no-op where `wait_for_save` ran for the bound metadata (vLLM 0.32+)."""
+        self._worker.wait_for_save(self._meta())
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        self._submit_unsaved_stores()
         recving, failed, _ = self._worker.transfer_results()
         return KVConnectorTransferResults(
             finished_sending=set(), finished_recving=recving, failed_recving=failed
@@ -174,6 +182,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """vLLM 0.26 entry point: failures go out through get_block_ids_with_load_errors."""
+        self._submit_unsaved_stores()
         recving, _, blocks = self._worker.transfer_results()
         self._legacy_failed_blocks = blocks
         return None, recving or None

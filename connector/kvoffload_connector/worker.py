@@ -84,6 +84,7 @@ class OffloadWorker:
         self._report_registration: Registration | None = None
         self._reported_ready: bool | None = None
         self._jobs: dict[int, tuple[str, str, int, str]] = {}  # id -> (kind, req, store id, ns)
+        self._saved_meta: ConnectorMeta | None = None  # the metadata whose stores went out
         self._load_blocks: dict[int, list[int]] = {}
         self._done: dict[int, int] = {}
         self._failed: dict[int, int] = {}
@@ -240,8 +241,10 @@ class OffloadWorker:
         self._load_blocks.pop(job_id, None)
 
     def wait_for_save(self, meta: ConnectorMeta | None) -> None:
-        if meta is None:
+        """Submit the step's store jobs, once per metadata object (callers may repeat it)."""
+        if meta is None or meta is self._saved_meta:
             return
+        self._saved_meta = meta  # a reference, not an id(): a freed object's id can come back
         for job in meta.stores:
             if not self.ready or job.generation != self.generation:
                 self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1

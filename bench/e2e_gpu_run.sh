@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# One GPU-machine call for issue 6: unpack the vLLM 0.26 carry, start the real `kvoffload sidecar`,
+# run bench/e2e_gpu.py for a phase, leave JSON, logs and tables in $OUT.
+#
+#   bash bench/e2e_gpu_run.sh PHASE [BUDGET_S]      (repository root, the machine's python3)
+#
+# PHASE: smoke   small Llama (5 configurations, short sections) + small Gemma-3 hybrid
+#        llama   Llama-3-8B shape, 5 configurations, ttft + multiturn + decode
+#        hybrid  Gemma-3-12B shape (sliding window + full), 32K pool hit, kvo-eager vs offloading
+#        all     llama, then hybrid with what is left
+#        final   kvo-eager on Llama (all sections), the hybrid pair, kvo-lazy TTFT if time is left
+# Hybrid models need more GPU blocks than dense ones for the same max_model_len: vLLM 0.26 sizes each
+# sliding-window group for window - 1 + 2 x max_num_batched_tokens (16,384) tokens in flight:
+# with two batches in flight (async scheduling), 40,960 tokens take 2,560 + 5 x 2,113 = 13,125
+# blocks (measured: 12.82 GiB at 1 MiB a block; gemma3-12b: --gpu-blocks 14000).
+# Environment: E2E_CONFIGS (llama phase's configurations), POOL_GIB (sidecar pool, default 48; 32
+# for smoke), CPU_GIB (vLLM connectors' cpu_bytes_to_use in GiB, default 48).
+# BUDGET_S: wall seconds for everything after the unpack (default 540: a call is at most 600).
+# Prepare once, here (git-ignored through .git/info/exclude, ~48 MiB, named in the call's carry):
+#   echo /.gpu/ >> .git/info/exclude; mkdir -p .gpu/whl
+#   cp ../shared/gpu-vllm/vllm026-h100-carry.tar.xz .gpu/
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .gpu/whl grpcio==1.85.1 grpcio-health-checking==1.85.1 \
+#     protobuf==7.36.2
+# Needs .gpu/vllm026-h100-carry.tar.xz (carry `.gpu`); wheels in .gpu/whl (protobuf 7.36.2, grpcio and
+# grpcio-health-checking 1.85.1: the image has grpcio 1.84.0, older than the stubs need) go first.
+set -uo pipefail
+phase=${1:-smoke}
+budget=${2:-540}
+OUT=${OUT:-out/e2e}
+mkdir -p "$OUT"
+t_start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - t_start))); }
+
+mkdir -p /tmp/vsite /tmp/site
+[[ -f /tmp/vsite/vllm/__init__.py ]] || tar -xJf .gpu/vllm026-h100-carry.tar.xz -C /tmp/vsite || exit 3
+# The image's own versions (the generated stubs need protobuf >= 7.35 and grpcio >= 1.85.1).
+native=$(python3 -c 'import google.protobuf as p, grpc; print("protobuf", p.__version__, "grpcio", grpc.__version__)' 2>&1 | tail -1)
+need_wheels=no
+if ls .gpu/whl/*.whl >/dev/null 2>&1; then
+  need_wheels=yes
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/whl/*.whl || exit 4
+fi
+export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD/connector:$PWD/sidecar:$PWD/protos/gen:$PWD/cli
+export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+
+{
+  date -u
+  echo "phase $phase, budget ${budget}s, image: $native, wheels from .gpu/whl: $need_wheels, commit $(git rev-parse --short HEAD 2>/dev/null)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv,noheader
+  python3 -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+  python3 -c 'import google.protobuf as p, grpc; print("protobuf", p.__version__, "from", p.__file__, "grpc", grpc.__version__)'
+  python3 -c 'import grpc_health.v1.health, kvoffload.v1.pool_pb2; print("grpc_health + kvoffload stubs import")'
+  python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1
+  nproc; free -g | head -2; df -h /dev/shm | tail -1
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+pool_dir=/dev/shm/kvo-e2e
+rm -rf "$pool_dir" && mkdir -p "$pool_dir"
+pool_gib=${POOL_GIB:-$([[ $phase == smoke ]] && echo 32 || echo 48)}
+cpu_gib=${CPU_GIB:-48}  # vLLM's connectors get the same capacity as the pool
+llama_configs=${E2E_CONFIGS:-none,kvo-eager,offloading,simple,kvo-lazy}
+python3 -m kvoffload_cli.main sidecar --pool-size "${pool_gib}Gi" --pool-dir "$pool_dir" \
+  --socket "$pool_dir/pool.sock" --max-namespaces 1 >"$OUT/sidecar.log" 2>&1 &
+sidecar_pid=$!
+trap 'kill $sidecar_pid 2>/dev/null; sleep 1; kill -9 $sidecar_pid 2>/dev/null; rm -rf "$pool_dir"' EXIT
+for _ in $(seq 1 300); do
+  [[ -S $pool_dir/pool.sock ]] && break
+  kill -0 $sidecar_pid 2>/dev/null || { echo "sidecar exited:"; tail -20 "$OUT/sidecar.log"; exit 5; }
+  sleep 0.2
+done
+[[ -S $pool_dir/pool.sock ]] || { echo "sidecar socket never appeared"; tail -20 "$OUT/sidecar.log"; exit 5; }
+echo "sidecar up (pid $sidecar_pid, pool ${pool_gib} GiB) after $(( $(date +%s) - t_start )) s"
+
+drive() {  # drive NAME MODEL BUDGET ARGS...: one driver run, its JSON and log in $OUT
+  local name=$1 model=$2 b=$3
+  shift 3
+  (( b < 70 )) && { echo "skip $name: ${b}s left"; return 0; }
+  timeout $((b + 30)) python3 bench/e2e_gpu.py --model "bench/e2e_models/$model" \
+    --socket "$pool_dir/pool.sock" --cpu-gib "$cpu_gib" --budget-s "$b" \
+    --out "$OUT/$name.json" --log "$OUT/engines.log" "$@"
+  echo "== $name done, rc $?, $(left) s left"
+}
+
+case $phase in
+  smoke)
+    drive smoke-llama llama-small $(( $(left) - 160 )) --sizes 2000,10000 --reps 2 \
+      --config-budget-s 45 --filler-tokens 12000 --gpu-blocks 1500 --max-model-len 16384 \
+      --cpu-gib 4 --mt-convs 8 --mt-system 2048 --mt-turn 256 --mt-reply 8 --mt-turns 2 \
+      --dec-batch 8 --dec-tokens 32 --dec-reps 1
+    drive smoke-hybrid gemma3-small-hybrid $(( $(left) - 95 )) --configs kvo-eager,offloading \
+      --sections ttft --sizes 8000 --reps 2 --config-budget-s 45 --filler-tokens 12000 \
+      --gpu-blocks 6500 --max-model-len 16384 --cpu-gib 4
+    drive smoke-8b llama3-8b $(( $(left) - 5 )) --configs kvo-eager --sections ttft \
+      --sizes 10000,32000 --reps 2
+    ;;
+  llama)
+    drive llama3-8b llama3-8b $(( $(left) - 5 )) --configs "$llama_configs"
+    ;;
+  hybrid)
+    drive gemma3-12b gemma3-12b-hybrid $(( $(left) - 5 )) --configs kvo-eager,offloading \
+      --sections ttft --sizes 32000 --reps 3 --config-budget-s 110 --gpu-blocks 14000 --fillers 2
+    ;;
+  all)
+    drive llama3-8b llama3-8b $(( $(left) - 205 )) --configs "$llama_configs"
+    drive gemma3-12b gemma3-12b-hybrid $(( $(left) - 5 )) --configs kvo-eager,offloading \
+      --sections ttft --sizes 32000 --reps 3 --config-budget-s 110 --gpu-blocks 14000 --fillers 2
+    ;;
+  final)  # what a tight device budget allows: kvoffload on Llama, the hybrid pair, then lazy
+    drive llama3-8b llama3-8b $(( $(left) - 170 )) --configs kvo-eager --config-budget-s 135
+    drive gemma3-12b gemma3-12b-hybrid $(( $(left) - 5 )) --configs kvo-eager,offloading \
+      --sections ttft --sizes 32000 --reps 3 --config-budget-s 70 --gpu-blocks 14000 --fillers 2
+    drive llama3-8b-lazy llama3-8b $(( $(left) - 5 )) --configs kvo-lazy --sections ttft
+    ;;
+  *) echo "unknown phase $phase (smoke, llama, hybrid, all)"; exit 2 ;;
+esac
+
+python3 - "$OUT" <<'EOF' | tee "$OUT/tables.txt"
+import json, sys, pathlib
+for p in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    r = json.loads(p.read_text())
+    print(f"### {p.name}")
+    print("\n".join(r.get("tables", [])))
+EOF
+python3 -m kvoffload_cli.main stats --socket "$pool_dir/pool.sock" 2>&1 | head -20
+tail -5 "$OUT/sidecar.log"
