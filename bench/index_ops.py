@@ -109,13 +109,17 @@ def bench_policy(policy: str, slots: int, batches: list[int], seconds: float) ->
             for batch in batches:
                 rng = random.Random(batch)
 
+                # flush_deferred: the policy touches the servicer runs after each answer
                 def lookup(batch: int = batch, rng: random.Random = rng) -> int:
                     first = rng.randrange(next_key - capacity // 4, next_key - batch)
-                    return pool.lookup(ns, [packed(range(first, first + batch))])[0]
+                    hits = pool.lookup(ns, [packed(range(first, first + batch))])[0]
+                    pool.flush_deferred()
+                    return hits
 
                 def load(batch: int = batch, rng: random.Random = rng) -> int:
                     first = rng.randrange(next_key - capacity // 4, next_key - batch)
                     pin = pool.reserve_load(ns, cid, packed(range(first, first + batch)))
+                    pool.flush_deferred()
                     if pin.pin_id:
                         pool.release(ns, cid, [pin.pin_id])
                     return len(pin.slots)

@@ -3,15 +3,23 @@
 Starts the sidecar as a subprocess, registers one namespace, commits 1,024 keys, then times
 Lookup, ReserveStore (each undone by an untimed AbortStore) and ReserveLoad (each undone by an
 untimed Release) with 1, 64 and 1,024 keys, as unary calls and inside one Session stream.
+
+The floor of the same transport is measured in the same run: an empty bytes-echo server (a
+grpc.aio subprocess on a Unix socket, no pool work, no protobuf) answers a request of the same
+size as the sidecar's with a reply of the same size as the sidecar's, unary or on one kept-open
+stream driven exactly like the Session. Its calls alternate with the sidecar's, one for one, so
+both see the same load; each row shows the floor and the sidecar's cost above it.
 Prints a table and writes JSON (`--out`, default bench/results/sidecar_rpc.json).
 
-    python bench/sidecar_rpc.py [--calls 2000] [--pool-dir /dev/shm] [--out PATH]
+    python bench/sidecar_rpc.py [--calls 2000] [--pool-dir /dev/shm] [--out PATH] [--no-floor]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import multiprocessing as mp
 import os
 import platform
 import queue
@@ -92,6 +100,106 @@ def sidecar(pool_dir: Path, pool_size: str) -> Iterator[str]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+# -- the transport's floor: an empty echo --------------------------------------------------------
+
+ECHO_SERVICE = "floor.Echo"
+
+
+def _ident(b: bytes) -> bytes:
+    return b
+
+
+def _echo_reply(req: bytes) -> bytes:
+    """The request names the reply size in its first 4 bytes (the rest is padding)."""
+    n = int.from_bytes(req[:4], "little")
+    return req[4 : 4 + n] if n <= len(req) - 4 else bytes(n)
+
+
+def _serve_echo(address: str, ready: Any) -> None:
+    """Subprocess: a grpc.aio server (like the sidecar's) with a unary and a stream echo."""
+
+    async def serve() -> None:
+        async def unary(req: bytes, _ctx: Any) -> bytes:
+            return _echo_reply(req)
+
+        async def stream(_it: Any, ctx: Any) -> None:  # reads and writes like the Session
+            while (req := await ctx.read()) is not grpc.aio.EOF:
+                await ctx.write(_echo_reply(req))
+
+        handler = grpc.method_handlers_generic_handler(
+            ECHO_SERVICE,
+            {
+                "Unary": grpc.unary_unary_rpc_method_handler(unary, _ident, _ident),
+                "Stream": grpc.stream_stream_rpc_method_handler(stream, _ident, _ident),
+            },
+        )
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", 32 << 20),
+                ("grpc.max_send_message_length", 32 << 20),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(address)
+        await server.start()
+        ready.set()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+@contextmanager
+def echo_server() -> Iterator[str]:
+    work = Path(tempfile.mkdtemp(prefix="kvo-floor-", dir="/tmp"))
+    target = f"unix:{work / 'echo.sock'}"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_serve_echo, args=(target, ready), daemon=True)
+    proc.start()
+    try:
+        if not ready.wait(30):
+            raise SystemExit("echo server did not start")
+        yield target
+    finally:
+        proc.kill()
+        proc.join(5)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class EchoCaller:
+    """Unary and stream echo calls of given request/reply sizes; the stream is driven like
+    `SessionCaller` (a queue feeds the request iterator, one request in flight)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._unary = channel.unary_unary(f"/{ECHO_SERVICE}/Unary", _ident, _ident)
+        self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        stream = channel.stream_stream(f"/{ECHO_SERVICE}/Stream", _ident, _ident)
+        self._responses = stream(iter(self._q.get, None))
+
+    def op(self, mode: str, request_bytes: int, reply_bytes: int) -> Callable[[], None]:
+        payload = reply_bytes.to_bytes(4, "little") + bytes(max(0, request_bytes - 4))
+        if mode == "unary":
+            unary = self._unary
+
+            def call() -> None:
+                unary(payload)
+
+            return call
+        q, responses = self._q, self._responses
+
+        def stream_call() -> None:
+            q.put(payload)
+            next(responses)
+
+        return stream_call
+
+    def close(self) -> None:
+        self._q.put(None)
+        for _ in self._responses:
+            pass
+
+
 class SessionCaller:
     """One Session stream; `call(**oneof)` sends a request and waits for its answer."""
 
@@ -115,28 +223,45 @@ class SessionCaller:
             pass
 
 
-def _time(calls: int, warmup: int, op: Callable[[], Callable[[], None] | None]) -> list[float]:
-    """Run `op` warmup+calls times; op returns an untimed undo. Seconds per timed call."""
-    samples = []
+def _time(
+    calls: int,
+    warmup: int,
+    op: Callable[[], Callable[[], None] | None],
+    floor: Callable[[], None] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Run `op` warmup+calls times; op returns an untimed undo. After each, one timed `floor`
+    call when given. Seconds per timed call: (op samples, floor samples)."""
+    samples, floor_samples = [], []
+    perf = time.perf_counter
     for i in range(warmup + calls):
-        start = time.perf_counter()
+        start = perf()
         undo = op()
-        elapsed = time.perf_counter() - start
+        elapsed = perf() - start
         if undo is not None:
             undo()
+        if floor is not None:
+            start = perf()
+            floor()
+            floor_elapsed = perf() - start
+            if i >= warmup:
+                floor_samples.append(floor_elapsed)
         if i >= warmup:
             samples.append(elapsed)
-    return samples
+    return samples, floor_samples
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, max(0, int(q * len(sorted_values) + 0.5) - 1))]
 
 
+Op = Callable[[], Callable[[], None] | None]
+
+
 def _ops(
     stub: pb_grpc.KVPoolStub, session: SessionCaller, ns: str, cid: int, committed: bytes, n: int
-) -> list[tuple[str, str, Callable[[], Callable[[], None] | None]]]:
-    """(op, mode, call) for n keys: each call does one timed RPC and returns its untimed undo."""
+) -> list[tuple[str, str, Op, tuple[int, int]]]:
+    """(op, mode, call, (request bytes, reply bytes)) for n keys: each call does one timed RPC
+    and returns its untimed undo; the sizes (from one probe call) size the floor's echo."""
     hit = committed[: n * KEY_SIZE]
     new = _keys(1 << 40, n)  # never committed: every key NEW
     lookup_req = pb.LookupRequest(namespace_id=ns, queries=[pb.KeyList(keys=hit)])
@@ -183,19 +308,56 @@ def _ops(
         pid = r.pin_id
         return lambda: session.call(release=pb.ReleaseRequest(namespace_id=ns, pin_ids=[pid]))
 
+    # One probe call per op gives the reply sizes (then undone); session messages carry a seq.
+    u_sizes = {"Lookup": (lookup_req.ByteSize(), stub.Lookup(lookup_req).ByteSize())}
+    r = stub.ReserveStore(store_req)
+    u_sizes["ReserveStore"] = (store_req.ByteSize(), r.ByteSize())
+    abort(r.store_id)()
+    r = stub.ReserveLoad(load_req)
+    u_sizes["ReserveLoad"] = (load_req.ByteSize(), r.ByteSize())
+    release(r.pin_id)()
+    s_sizes = {}
+    for op, field, req in (
+        ("Lookup", "lookup", lookup_req),
+        ("ReserveStore", "reserve_store", store_req),
+        ("ReserveLoad", "reserve_load", load_req),
+    ):
+        resp = session.call(**{field: req})
+        sent = pb.SessionRequest(seq=1 << 20, **{field: req}).ByteSize()
+        s_sizes[op] = (sent, resp.ByteSize())
+        if op == "ReserveStore":
+            sid = resp.reserve_store.store_id
+            session.call(abort_store=pb.AbortStoreRequest(namespace_id=ns, store_id=sid))
+        elif op == "ReserveLoad":
+            pid = resp.reserve_load.pin_id
+            session.call(release=pb.ReleaseRequest(namespace_id=ns, pin_ids=[pid]))
+
     return [
-        ("Lookup", "unary", u_lookup),
-        ("Lookup", "session", s_lookup),
-        ("ReserveStore", "unary", u_store),
-        ("ReserveStore", "session", s_store),
-        ("ReserveLoad", "unary", u_load),
-        ("ReserveLoad", "session", s_load),
+        ("Lookup", "unary", u_lookup, u_sizes["Lookup"]),
+        ("Lookup", "session", s_lookup, s_sizes["Lookup"]),
+        ("ReserveStore", "unary", u_store, u_sizes["ReserveStore"]),
+        ("ReserveStore", "session", s_store, s_sizes["ReserveStore"]),
+        ("ReserveLoad", "unary", u_load, u_sizes["ReserveLoad"]),
+        ("ReserveLoad", "session", s_load, s_sizes["ReserveLoad"]),
     ]
 
 
-def run(target: str, calls: int, warmup: int) -> list[dict[str, Any]]:
+def _stats(samples: list[float]) -> dict[str, float]:
+    s = sorted(samples)
+    return {
+        "p50_us": round(_quantile(s, 0.5) * 1e6, 1),
+        "p99_us": round(_quantile(s, 0.99) * 1e6, 1),
+        "mean_us": round(sum(s) / len(s) * 1e6, 1),
+    }
+
+
+def run(
+    target: str, calls: int, warmup: int, echo_target: str | None = None
+) -> list[dict[str, Any]]:
     channel = grpc.insecure_channel(target)
     stub = pb_grpc.KVPoolStub(channel)
+    echo_channel = grpc.insecure_channel(echo_target) if echo_target else None
+    echo = EchoCaller(echo_channel) if echo_channel else None
     spec = pb.NamespaceSpec(
         model="bench",
         dtype="bfloat16",
@@ -223,40 +385,63 @@ def run(target: str, calls: int, warmup: int) -> list[dict[str, Any]]:
     session = SessionCaller(stub, cid)
     results = []
     for n in SIZES:
-        for op, mode, fn in _ops(stub, session, ns, cid, committed, n):
-            samples = sorted(_time(calls, warmup, fn))
-            results.append(
-                {
-                    "op": op,
-                    "mode": mode,
-                    "keys": n,
-                    "calls": len(samples),
-                    "p50_us": round(_quantile(samples, 0.5) * 1e6, 1),
-                    "p99_us": round(_quantile(samples, 0.99) * 1e6, 1),
-                    "mean_us": round(sum(samples) / len(samples) * 1e6, 1),
-                }
-            )
-            r = results[-1]
-            print(
+        for op, mode, fn, (req_bytes, reply_bytes) in _ops(stub, session, ns, cid, committed, n):
+            floor = echo.op(mode, req_bytes, reply_bytes) if echo else None
+            samples, floor_samples = _time(calls, warmup, fn, floor)
+            r: dict[str, Any] = {"op": op, "mode": mode, "keys": n, "calls": len(samples)}
+            r.update(_stats(samples))
+            r["request_bytes"], r["reply_bytes"] = req_bytes, reply_bytes
+            line = (
                 f"  {op:<12} {mode:<7} {n:>5} keys  "
-                f"p50 {r['p50_us']:>8.1f} µs  p99 {r['p99_us']:>8.1f} µs",
-                file=sys.stderr,
-                flush=True,
+                f"p50 {r['p50_us']:>8.1f} µs  p99 {r['p99_us']:>8.1f} µs"
             )
+            if floor_samples:
+                f = _stats(floor_samples)
+                r["floor"] = f
+                r["above_floor_p50_us"] = round(r["p50_us"] - f["p50_us"], 1)
+                r["above_floor_p99_us"] = round(r["p99_us"] - f["p99_us"], 1)
+                r["x_floor_p50"] = round(r["p50_us"] / f["p50_us"], 2)
+                r["x_floor_p99"] = round(r["p99_us"] / f["p99_us"], 2)
+                line += f"  (floor p50 {f['p50_us']:>6.1f} p99 {f['p99_us']:>6.1f})"
+            results.append(r)
+            print(line, file=sys.stderr, flush=True)
     session.close()
     channel.close()
+    if echo is not None and echo_channel is not None:
+        echo.close()
+        echo_channel.close()
     return results
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = [
+    floor = any("floor" in r for r in results)
+    head = (
         f"{'op':<12} {'mode':<8} {'keys':>5} {'calls':>6} "
         f"{'p50 µs':>9} {'p99 µs':>9} {'mean µs':>9}"
-    ]
+    )
+    if floor:
+        head += (
+            f" {'floor p50':>10} {'floor p99':>10} {'+p50':>7} {'+p99':>7} "
+            f"{'x p50':>6} {'x p99':>6}"
+        )
+    lines = [head]
     for r in results:
-        lines.append(
+        line = (
             f"{r['op']:<12} {r['mode']:<8} {r['keys']:>5} {r['calls']:>6} {r['p50_us']:>9.1f} "
             f"{r['p99_us']:>9.1f} {r['mean_us']:>9.1f}"
+        )
+        if "floor" in r:
+            f = r["floor"]
+            line += (
+                f" {f['p50_us']:>10.1f} {f['p99_us']:>10.1f} {r['above_floor_p50_us']:>7.1f} "
+                f"{r['above_floor_p99_us']:>7.1f} {r['x_floor_p50']:>6.2f} "
+                f"{r['x_floor_p99']:>6.2f}"
+            )
+        lines.append(line)
+    if floor:
+        lines.append(
+            "floor: empty bytes echo (grpc.aio subprocess, Unix socket, same request and reply "
+            "sizes), one call after each sidecar call; +: sidecar minus floor; x: ratio"
         )
     return "\n".join(lines)
 
@@ -273,13 +458,20 @@ def main() -> None:
         "--pool-dir", type=Path, default=Path("/dev/shm") if os.path.isdir("/dev/shm") else None
     )
     parser.add_argument("--pool-size", default="256Mi")
+    parser.add_argument(
+        "--no-floor", action="store_true", help="skip the empty-echo floor measured alongside"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sidecar_rpc.json")
     ns = parser.parse_args()
     pool_dir = ns.pool_dir or Path(tempfile.mkdtemp(prefix="kvo-bench-pool-"))
     pool_dir = Path(tempfile.mkdtemp(prefix="kvo-bench-pool-", dir=pool_dir))
     try:
         with sidecar(pool_dir, ns.pool_size) as target:
-            results = run(target, ns.calls, ns.warmup)
+            if ns.no_floor:
+                results = run(target, ns.calls, ns.warmup)
+            else:
+                with echo_server() as echo_target:
+                    results = run(target, ns.calls, ns.warmup, echo_target)
     finally:
         shutil.rmtree(pool_dir, ignore_errors=True)
     print(_table(results))
@@ -293,6 +485,12 @@ def main() -> None:
             "grpcio": grpc.__version__,
         },
         "transport": "unix socket, grpc sync client, grpc.aio server",
+        "floor": None
+        if ns.no_floor
+        else "empty bytes echo: grpc.aio subprocess on a Unix socket, same request and reply "
+        "sizes, no protobuf; one echo call after each sidecar call",
+        "calls": ns.calls,
+        "warmup": ns.warmup,
         "key_size": KEY_SIZE,
         "results": results,
     }

@@ -1,12 +1,18 @@
 """Slot state of one namespace: key <-> slot, FREE/RESERVED/COMMITTED, pins, store reservations.
 
 Mechanics only: no eviction choice (that is the policy's) and no free list (the allocator's).
-Per-slot state lives in compact arrays that grow with the highest slot ever used, so a large,
-mostly empty pool costs almost nothing; only live keys are dict entries.
+Per-slot state lives in compact arrays (state: a bytearray, pin count: array('I'); 5 bytes a
+slot, with numpy views of the same memory for batch operations) that grow with the highest slot
+ever used, so a large, mostly empty pool costs almost nothing;
+only live keys are dict entries. There is no slot -> key table: a reserved slot's key is in its
+store record (which commit and abort read), and eviction goes from keys (the policy's) to slots.
 
 The pool calls the batched forms (`committed_prefix`, `pin_prefix`, `reserve_many`, `evict_many`)
-once per request: whole-list passes (`map` over the dict, `dict.update`) instead of a method call
-per key, checked before anything changes (see docs/BENCHMARKS.md, "Sidecar index").
+once per request: key -> slot is one whole-list pass over the dict (`map(dict.get)`,
+`dict.update`), and every per-slot check and update is one numpy fancy-index operation on the
+batch's slot array instead of a Python loop; everything is checked before anything changes.
+Batches of at most `VECTOR_MIN` slots keep the Python loops, cheaper than numpy's per-call
+overhead there (see docs/BENCHMARKS.md, "Sidecar index" and "Sidecar RPC").
 
 Lifecycle of a slot:
     FREE --reserve--> RESERVED(store) --commit by every rank--> COMMITTED (visible)
@@ -18,10 +24,14 @@ from __future__ import annotations
 
 import enum
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from kvoffload_sidecar import allocator
+from kvoffload_sidecar.allocator import as_slot_array
 from kvoffload_sidecar.errors import InvalidArgument, NotFound
 from kvoffload_sidecar.keys import PoolKey
 
@@ -36,13 +46,20 @@ class SlotState(enum.IntEnum):
     COMMITTED = 2
 
 
+_FREE, _RESERVED, _COMMITTED = 0, 1, 2  # plain ints: cheaper than the enum in numpy calls
+_consume = deque(maxlen=0).extend  # run a `map` for its side effects, in C
+
+Slots = list[int] | np.ndarray  # small batches as lists, larger ones as intp arrays
+
+
 @dataclass(slots=True)
 class StoreRecord:
     """An open store reservation: its slots become visible when every rank has committed."""
 
     store_id: int
     client_id: int
-    slots: array  # array('I'), key order
+    slots: Slots  # key order; an intp array for batches above VECTOR_MIN
+    keys: list[PoolKey]  # the slots' keys, same order
     committed_ranks: int = 0  # bitmask of ranks that committed
 
 
@@ -52,7 +69,9 @@ class PinRecord:
 
     pin_id: int
     client_id: int
-    slots: tuple[int, ...]
+    slots: tuple[int, ...]  # key order (a slot repeats when its key did)
+    array: np.ndarray | None = None  # `slots` as intp, for batches above VECTOR_MIN
+    distinct: bool = True  # no slot repeats in `array` (one fancy-index update is exact)
 
 
 @dataclass(slots=True)
@@ -72,9 +91,9 @@ class SlotIndex:
         self.num_ranks = num_ranks
         self._all_ranks = (1 << num_ranks) - 1
         self._slot_of: dict[PoolKey, int] = {}
-        self._key_of: list[PoolKey | None] = []
-        self._state = bytearray()
-        self._pins = array("I")
+        self._state = bytearray()  # SlotState per slot (Python scalar access: fast)
+        self._pins = array("I")  # live pins per slot
+        self._views()
         self.stores: dict[int, StoreRecord] = {}
         self.pin_records: dict[int, PinRecord] = {}
         self._recent_done: OrderedDict[int, None] = OrderedDict()
@@ -92,25 +111,46 @@ class SlotIndex:
     def pin_count(self, slot: int) -> int:
         return self._pins[slot] if slot < len(self._pins) else 0
 
-    def key_at(self, slot: int) -> PoolKey | None:
-        return self._key_of[slot] if slot < len(self._key_of) else None
-
     def slots_of(self, keys: Sequence[PoolKey]) -> list[int | None]:
         """Per key, its slot (reserved or committed) or None; one C-level pass."""
         return list(map(self._slot_of.get, keys))
 
     def committed_prefix(self, keys: Sequence[PoolKey]) -> list[int]:
         """Slots of the longest prefix of `keys` that is committed (visible)."""
-        slots = list(map(self._slot_of.get, keys))
-        if None in slots:  # cheaper than catching index()'s ValueError when all are found
-            del slots[slots.index(None) :]
-        if self.counts.reserved:  # else every mapped key is committed
-            state, committed = self._state, SlotState.COMMITTED
+        return self._committed_prefix(keys)[0]
+
+    def _committed_prefix(
+        self, keys: Sequence[PoolKey], expect_all: bool = False
+    ) -> tuple[list[int], np.ndarray | None]:
+        """(`committed_prefix(keys)`, the same slots as an intp array when one was built).
+        `expect_all`: every key is likely in the index (a load of a looked-up prefix): try a
+        `__getitem__` pass first, which skips the scan for a missing key when it succeeds."""
+        slots: list[int | None] | None = None
+        if expect_all and len(keys) > allocator.VECTOR_MIN:
+            try:
+                slots = list(map(self._slot_of.__getitem__, keys))
+            except KeyError:
+                slots = None
+        if slots is None:
+            slots = list(map(self._slot_of.get, keys))
+            if None in slots:  # cheaper than catching index()'s ValueError when all are found
+                del slots[slots.index(None) :]
+        if not self.counts.reserved or not slots:  # else every mapped key is committed
+            return slots, None  # type: ignore[return-value]
+        state = self._state_v
+        if len(slots) <= allocator.VECTOR_MIN:
             for i, slot in enumerate(slots):
-                if state[slot] != committed:
+                if self._state[slot] != _COMMITTED:
                     del slots[i:]
                     break
-        return slots
+            return slots, None  # type: ignore[return-value]
+        arr = as_slot_array(slots)  # type: ignore[arg-type]
+        hidden = state[arr] != _COMMITTED
+        if hidden.any():
+            cut = int(hidden.argmax())
+            del slots[cut:]
+            arr = arr[:cut]
+        return slots, arr  # type: ignore[return-value]
 
     def is_pinned_key(self, key: object) -> bool:
         slot = self._slot_of.get(key)  # type: ignore[call-overload]
@@ -122,54 +162,123 @@ class SlotIndex:
     # -- transitions --------------------------------------------------------------------------
 
     def _ensure(self, slot: int) -> None:
+        """Grow the per-slot arrays to hold `slot` (doubling, capped at slot_count)."""
         n = len(self._state)
         if slot < n:
             return
         if not 0 <= slot < self.slot_count:
             raise ValueError(f"slot {slot} out of range 0..{self.slot_count - 1}")
-        grow = min(max(slot + 1 - n, n, 1024), self.slot_count - n)
-        self._state.extend(bytes(grow))
-        self._pins.frombytes(bytes(4 * grow))
-        self._key_of.extend([None] * grow)
+        size = n + min(max(slot + 1 - n, n, 1024), self.slot_count - n)
+        state = bytearray(size)
+        state[:n] = self._state
+        pins = array("I", bytes(4 * size))
+        pins[:n] = self._pins
+        self._state, self._pins = state, pins
+        self._views()
+
+    def _views(self) -> None:
+        """numpy views of the per-slot arrays (the same memory) for whole-batch operations."""
+        self._state_v = np.frombuffer(self._state, np.uint8)
+        self._pins_v = np.frombuffer(self._pins, np.uint32)
 
     def reserve(self, key: PoolKey, slot: int) -> None:
         """FREE -> RESERVED for `key` (the caller makes sure neither is in use)."""
         self._ensure(slot)
-        if self._state[slot] != SlotState.FREE or key in self._slot_of:
+        if self._state[slot] != _FREE or key in self._slot_of:
             raise ValueError(f"slot {slot} or its key is already in use")
-        self._state[slot] = SlotState.RESERVED
-        self._key_of[slot] = key
+        self._state[slot] = _RESERVED
         self._slot_of[key] = slot
         self.counts.reserved += 1
 
-    def reserve_many(self, keys: Sequence[PoolKey], slots: Sequence[int]) -> None:
+    def reserve_many(
+        self, keys: Sequence[PoolKey], slots: Slots, *, keys_free: bool = False
+    ) -> list[int]:
         """`reserve` for each (key, slot) pair; all or nothing. Keys must be distinct and slots
         distinct (the allocator hands out each free slot once); ValueError before any change
-        when a key or slot is in use."""
-        if len(keys) != len(slots):
-            raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
+        when a key or slot is in use. `keys_free`: the caller has just checked, under the same
+        lock, that no key is in the index (skips that check). Returns the slots as a list."""
+        n = len(keys)
+        if n != len(slots):
+            raise ValueError(f"{n} keys for {len(slots)} slots")
+        if n <= allocator.VECTOR_MIN and not isinstance(slots, np.ndarray):
+            return self._reserve_few(keys, slots)
+        if not n:
+            return []
+        arr = as_slot_array(slots)
+        low = int(arr.min())
+        if low < 0:
+            raise ValueError(f"slot {low} out of range 0..{self.slot_count - 1}")
+        self._ensure(int(arr.max()))
+        slot_of = self._slot_of
+        if not keys_free and not slot_of.keys().isdisjoint(keys):
+            raise ValueError("a key of the batch is already in use")
+        used = self._state_v[arr]
+        if used.any():
+            raise ValueError(f"slot {int(arr[used.argmax()])} is already in use")
+        self._state_v[arr] = _RESERVED
+        slot_list: list[int] = arr.tolist()
+        slot_of.update(zip(keys, slot_list, strict=True))
+        self.counts.reserved += n
+        return slot_list
+
+    def reserve_if_distinct(self, keys: Sequence[PoolKey], slots: np.ndarray) -> list[int] | None:
+        """`reserve_many` for keys none of which is in the index (the caller has just checked,
+        under the same lock) but which may repeat: None, with nothing changed, when one does.
+        Cheaper than checking distinctness first: the key -> slot dict must grow by len(keys)."""
+        n = len(keys)
+        if n != len(slots) or not n:
+            raise ValueError(f"{n} keys for {len(slots)} slots")
+        low = int(slots.min())
+        if low < 0:
+            raise ValueError(f"slot {low} out of range 0..{self.slot_count - 1}")
+        self._ensure(int(slots.max()))
+        used = self._state_v[slots]
+        if used.any():
+            raise ValueError(f"slot {int(slots[used.argmax()])} is already in use")
+        slot_of = self._slot_of
+        before = len(slot_of)
+        slot_list: list[int] = slots.tolist()
+        slot_of.update(zip(keys, slot_list, strict=True))
+        if len(slot_of) - before != n:  # a key repeats: take every one of them out again
+            _consume(map(slot_of.__delitem__, dict.fromkeys(keys)))
+            return None
+        self._state_v[slots] = _RESERVED
+        self.counts.reserved += n
+        return slot_list
+
+    def _reserve_few(self, keys: Sequence[PoolKey], slots: Sequence[int]) -> list[int]:
+        """`reserve_many` for a short list: plain loops."""
         if len(slots) <= 1:  # the common single-key call
             if slots:
                 self.reserve(keys[0], slots[0])
-            return
+            return list(slots)
         if min(slots) < 0:
             raise ValueError(f"slot {min(slots)} out of range 0..{self.slot_count - 1}")
         self._ensure(max(slots))
-        slot_of, state, key_of = self._slot_of, self._state, self._key_of
+        slot_of, state = self._slot_of, self._state
         if not slot_of.keys().isdisjoint(keys):
             raise ValueError("a key of the batch is already in use")
         for slot in slots:
             if state[slot]:
                 raise ValueError(f"slot {slot} is already in use")
-        reserved = SlotState.RESERVED
-        for slot, key in zip(slots, keys, strict=True):
-            state[slot] = reserved
-            key_of[slot] = key
+        for slot in slots:
+            state[slot] = _RESERVED
         slot_of.update(zip(keys, slots, strict=True))
         self.counts.reserved += len(slots)
+        return list(slots)
 
-    def open_store(self, store_id: int, client_id: int, slots: Sequence[int]) -> StoreRecord:
-        record = StoreRecord(store_id, client_id, array("I", slots))
+    def open_store(
+        self, store_id: int, client_id: int, slots: Slots, keys: Sequence[PoolKey]
+    ) -> StoreRecord:
+        """Record a store of slots reserved for `keys` (same order, as `reserve_many` took
+        them); the record owns `slots` and `keys` from now."""
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
+        if not isinstance(slots, np.ndarray):
+            slots = list(slots)
+            if len(slots) > allocator.VECTOR_MIN:
+                slots = as_slot_array(slots)
+        record = StoreRecord(store_id, client_id, slots, keys if type(keys) is list else list(keys))
         self.stores[store_id] = record
         return record
 
@@ -187,10 +296,11 @@ class SlotIndex:
         if record.committed_ranks != self._all_ranks:
             return None
         slots, state = record.slots, self._state
-        keys: list[PoolKey] = list(map(self._key_of.__getitem__, slots))  # type: ignore[arg-type]
-        committed = SlotState.COMMITTED
-        for slot in slots:
-            state[slot] = committed
+        if isinstance(slots, np.ndarray):
+            self._state_v[slots] = _COMMITTED
+        else:
+            for slot in slots:
+                state[slot] = _COMMITTED
         n = len(slots)
         self.counts.reserved -= n
         self.counts.committed += n
@@ -198,24 +308,25 @@ class SlotIndex:
         self._recent_done[store_id] = None
         if len(self._recent_done) > _RECENT_STORES:
             self._recent_done.popitem(last=False)
-        return keys
+        return record.keys
 
-    def abort_store(self, store_id: int) -> list[int]:
-        """Free every slot of an open store; returns them (NotFound when not open)."""
+    def abort_store(self, store_id: int) -> Slots:
+        """Free every slot of an open store; returns them, in key order (NotFound when not
+        open): a list, or an intp array for a batch above VECTOR_MIN."""
         record = self.stores.pop(store_id, None)
         if record is None:
             raise NotFound(f"unknown store id {store_id} (never reserved, committed or aborted)")
-        slots = record.slots.tolist()
-        self._free_many(slots)
-        self.counts.reserved -= len(slots)
-        return slots
+        self._free_many(record.slots, record.keys)
+        self.counts.reserved -= len(record.slots)
+        return record.slots
 
     def evict(self, key: PoolKey) -> int:
         """COMMITTED, unpinned -> FREE; returns the slot."""
         slot = self._slot_of.get(key)
-        if slot is None or self._state[slot] != SlotState.COMMITTED or self._pins[slot]:
+        if slot is None or self._state[slot] != _COMMITTED or self._pins[slot]:
             raise ValueError(f"key {key.hex()} is not an unpinned committed slot")
-        self._free(slot)
+        self._state[slot] = _FREE
+        del self._slot_of[key]
         self.counts.committed -= 1
         return slot
 
@@ -223,53 +334,86 @@ class SlotIndex:
         """`evict` for each key (distinct); all or nothing. Returns the slots in key order."""
         if len(keys) == 1:
             return [self.evict(keys[0])]
-        slot_of = self._slot_of
-        slots = list(map(slot_of.get, keys))
-        state, pins, committed = self._state, self._pins, SlotState.COMMITTED
-        for key, slot in zip(keys, slots, strict=True):
-            if slot is None or state[slot] != committed or pins[slot]:
-                raise ValueError(f"key {key.hex()} is not an unpinned committed slot")
-        self._free_many(slots)  # type: ignore[arg-type]
+        slots = list(map(self._slot_of.get, keys))
+        state, pins = self._state, self._pins
+        if len(keys) <= allocator.VECTOR_MIN:
+            for key, slot in zip(keys, slots, strict=True):
+                if slot is None or state[slot] != _COMMITTED or pins[slot]:
+                    raise ValueError(f"key {key.hex()} is not an unpinned committed slot")
+            self._free_many(slots, keys)  # type: ignore[arg-type]
+        else:
+            if None in slots:
+                raise ValueError(
+                    f"key {keys[slots.index(None)].hex()} is not an unpinned committed slot"
+                )
+            arr = as_slot_array(slots)  # type: ignore[arg-type]
+            bad = (self._state_v[arr] != _COMMITTED) | (self._pins_v[arr] != 0)
+            if bad.any():
+                raise ValueError(
+                    f"key {keys[int(bad.argmax())].hex()} is not an unpinned committed slot"
+                )
+            self._free_many(arr, keys)
         self.counts.committed -= len(slots)
         return slots  # type: ignore[return-value]
 
-    def _free_many(self, slots: Sequence[int]) -> None:
-        state, key_of, free = self._state, self._key_of, SlotState.FREE
-        slot_of = self._slot_of
-        for slot in slots:
-            del slot_of[key_of[slot]]  # type: ignore[arg-type]
-            key_of[slot] = None
-            state[slot] = free
-
-    def _free(self, slot: int) -> None:
-        key = self._key_of[slot]
-        self._key_of[slot] = None
-        self._state[slot] = SlotState.FREE
-        del self._slot_of[key]  # type: ignore[arg-type]
+    def _free_many(self, slots: Slots, keys: Sequence[PoolKey]) -> None:
+        """Used slots -> FREE; `keys` are their keys, in the same order."""
+        _consume(map(self._slot_of.__delitem__, keys))
+        state = self._state
+        if isinstance(slots, np.ndarray):
+            self._state_v[slots] = _FREE
+        else:
+            for slot in slots:
+                state[slot] = _FREE
 
     def pin(self, pin_id: int, client_id: int, slots: Sequence[int]) -> PinRecord:
         """Pin committed slots (a slot may be pinned by several records)."""
-        state, committed = self._state, SlotState.COMMITTED
-        for slot in slots:
-            if state[slot] != committed:
-                raise ValueError(f"slot {slot} is not committed")
-        return self._pin(pin_id, client_id, tuple(slots))
+        slots = list(slots)
+        state, arr = self._state, None
+        if len(slots) <= allocator.VECTOR_MIN:
+            for slot in slots:
+                if state[slot] != _COMMITTED:
+                    raise ValueError(f"slot {slot} is not committed")
+        else:
+            arr = as_slot_array(slots)
+            hidden = self._state_v[arr] != _COMMITTED
+            if hidden.any():
+                raise ValueError(f"slot {int(arr[hidden.argmax()])} is not committed")
+        return self._pin(pin_id, client_id, slots, arr)
 
     def pin_prefix(self, pin_id: int, client_id: int, keys: Sequence[PoolKey]) -> PinRecord | None:
         """`pin` the slots of `committed_prefix(keys)` in one pass; None (no record) when the
         prefix is empty."""
-        slots = self.committed_prefix(keys)
-        return self._pin(pin_id, client_id, tuple(slots)) if slots else None
+        slots, arr = self._committed_prefix(keys, expect_all=True)
+        return self._pin(pin_id, client_id, slots, arr) if slots else None
 
-    def _pin(self, pin_id: int, client_id: int, slots: tuple[int, ...]) -> PinRecord:
-        pins, newly = self._pins, 0
-        for slot in slots:
-            count = pins[slot]
-            if not count:
-                newly += 1
-            pins[slot] = count + 1
+    def _pin(
+        self, pin_id: int, client_id: int, slots: list[int], arr: np.ndarray | None
+    ) -> PinRecord:
+        pins = self._pins
+        if len(slots) <= allocator.VECTOR_MIN:
+            newly = 0
+            for slot in slots:
+                count = pins[slot]
+                if not count:
+                    newly += 1
+                pins[slot] = count + 1
+            record = PinRecord(pin_id, client_id, tuple(slots))
+        else:
+            if arr is None:
+                arr = as_slot_array(slots)
+            pins = self._pins_v
+            before = pins[arr]
+            ordered = np.sort(arr)
+            distinct = bool((ordered[1:] != ordered[:-1]).all())
+            if distinct:  # the keys of a request are distinct: one fancy-index store is exact
+                pins[arr] = before + 1
+                newly = len(arr) - int(np.count_nonzero(before))
+            else:  # a repeated key pins its slot once per occurrence, as the loop does
+                np.add.at(pins, arr, 1)
+                newly = len(np.unique(arr[before == 0]))
+            record = PinRecord(pin_id, client_id, tuple(slots), arr, distinct)
         self.counts.pinned += newly
-        record = PinRecord(pin_id, client_id, slots)
         self.pin_records[pin_id] = record
         return record
 
@@ -278,12 +422,23 @@ class SlotIndex:
         record = self.pin_records.pop(pin_id, None)
         if record is None:
             raise NotFound(f"unknown pin id {pin_id}")
-        pins, unpinned = self._pins, 0
-        for slot in record.slots:
-            count = pins[slot] - 1
-            pins[slot] = count
-            if not count:
-                unpinned += 1
+        pins, arr = self._pins, record.array
+        if arr is None:
+            unpinned = 0
+            for slot in record.slots:
+                count = pins[slot] - 1
+                pins[slot] = count
+                if not count:
+                    unpinned += 1
+        elif record.distinct:
+            pins = self._pins_v
+            after = pins[arr] - 1
+            pins[arr] = after
+            unpinned = len(arr) - int(np.count_nonzero(after))
+        else:
+            pins = self._pins_v
+            np.subtract.at(pins, arr, 1)
+            unpinned = len(np.unique(arr[pins[arr] == 0]))
         self.counts.pinned -= unpinned
         return len(record.slots)
 
@@ -292,46 +447,61 @@ class SlotIndex:
     def check(self, free_slots: set[int]) -> None:
         """AssertionError naming the first broken invariant (O(slot_count))."""
         n = self.slot_count
-        used = {s for s in range(len(self._state)) if self._state[s] != SlotState.FREE}
+        state, pins, slot_of = self._state_v, self._pins_v, self._slot_of
+        assert len(state) == len(pins), "per-slot arrays differ in length"
+        used = set(np.flatnonzero(state).tolist())
         assert not (free_slots & used), f"slots both free and used: {sorted(free_slots & used)[:5]}"
         assert len(free_slots) + len(used) == n, (
             f"slots in no state or twice: free {len(free_slots)} + used {len(used)} != {n}"
         )
-        assert len(self._slot_of) == len(used), (
-            f"key->slot has {len(self._slot_of)} entries for {len(used)} used slots"
+        assert len(slot_of) == len(used), (
+            f"key->slot has {len(slot_of)} entries for {len(used)} used slots"
         )
-        for key, slot in self._slot_of.items():
-            assert self._key_of[slot] == key, f"key->slot and slot->key disagree at slot {slot}"
-            assert self._state[slot] != SlotState.FREE, f"key maps to free slot {slot}"
-        for s in range(len(self._state)):
-            if self._state[s] == SlotState.FREE:
-                assert self._key_of[s] is None, f"free slot {s} still names a key"
-                assert self._pins[s] == 0, f"free slot {s} is pinned"
-        expected = array("I", bytes(4 * len(self._pins)))
+        mapped = set(slot_of.values())
+        assert len(mapped) == len(slot_of), "two keys map to one slot"
+        stray = mapped - used
+        assert not stray, f"key maps to free slot {min(stray, default=0)}"
+        free_pinned = np.flatnonzero((state == _FREE) & (pins != 0)).tolist()
+        assert not free_pinned, f"free slot {free_pinned[0]} is pinned"
+        expected = np.zeros_like(pins)
         for record in self.pin_records.values():
             for slot in record.slots:
                 expected[slot] += 1
-        assert expected == self._pins, "pin counts differ from the sum of live pins"
-        for s in range(len(self._pins)):
-            if self._pins[s]:
-                assert self._state[s] == SlotState.COMMITTED, f"pinned slot {s} is not committed"
-        reserved = {s for s in used if self._state[s] == SlotState.RESERVED}
-        owned: list[int] = [s for r in self.stores.values() for s in r.slots]
+            if record.array is not None:
+                assert record.array.tolist() == list(record.slots), (
+                    f"pin {record.pin_id}: slot array differs from its slots"
+                )
+                ordered = sorted(record.slots)
+                distinct = all(a != b for a, b in zip(ordered, ordered[1:], strict=False))
+                assert record.distinct == distinct, f"pin {record.pin_id}: wrong distinct flag"
+        assert np.array_equal(expected, pins), "pin counts differ from the sum of live pins"
+        for s in np.flatnonzero(pins).tolist():
+            assert state[s] == _COMMITTED, f"pinned slot {s} is not committed"
+        reserved = set(np.flatnonzero(state == _RESERVED).tolist())
+        owned: list[int] = [s for r in self.stores.values() for s in _as_list(r.slots)]
         assert len(owned) == len(set(owned)), "a slot belongs to two store reservations"
         assert set(owned) == reserved, "reserved slots and open store reservations differ"
         for record in self.stores.values():
             assert record.committed_ranks != self._all_ranks, (
                 f"store {record.store_id} fully committed but still open"
             )
+            assert [slot_of.get(k) for k in record.keys] == _as_list(record.slots), (
+                f"store {record.store_id}: its keys do not map to its slots"
+            )
         committed = len(used) - len(reserved)
         assert self.counts.reserved == len(reserved), "reserved count differs from the table"
         assert self.counts.committed == committed, "committed count differs from the table"
-        pinned = sum(1 for p in self._pins if p)
+        pinned = int(np.count_nonzero(pins))
         assert self.counts.pinned == pinned, "pinned count differs from the table"
 
     def committed_keys(self) -> set[PoolKey]:
-        return {k for k, s in self._slot_of.items() if self._state[s] == SlotState.COMMITTED}
+        state = self._state
+        return {k for k, s in self._slot_of.items() if state[s] == _COMMITTED}
 
     def nbytes_estimate(self) -> int:
         """Rough bytes of the per-slot arrays (not the live-key dict)."""
-        return len(self._state) + 4 * len(self._pins) + 8 * len(self._key_of)
+        return len(self._state) + self._pins.itemsize * len(self._pins)
+
+
+def _as_list(slots: Slots) -> list[int]:
+    return slots.tolist() if isinstance(slots, np.ndarray) else list(slots)

@@ -200,6 +200,9 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             code, message = status_of(exc)
         else:
             self._metrics.observe(method, perf_counter() - start)
+            # bookkeeping the answer does not need (policy touches): on the loop's next turn,
+            # once grpc has taken the answer to send
+            asyncio.get_running_loop().call_soon(self._pool.flush_deferred)
             return out
         self._metrics.observe(method, perf_counter() - start)
         await context.abort(code, message)
@@ -261,12 +264,13 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             await context.write(reply)  # client_id is set first: a failed write still detaches
             if not client_id:
                 return  # the error went back in-stream; the stream ends
-            calls = self._session_calls
+            calls, flush = self._session_calls, self._pool.flush_deferred
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     return
                 await context.write(self._session_call(request, client_id, calls))
+                flush()  # bookkeeping the answer did not need (policy touches), after sending
         finally:
             self.open_sessions -= 1
             if client_id:

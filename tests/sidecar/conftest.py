@@ -5,6 +5,8 @@
 - `make_keys(ints, key_size=8)`: packed keys, one per integer (big-endian, zero-padded).
 - `key_of(i, key_size=8)`: one key.
 - `clock`: a manual clock (`clock.advance(s)`), for client-timeout tests.
+- `vector_min`: parametrized over the default `VECTOR_MIN` and 1, so a test runs once with
+  the numpy batch paths of the index and allocator taken from 2 slots up (not only above 16).
 - `make_pool(**settings)`: a started `Pool` in `pool_dir`, closed after the test. Keyword
   arguments override `PoolSettings` fields (defaults: 8 MiB, 1 MiB pre-fault chunks); `clock=` and
   `prefault_gate=` go to the constructor; `start=False` returns it unstarted. Without a gate it
@@ -20,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
+from kvoffload_sidecar import allocator
 from kvoffload_sidecar.keys import NamespaceSpec, PoolKey
 from kvoffload_sidecar.pool import Pool, PoolSettings
 
@@ -94,6 +97,13 @@ class ManualClock:
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
+
+
+@pytest.fixture(params=["default", 1])
+def vector_min(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    if request.param != "default":
+        monkeypatch.setattr(allocator, "VECTOR_MIN", request.param)
+    return allocator.VECTOR_MIN
 
 
 @pytest.fixture

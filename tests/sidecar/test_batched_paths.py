@@ -12,7 +12,8 @@ import random
 
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
-from kvoffload_sidecar import convert
+from kvoffload_sidecar import allocator, convert
+from kvoffload_sidecar import pool as pool_module
 from kvoffload_sidecar.allocator import FreeSlots
 from kvoffload_sidecar.index import SlotIndex, SlotState
 from kvoffload_sidecar.keys import PoolKey
@@ -36,7 +37,7 @@ def pack(ints: list[int]) -> bytes:
 # -- allocator ---------------------------------------------------------------------------------
 
 
-def test_allocate_many_hands_out_what_repeated_allocate_would():
+def test_allocate_many_hands_out_what_repeated_allocate_would(vector_min):
     rng = random.Random(7)
     batched, single = FreeSlots(64), FreeSlots(64)
     held: list[int] = []
@@ -56,13 +57,14 @@ def test_allocate_many_hands_out_what_repeated_allocate_would():
             n = rng.randint(0, 12)
             got = batched.allocate_many(n)
             expected = [s for s in (single.allocate() for _ in range(n)) if s is not None]
+            got = [int(s) for s in got]  # a list, or an array from the numpy path
             assert got == expected
             held += got
         assert batched.available() == single.available()
         assert batched.free_slots() == single.free_slots()
 
 
-def test_release_many_is_all_or_nothing():
+def test_release_many_is_all_or_nothing(vector_min):
     free = FreeSlots(8)
     free.set_ready(8)
     taken = free.allocate_many(3)
@@ -76,7 +78,7 @@ def test_release_many_is_all_or_nothing():
 # -- index -------------------------------------------------------------------------------------
 
 
-def test_reserve_many_and_evict_many_refuse_used_keys_or_slots_and_change_nothing():
+def test_reserve_many_and_evict_many_refuse_used_keys_or_slots_and_change_nothing(vector_min):
     index = SlotIndex(slot_count=8, num_ranks=1)
     index.reserve_many([key_bytes(1), key_bytes(2)], [0, 1])
     with pytest.raises(ValueError, match="key of the batch is already in use"):
@@ -88,7 +90,7 @@ def test_reserve_many_and_evict_many_refuse_used_keys_or_slots_and_change_nothin
         SlotState.FREE,
         2,
     )
-    index.open_store(1, client_id=1, slots=[0, 1])
+    index.open_store(1, client_id=1, slots=[0, 1], keys=[key_bytes(1), key_bytes(2)])
     assert index.commit_rank(1, 0) == [key_bytes(1), key_bytes(2)]
     index.pin(1, client_id=1, slots=[1])
     with pytest.raises(ValueError, match="not an unpinned committed slot"):
@@ -99,11 +101,11 @@ def test_reserve_many_and_evict_many_refuse_used_keys_or_slots_and_change_nothin
     index.check(free_slots=set(range(8)))
 
 
-def test_pin_prefix_pins_the_committed_prefix_only():
+def test_pin_prefix_pins_the_committed_prefix_only(vector_min):
     index = SlotIndex(slot_count=8, num_ranks=1)
     index.reserve_many([key_bytes(i) for i in range(4)], [3, 2, 1, 0])
-    index.open_store(1, client_id=1, slots=[3, 2])  # keys 0 and 1 become visible
-    index.open_store(2, client_id=1, slots=[1, 0])  # keys 2 and 3 stay reserved
+    index.open_store(1, 1, [3, 2], [key_bytes(0), key_bytes(1)])  # these become visible
+    index.open_store(2, 1, [1, 0], [key_bytes(2), key_bytes(3)])  # these stay reserved
     index.commit_rank(1, 0)
     assert index.pin_prefix(5, 1, [key_bytes(2), key_bytes(0)]) is None  # reserved: invisible
     record = index.pin_prefix(6, 1, [key_bytes(0), key_bytes(1), key_bytes(2), key_bytes(0)])
@@ -237,7 +239,7 @@ def _expected_store(pool: Pool, ns_id: str, keys: list[PoolKey]) -> tuple[tuple,
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_random_histories_match_the_key_by_key_rules(make_pool, small_spec, name):
+def test_random_histories_match_the_key_by_key_rules(make_pool, small_spec, name, vector_min):
     pool = make_pool(eviction=name)  # 8 MiB of 1 MiB slots: 8 slots, so it fills quickly
     reg = pool.register(small_spec(), 1, MiB, "test")
     ns, cid = reg.namespace_id, reg.client_id
@@ -281,6 +283,143 @@ def test_random_histories_match_the_key_by_key_rules(make_pool, small_spec, name
             pool.release(ns, cid, release)
             pins = [p for p in pins if p not in release]
         pool.check_invariants()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_numpy_and_loop_paths_give_identical_answers(make_pool, small_spec, tmp_path, name):
+    """The same seeded history of 2..80-key calls (repeats, partial hits, eviction, pins of
+    repeated keys) against a pool whose index and allocator take the numpy paths from 2 slots
+    up and one that loops over every batch: every answer and every counter is the same."""
+    pools = {}
+    for vector_min in (1, 1 << 30):
+        (tmp_path / str(vector_min)).mkdir()
+        pools[vector_min] = make_pool(
+            eviction=name, pool_dir=tmp_path / str(vector_min), prefault=False
+        )
+    regs = {v: p.register(small_spec(), 1, 64 << 10, "t") for v, p in pools.items()}  # 128 slots
+    rng = random.Random(20261123)
+    stores: list[int] = []
+    pins: list[int] = []
+
+    def both(call):  # noqa: ANN001, ANN202 - call(pool, namespace, client) on each pool
+        answers = []
+        for vector_min, pool in pools.items():
+            allocator.VECTOR_MIN = vector_min
+            reg = regs[vector_min]
+            try:
+                answers.append(call(pool, reg.namespace_id, reg.client_id))
+            except Exception as exc:  # noqa: BLE001 - compared like answers
+                answers.append((type(exc), str(exc)))
+        assert answers[0] == answers[1]
+        return answers[0]
+
+    default = allocator.VECTOR_MIN
+    try:
+        for step in range(600):
+            op = rng.random()
+            first = rng.randrange(120)  # runs of consecutive keys: prefixes hit and miss
+            ints = list(range(first, first + rng.randint(2, 80)))
+            if rng.random() < 0.2:  # a repeated key
+                ints[rng.randrange(len(ints)) :] = [ints[0]] * 3
+            keys = pack(ints)
+            if op < 0.35:
+                res = both(lambda p, ns, cid, k=keys: p.reserve_store(ns, cid, k))
+                if isinstance(res, StoreReservation) and res.store_id:
+                    if rng.random() < 0.8:
+                        both(lambda p, ns, cid, s=res.store_id: p.commit_store(ns, s, 0))
+                    else:
+                        stores.append(res.store_id)
+            elif op < 0.45 and stores:
+                sid = stores.pop(rng.randrange(len(stores)))
+                if rng.random() < 0.5:
+                    both(lambda p, ns, cid, s=sid: p.commit_store(ns, s, 0))
+                else:
+                    both(lambda p, ns, cid, s=sid: p.abort_store(ns, s))
+            elif op < 0.6:
+                both(lambda p, ns, cid, k=keys: p.lookup(ns, [k, k[8:]]))
+            elif op < 0.8:
+                pin = both(lambda p, ns, cid, k=keys: p.reserve_load(ns, cid, k))
+                if pin.pin_id:
+                    pins.append(pin.pin_id)
+            elif pins:
+                release = rng.sample(pins, rng.randint(1, min(3, len(pins))))
+                both(lambda p, ns, cid, r=release: p.release(ns, cid, r))
+                pins = [p for p in pins if p not in release]
+            if step % 25 == 0:
+                both(lambda p, ns, cid: (p.check_invariants(), p.stats().namespaces))
+        both(lambda p, ns, cid: (p.check_invariants(), p.stats().namespaces))
+        stats = pools[1].stats().namespaces[0]
+        assert stats.evicted_blocks > 500 and stats.loaded_blocks > 1000, stats
+    finally:
+        allocator.VECTOR_MIN = default
+
+
+def test_a_repeated_key_in_a_big_new_batch_takes_the_general_path_unchanged(make_pool, small_spec):
+    """The fast path reserves assuming distinct keys and finds the repeat as the dict grows:
+    it must undo everything (index and allocator) and answer like the general path."""
+    pool = make_pool(prefault=False, pool_size=16 * MiB)
+    reg = pool.register(small_spec(), 1, 64 << 10, "t")  # 256 slots
+    ns, cid = reg.namespace_id, reg.client_id
+    free = pool._namespaces[ns].free  # noqa: SLF001
+    first = pool.reserve_store(ns, cid, pack(list(range(40))))
+    pool.abort_store(ns, first.store_id)  # the freed stack now holds 40 slots
+    ints = list(range(100, 140)) + [105] + list(range(140, 160))
+    expected, _ = _expected_store(pool, ns, [key_bytes(i) for i in ints])
+    mark = free.mark()
+    res = pool.reserve_store(ns, cid, pack(ints))
+    assert res.decisions == expected and len(res.slots) == 60 == len(set(res.slots))
+    assert res.decisions[40] == PRESENT  # the repeat of key 105
+    index = pool._namespaces[ns].index  # noqa: SLF001
+    assert [index.find(key_bytes(i)) for i in range(100, 160)] == list(res.slots)
+    assert free.mark() == (0, mark[1] + 20)  # the 40 freed slots first, then 20 fresh ones
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_deferred_touches_evict_exactly_like_immediate_ones(
+    make_pool, small_spec, tmp_path, name, monkeypatch
+):
+    """Lookups and loads queue their policy touches until `flush_deferred` or the next policy
+    use: a pool flushed after every call and one never flushed evict the same keys and end with
+    the same policy order."""
+    monkeypatch.setattr(pool_module, "DEFER_TOUCH_MIN", 2)  # queue from 2 keys up, not 256
+    pools = []
+    for d in ("flushed", "queued"):
+        (tmp_path / d).mkdir()
+        pools.append(make_pool(eviction=name, pool_dir=tmp_path / d, prefault=False))
+    regs = [p.register(small_spec(), 1, 64 << 10, "t") for p in pools]  # 128 slots
+    rng = random.Random(7)
+    queued = 0
+    for _ in range(400):
+        first = rng.randrange(300)
+        keys = pack(list(range(first, first + rng.randint(1, 60))))
+        op = rng.random()
+        answers = []
+        for i, (pool, reg) in enumerate(zip(pools, regs, strict=True)):
+            ns, cid = reg.namespace_id, reg.client_id
+            if op < 0.4:
+                res = pool.reserve_store(ns, cid, keys)
+                if res.store_id:
+                    pool.commit_store(ns, res.store_id, 0)
+                answers.append(res)
+            elif op < 0.7:
+                answers.append(pool.lookup(ns, [keys]))
+            else:
+                pin = pool.reserve_load(ns, cid, keys)
+                if pin.pin_id:
+                    pool.release(ns, cid, [pin.pin_id])
+                answers.append(pin)
+            if i == 0:
+                pool.flush_deferred()
+        assert answers[0] == answers[1]
+        queued += bool(pools[1]._namespaces[regs[1].namespace_id].touches)  # noqa: SLF001
+    assert queued > 50  # the queued pool really deferred its touches, often
+    policies = [p._namespaces[r.namespace_id].policy for p, r in zip(pools, regs, strict=True)]  # noqa: SLF001
+    pools[1].flush_deferred()
+    assert list(policies[0].keys()) == list(policies[1].keys())
+    for pool in pools:
+        pool.check_invariants()
+    assert pools[0].stats().namespaces[0].evicted_blocks > 500
 
 
 # -- servicer encoding -------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def test_slot_lifecycle_and_counts():
     index = SlotIndex(slot_count=8, num_ranks=2)
     index.reserve(k(1), 0)
     index.reserve(k(2), 1)
-    index.open_store(7, client_id=1, slots=[0, 1])
+    index.open_store(7, client_id=1, slots=[0, 1], keys=[k(1), k(2)])
     assert index.state(0) == SlotState.RESERVED and index.find(k(1)) == 0
     assert index.committed_prefix([k(1), k(2)]) == []  # reserved is invisible
     assert index.commit_rank(7, 1) is None  # rank 0 still missing
@@ -55,7 +55,7 @@ def test_slot_lifecycle_and_counts():
 def test_abort_and_unknown_ids():
     index = SlotIndex(slot_count=4, num_ranks=1)
     index.reserve(k(5), 3)
-    index.open_store(9, client_id=1, slots=[3])
+    index.open_store(9, client_id=1, slots=[3], keys=[k(5)])
     with pytest.raises(InvalidArgument, match="rank 1 out of range"):
         index.commit_rank(9, 1)
     assert index.abort_store(9) == [3]
@@ -81,7 +81,8 @@ def test_per_slot_arrays_grow_with_use_not_with_capacity():
     [
         (lambda ix: ix._pins.__setitem__(0, 3), "pin counts"),
         (lambda ix: ix._slot_of.__setitem__(k(99), 1), "key->slot"),
-        (lambda ix: ix._key_of.__setitem__(0, k(42)), "disagree"),
+        (lambda ix: ix._slot_of.__setitem__(k(1), 1), "two keys map to one slot"),
+        (lambda ix: ix.stores[2].keys.__setitem__(0, k(1)), "keys do not map to its slots"),
         (lambda ix: ix.stores.clear(), "reserved slots and open store"),
         (lambda ix: setattr(ix.counts, "committed", 5), "committed count"),
     ],
@@ -89,10 +90,10 @@ def test_per_slot_arrays_grow_with_use_not_with_capacity():
 def test_check_names_the_broken_invariant(corrupt, message):
     index = SlotIndex(slot_count=4, num_ranks=1)
     index.reserve(k(1), 0)
-    index.open_store(1, client_id=1, slots=[0])
+    index.open_store(1, client_id=1, slots=[0], keys=[k(1)])
     index.commit_rank(1, 0)
     index.reserve(k(2), 1)
-    index.open_store(2, client_id=1, slots=[1])
+    index.open_store(2, client_id=1, slots=[1], keys=[k(2)])
     index.check(free_slots={2, 3})
     corrupt(index)
     with pytest.raises(AssertionError, match=message):
@@ -102,7 +103,7 @@ def test_check_names_the_broken_invariant(corrupt, message):
 def test_check_catches_a_slot_both_free_and_used():
     index = SlotIndex(slot_count=4, num_ranks=1)
     index.reserve(k(1), 0)
-    index.open_store(1, client_id=1, slots=[0])
+    index.open_store(1, client_id=1, slots=[0], keys=[k(1)])
     with pytest.raises(AssertionError, match="both free and used"):
         index.check(free_slots={0, 1, 2, 3})
 

@@ -512,7 +512,7 @@ def _fuzz_step(rng: random.Random, f: _Fuzz, small_spec) -> None:
 
 
 @pytest.mark.parametrize("eviction", POLICIES)
-def test_randomized_operations_keep_every_invariant(make_pool, small_spec, eviction):
+def test_randomized_operations_keep_every_invariant(make_pool, small_spec, eviction, vector_min):
     pool = make_pool(eviction=eviction, max_namespaces=2, pool_size=16 * MiB)
     # Two namespaces of 2 ranks, 64 KiB per rank: 64 slots each (4 MiB per rank region).
     regs = [
@@ -530,7 +530,7 @@ def test_randomized_operations_keep_every_invariant(make_pool, small_spec, evict
     assert sum(n.evicted_blocks for n in stats.namespaces) > 0  # and really evicted
 
 
-def test_threads_racing_with_the_prefault_keep_every_invariant(make_pool, small_spec):
+def test_threads_racing_with_the_prefault_keep_every_invariant(make_pool, small_spec, vector_min):
     """Four client threads store, load and release the same keys while the pre-fault thread
     is still advancing the allocatable frontier; afterwards the index is consistent."""
     pool = make_pool(start=False, pool_size=32 * MiB)
