@@ -123,7 +123,7 @@ class _Session:
             if not fut.done():
                 fut.set_exception(PoolUnavailable("session closed"))
 
-    def call(self, timeout_s: float, **call) -> pool_pb2.SessionResponse:
+    def _send(self, call: dict) -> tuple[int, Future]:
         fut: Future = Future()
         with self._lock:
             if not self.alive:
@@ -131,8 +131,11 @@ class _Session:
             seq = next(self._seq)
             self._pending[seq] = fut
         self._requests.put(pool_pb2.SessionRequest(seq=seq, **call))
+        return seq, fut
+
+    def _wait(self, seq: int, fut: Future, timeout_s: float) -> pool_pb2.SessionResponse:
         try:
-            resp = fut.result(timeout=timeout_s)
+            resp = fut.result(timeout=max(0.0, timeout_s))
         except FutureTimeout:
             with self._lock:
                 self._pending.pop(seq, None)
@@ -140,6 +143,26 @@ class _Session:
         if resp.WhichOneof("result") == "error":
             raise PoolUnavailable(f"sidecar error {resp.error.code}: {resp.error.message}")
         return resp
+
+    def call(self, timeout_s: float, **call) -> pool_pb2.SessionResponse:
+        seq, fut = self._send(call)
+        return self._wait(seq, fut, timeout_s)
+
+    def call_many(
+        self, timeout_s: float, calls: Sequence[dict]
+    ) -> list[pool_pb2.SessionResponse | PoolUnavailable]:
+        """Pipelined: every call goes out before the first answer is awaited (one round trip
+        for the lot, the sidecar answers in order). Per call its response or its error; a
+        closed session raises for all."""
+        sent = [self._send(call) for call in calls]
+        deadline = time.monotonic() + timeout_s
+        out: list[pool_pb2.SessionResponse | PoolUnavailable] = []
+        for seq, fut in sent:
+            try:
+                out.append(self._wait(seq, fut, deadline - time.monotonic()))
+            except PoolUnavailable as e:
+                out.append(e)
+        return out
 
     def close(self) -> None:
         self._closing = True
@@ -311,6 +334,31 @@ class PoolClient:
             ),
         ).reserve_load
         return r.pin_id, list(r.slots)
+
+    def reserve_load_many(
+        self, key_lists: Sequence[Sequence[bytes]]
+    ) -> list[tuple[int, list[int]] | None]:
+        """`reserve_load` for each key list, pipelined on the session: (pin id or 0, slots)
+        per list, None where that call failed (a miss)."""
+        ns, cid = self._ns()
+        session = self._session
+        if session is None or not session.alive:
+            raise PoolUnavailable("not connected")
+        calls = [
+            {
+                "reserve_load": pool_pb2.ReserveLoadRequest(
+                    namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
+                )
+            }
+            for keys in key_lists
+        ]
+        out: list[tuple[int, list[int]] | None] = []
+        for r in session.call_many(self.rpc_timeout_s, calls):
+            if isinstance(r, PoolUnavailable):
+                out.append(None)
+            else:
+                out.append((r.reserve_load.pin_id, list(r.reserve_load.slots)))
+        return out
 
     def release(self, pin_ids: Sequence[int]) -> int:
         ns, cid = self._ns()

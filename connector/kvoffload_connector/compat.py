@@ -66,6 +66,12 @@ def group_block_sizes(kv_cache_config: Any) -> list[int]:
     return [int(g.kv_cache_spec.block_size) for g in groups]
 
 
+def group_windows(kv_cache_config: Any) -> list[int]:
+    """Per KV group: its sliding window in tokens, 0 for full attention."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return [int(getattr(g.kv_cache_spec, "sliding_window", None) or 0) for g in groups]
+
+
 def group_descriptions(kv_cache_config: Any) -> list[str]:
     """One short string per KV group: kind, window, heads, head size (namespace spec)."""
     out = []

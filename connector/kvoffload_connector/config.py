@@ -16,9 +16,12 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/kvoffload/run/pool.sock"
-# 16 blocks of 16 tokens = 256 tokens per chunk: large enough that a chunk is a
-# big PCIe transfer (DESIGN.md), small enough that short prompts still hit.
-DEFAULT_CHUNK_BLOCKS = 16
+# 4 blocks of 16 tokens = 64 tokens per chunk. The transfer engine stages through GPU memory, so
+# PCIe sees whole slot runs whatever the chunk; what the chunk decides is the prompt tail that
+# cannot hit (up to chunk - 1 tokens recomputed). Measured on the H100 (docs/BENCHMARKS.md): a
+# 2,000-token pool hit recomputing 208 tokens (256-token chunks) took ~10 ms more than one
+# recomputing 16.
+DEFAULT_CHUNK_BLOCKS = 4
 
 
 class StoreMode(enum.Enum):
@@ -81,7 +84,7 @@ _INT_KEYS = {
 
 
 def default_chunk_tokens(block_size: int) -> int:
-    """Block size x 16, capped at 512 tokens for large blocks (never below one block)."""
+    """Block size x 4, capped at 512 tokens for large blocks (never below one block)."""
     return max(block_size, min(block_size * DEFAULT_CHUNK_BLOCKS, max(512, block_size)))
 
 

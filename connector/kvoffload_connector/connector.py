@@ -81,6 +81,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 max_num_batched_tokens=int(
                     vllm_config.scheduler_config.max_num_batched_tokens or 8192
                 ),
+                windows=compat.group_windows(kv_cache_config),
             )
         else:
             from kvoffload_connector.worker import OffloadWorker
@@ -197,13 +198,20 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- both -----------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> ConnectorStats | None:
-        stats = ConnectorStats()
-        if self._scheduler is not None:
+        """Counters since the last call; None (no object built) in the common step where
+        nothing was counted: vLLM asks twice per step, so this stays off the step's cost."""
+        values: dict[str, float] = {}
+        if self._scheduler is not None and self._scheduler.stats_pending():
             from kvoffload_connector.scheduler import as_dict
 
-            stats.add(as_dict(self._scheduler.take_stats()))
-        if self._worker is not None:
-            stats.add(self._worker.take_stats())
+            values.update(as_dict(self._scheduler.take_stats()))
+        if self._worker is not None and self._worker.stats_pending():
+            for k, v in self._worker.take_stats().items():
+                values[k] = values.get(k, 0) + v
+        if not values:
+            return None
+        stats = ConnectorStats()
+        stats.add(values)
         return None if stats.is_empty() else stats
 
     @classmethod

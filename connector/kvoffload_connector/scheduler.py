@@ -57,7 +57,7 @@ class _Answer:
 
     hit_chunks: int
     pins: list[int]
-    slots: list[list[int]]  # per group, per chunk
+    slots: list[list[int | None]]  # per group, per chunk (None: not needed, sliding window)
     generation: str
 
 
@@ -117,6 +117,7 @@ class OffloadScheduler:
         world_size: int,
         client: PoolClient,
         max_num_batched_tokens: int = 8192,
+        windows: Sequence[int] | None = None,
         clock=time.monotonic,
     ):
         self.cfg = cfg
@@ -124,6 +125,9 @@ class OffloadScheduler:
         self.chunk_blocks = cfg.chunk_tokens // block_size
         self.chunk_tokens = cfg.chunk_tokens
         self.num_groups = num_groups
+        # per group: sliding window in tokens, 0 for full attention (hybrid models)
+        self.windows = list(windows or []) + [0] * (num_groups - len(windows or []))
+        self.sliding = [g for g in range(num_groups) if self.windows[g] > 0]
         self.world_size = world_size
         self.client = client
         self._clock = clock
@@ -252,20 +256,51 @@ class OffloadScheduler:
         hashes = request.block_hashes
         return [chunk_keys(hashes, self.chunk_blocks, g, limit) for g in range(self.num_groups)]
 
+    def window_start(self, group: int, hit_chunks: int) -> int:
+        """First chunk a sliding-window group needs for a hit of `hit_chunks` chunks: the
+        window before the first computed token, one chunk of margin (vLLM drops blocks that
+        end at or before `computed - window + 1`); 0 for full attention."""
+        w = self.windows[group]
+        if not w:
+            return 0
+        first_token = hit_chunks * self.chunk_tokens - w + 1
+        return max(0, first_token // self.chunk_tokens - 1)
+
     def _lookup_rpc(self, batch: list[tuple[str, list[list[PoolKey]]]]) -> None:
-        """Background: one Lookup for the whole batch, then pin each hit."""
+        """Background: one Lookup for the whole batch, then pin every hit in one pipelined
+        round of ReserveLoads (one round trip for the batch, not one per request and group).
+
+        Full-attention groups need the whole prefix (prefix queries). A sliding-window group
+        needs only the window before the hit's end, and keeps only that in the pool, so its
+        chunks are asked one by one (presence) and the hit is the longest prefix of the full
+        groups whose windows are present in every sliding group."""
         answers: list[tuple[str, _Answer | None]] = []
         t0 = time.perf_counter()
         try:
             if not self.client.ensure():
                 raise PoolUnavailable("not registered")
             generation = self.client.registration.generation if self.client.registration else ""
-            queries = [keys for _, per_group in batch for keys in per_group]
+            queries: list[list[PoolKey]] = []
+            for _, per_group in batch:
+                for g, keys in enumerate(per_group):
+                    if self.windows[g]:
+                        queries.extend([k] for k in keys)
+                    else:
+                        queries.append(keys)
             counts = self.client.lookup(queries, timeout_s=self.cfg.lookup_timeout_ms / 1e3)
             self._results.append(("lookup_seconds", time.perf_counter() - t0))
-            for i, (req_id, per_group) in enumerate(batch):
-                hit = min(counts[i * self.num_groups : (i + 1) * self.num_groups])
-                answers.append((req_id, self._pin(per_group, hit, generation)))
+            hits, at = [], 0
+            for _, per_group in batch:
+                full, present = len(per_group[0]), {}
+                for g, keys in enumerate(per_group):
+                    if self.windows[g]:
+                        present[g] = counts[at : at + len(keys)]
+                        at += len(keys)
+                    else:
+                        full = min(full, counts[at])
+                        at += 1
+                hits.append(self._hybrid_hit(full, present))
+            answers = self._pin_all(batch, hits, generation)
         except PoolUnavailable as e:
             log.debug("kvoffload: lookup failed (miss): %s", e)
             done = {r for r, _ in answers}
@@ -273,27 +308,51 @@ class OffloadScheduler:
         self._results.append(("lookup", answers))
         self._answered.set()
 
-    def _pin(self, per_group: list[list[PoolKey]], hit: int, generation: str) -> _Answer | None:
-        if hit <= 0:
-            return None
-        pins: list[int] = []
-        slots: list[list[int]] = []
-        try:
-            for keys in per_group:
-                pin_id, group_slots = self.client.reserve_load(keys[:hit])
-                if pin_id:
-                    pins.append(pin_id)
-                hit = min(hit, len(group_slots))
-                slots.append(group_slots)
-        except PoolUnavailable:
-            if pins:
-                self._release_now(pins)
-            return None
-        if hit == 0:
-            if pins:
-                self._release_now(pins)
-            return None
-        return _Answer(hit, pins, [s[:hit] for s in slots], generation)
+    def _hybrid_hit(self, full: int, present: dict[int, list[int]]) -> int:
+        """Longest hit <= `full` chunks whose window is present in every sliding group."""
+        for hit in range(full, 0, -1):
+            if all(all(flags[self.window_start(g, hit) : hit]) for g, flags in present.items()):
+                return hit
+        return 0
+
+    def _pin_all(
+        self, batch: list[tuple[str, list[list[PoolKey]]]], hits: list[int], generation: str
+    ) -> list[tuple[str, _Answer | None]]:
+        """Pin each request's hit in every group (a sliding group: its window only); a
+        request whose pins did not all succeed is a miss (its pins go back)."""
+        wanted = [
+            keys[self.window_start(g, hit) : hit]
+            for (_, per_group), hit in zip(batch, hits, strict=True)
+            if hit > 0
+            for g, keys in enumerate(per_group)
+        ]
+        pinned = iter(self.client.reserve_load_many(wanted) if wanted else [])
+        answers: list[tuple[str, _Answer | None]] = []
+        for (req_id, per_group), hit in zip(batch, hits, strict=True):
+            if hit <= 0:
+                answers.append((req_id, None))
+                continue
+            got = [next(pinned) for _ in per_group]
+            pins = [g[0] for g in got if g is not None and g[0]]
+            if not self.sliding and all(r is not None for r in got):
+                # full attention only: a prefix evicted since the lookup shortens the hit
+                hit = min(hit, *(len(r[1]) for r in got))  # type: ignore[index]
+            starts = [self.window_start(g, hit) for g in range(len(per_group))]
+            complete = hit > 0 and all(
+                r is not None and len(r[1]) >= hit - start
+                for r, start in zip(got, starts, strict=True)
+            )
+            if not complete:  # evicted between lookup and pin, or a failed call: a miss
+                if pins:
+                    self._release_now(pins)
+                answers.append((req_id, None))
+                continue
+            slots: list[list[int | None]] = [
+                [None] * start + list(r[1][: hit - start])  # type: ignore[index]
+                for r, start in zip(got, starts, strict=True)
+            ]
+            answers.append((req_id, _Answer(hit, pins, slots, generation)))
+        return answers
 
     def _release(self, pins: Sequence[int]) -> None:
         pins = list(pins)
@@ -317,6 +376,7 @@ class OffloadScheduler:
         first, last = start_tok // self.block_size, st.hit_end // self.block_size
         per_group = blocks.blocks
         transfers, held = [], []
+        generation = answer.generation
         for g in range(self.num_groups):
             gpu, slots, idx = [], [], []
             group_blocks = per_group[g]
@@ -324,8 +384,13 @@ class OffloadScheduler:
                 blk = group_blocks[b]
                 if blk.is_null:  # sliding-window blocks below the window: nothing to load
                     continue
+                slot = answer.slots[g][b // self.chunk_blocks]
+                if slot is None:  # vLLM kept a block the window rule said it would drop
+                    log.warning("kvoffload: no slot for block %d of group %d: load fails", b, g)
+                    generation = ""  # the workers fail the job: vLLM recomputes (never garbage)
+                    continue
                 gpu.append(blk.block_id)
-                slots.append(answer.slots[g][b // self.chunk_blocks])
+                slots.append(slot)
                 idx.append(b % self.chunk_blocks)
                 held.append(blk)
             if gpu:
@@ -336,7 +401,7 @@ class OffloadScheduler:
         st.load_job = job_id
         st.stored_chunks = max(st.stored_chunks, answer.hit_chunks)
         self.stats.hit_tokens += num_external_tokens
-        self._loads_out.append(LoadJob(job_id, st.req_id, tuple(transfers), answer.generation))
+        self._loads_out.append(LoadJob(job_id, st.req_id, tuple(transfers), generation))
 
     # -- stores -------------------------------------------------------------------------
     def _touch(self, blocks: list[Any]) -> None:
@@ -365,8 +430,16 @@ class OffloadScheduler:
             if block_ids is None:
                 continue
             hashes = req.block_hashes
+            # sliding-window groups keep only what a hit at the prompt's end (or later) reads
+            prompt_hit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+            keep_from = [
+                self.window_start(g, prompt_hit // self.chunk_tokens)
+                for g in range(self.num_groups)
+            ]
             for c in range(st.stored_chunks, full):
                 for g in range(self.num_groups):
+                    if c < keep_from[g]:
+                        continue
                     ids = block_ids[g][c * self.chunk_blocks : (c + 1) * self.chunk_blocks]
                     if len(ids) < self.chunk_blocks:
                         continue
@@ -632,6 +705,17 @@ class OffloadScheduler:
             or self._results
             or self._stores_out
             or self._loads_out
+        )
+
+    def stats_pending(self) -> bool:
+        """Anything counted since the last `take_stats` (cheap: no object built)."""
+        st = self.stats
+        return bool(
+            st.lookups
+            or st.queried_tokens
+            or st.hit_tokens
+            or st.store_chunks_planned
+            or st.store_chunks_dropped
         )
 
     def take_stats(self) -> SchedulerStats:

@@ -317,6 +317,9 @@ class OffloadWorker:
         self._done, self._failed = {}, {}
         return out
 
+    def stats_pending(self) -> bool:
+        return bool(self._stats)
+
     def take_stats(self) -> dict[str, float]:
         s, self._stats = self._stats, {}
         return s

@@ -57,6 +57,27 @@ def test_store_commit_lookup_pin_release(sidecar):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
+def test_reserve_load_many_pins_each_list_in_one_pipelined_round(sidecar):
+    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2)
+    reg = c.register(SPEC, 1, 8192)
+    res = c.reserve_store(keys(1, 2, 3, 4))
+    c.commit_store(reg.namespace_id, res.store_id, 0)
+    too_many = keys(*range(100, 100 + 65537))  # over the sidecar's per-call limit
+    got = c.reserve_load_many([keys(1, 2), keys(3, 9), keys(9), too_many, keys(4)])
+    slot = dict(zip((1, 2, 3, 4), res.slots, strict=True))
+    assert got[0] is not None and got[0][1] == [slot[1], slot[2]] and got[0][0]
+    assert got[1] is not None and got[1][1] == [slot[3]]  # the hit prefix only
+    assert got[2] == (0, [])  # a miss pins nothing
+    assert got[3] is None  # a refused call fails alone (INVALID_ARGUMENT in-stream)...
+    assert got[4] is not None and got[4][1] == [slot[4]]  # ...and the calls after it still answer
+    assert sidecar.stats().namespaces[0].pinned_slots == 4
+    c.release([g[0] for g in got if g and g[0]])
+    assert sidecar.stats().namespaces[0].pinned_slots == 0
+    c.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
 def test_session_end_releases_pins(sidecar):
     owner = PoolClient(sidecar.socket, "test/a")
     reg = owner.register(SPEC, 1, 8192)

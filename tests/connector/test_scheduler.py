@@ -76,6 +76,21 @@ class FakePool:
         self.pins[pin] = slots
         return pin, slots
 
+    def reserve_load_many(self, key_lists):
+        """One pipelined round: the real client's contract (a pin per list, None if it failed)."""
+        self._check("reserve_load_many")
+        out = []
+        for keys in key_lists:
+            slots = []
+            for k in keys:
+                if k not in self.committed:
+                    break
+                slots.append(self.committed[k])
+            pin = len(self.pins) + 1
+            self.pins[pin] = slots
+            out.append((pin, slots))
+        return out
+
     def release(self, pins):
         self._check("release")
         for p in pins:
@@ -204,10 +219,12 @@ class SchedOut:
     preempted_req_ids: set[str] = field(default_factory=set)
 
 
-def make(mode="eager", world=1, groups=1, pool=None, nblocks=64):
+def make(mode="eager", world=1, groups=1, pool=None, nblocks=64, windows=None):
     fake = pool or FakePool()
     cfg = parse_extra_config({"chunk_size": CHUNK, "mode": mode, "register_wait_ms": 0}, BS)
-    s = OffloadScheduler(cfg, block_size=BS, num_groups=groups, world_size=world, client=fake)
+    s = OffloadScheduler(
+        cfg, block_size=BS, num_groups=groups, world_size=world, client=fake, windows=windows
+    )
     bp = BlockPool(nblocks)
     mgr = KVCacheManager(bp)
     s.bind(mgr)
@@ -441,6 +458,53 @@ def test_hybrid_groups_hit_is_the_shortest_group_prefix():
     assert (t1.group, len(t1.gpu_blocks)) == (1, 3)  # the null block is not loaded
 
 
+def test_sliding_window_group_needs_only_the_window_before_the_hit():
+    # Group 1 is sliding-window (64 tokens = 1 chunk). A 256-token hit reads, in that group,
+    # only chunks 2-3 (the window before token 256 plus one chunk of margin): only those are
+    # looked up, pinned and loaded; the full group needs chunks 0-3.
+    s, fake, bp, _ = make(groups=2, windows=[0, 64])
+    req = Request("r", list(range(300)))
+    assert [s.window_start(g, 4) for g in (0, 1)] == [0, 2]
+    commit_prompt(fake, req, 4, group=0)
+    for c in (2, 3):
+        fake.committed[make_key(req.block_hashes[(c + 1) * 2 - 1], 1)] = 200 + c
+    assert ask(s, req) == (256, True)
+    assert sorted(len(v) for v in fake.pins.values()) == [2, 4]  # group 1: its window only
+    g0, g1 = bp.allocate(9), bp.allocate(9)
+    for i in range(4):  # vLLM drops blocks below the window: null in the block table
+        g1[i] = bp.blocks[0]
+    s.update_state_after_alloc(req, KVBlocks((g0, g1)), 256)
+    (job,) = s.build_connector_meta(SchedOut({})).loads
+    t0, t1 = job.transfers
+    assert t0.slots == (100, 100, 101, 101, 102, 102, 103, 103)
+    assert t1.slots == (202, 202, 203, 203) and job.generation == "gen-1"
+
+
+def test_sliding_window_hit_shrinks_to_a_present_window_or_misses():
+    s, fake, *_ = make(groups=2, windows=[0, 64])
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4, group=0)
+    fake.committed[make_key(req.block_hashes[7], 1)] = 203  # chunk 3 only: no window complete
+    assert ask(s, req) == (0, False)
+    assert not fake.pins
+
+
+def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
+    s, fake, bp, mgr = make(groups=2, windows=[0, 64])
+    req = Request("r", list(range(300)))
+    assert ask(s, req) == (0, False)
+    mgr.req_blocks["r"] = [bp.allocate(10), bp.allocate(10)]
+    s.build_connector_meta(SchedOut({"r": 300}))  # the whole prompt in one step
+    settle(s)
+    stored = {
+        (g, c)
+        for g in (0, 1)
+        for c in range(4)
+        if make_key(req.block_hashes[(c + 1) * 2 - 1], g) in fake.committed
+    }
+    assert stored == {(0, 0), (0, 1), (0, 2), (0, 3), (1, 2), (1, 3)}
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -513,7 +577,8 @@ def test_misses_until_every_rank_reports_its_pool_ready():
 def test_config_defaults_and_unknown_keys_warn(caplog):
     cfg = parse_extra_config({"socket": "/run/p.sock", "mode": "lazy", "typo_key": 1}, 16)
     assert cfg.socket == "/run/p.sock" and cfg.mode.value == "lazy"
-    assert cfg.chunk_tokens == 256 and cfg.chunk_blocks(16) == 16  # 16 blocks of 16 tokens
-    assert parse_extra_config({}, 32).chunk_tokens == 512
+    assert cfg.chunk_tokens == 64 and cfg.chunk_blocks(16) == 4  # 4 blocks of 16 tokens
+    assert parse_extra_config({}, 32).chunk_tokens == 128
+    assert parse_extra_config({}, 1024).chunk_tokens == 1024  # never below one block
     assert parse_extra_config({"chunk_size": "64"}, 32).chunk_tokens == 64
     assert "typo_key" in caplog.text
