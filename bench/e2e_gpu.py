@@ -230,6 +230,7 @@ class Child:
         }
         self.llm: Any = None
         self.busy: tuple[float, int, int] | None = None  # (since, tokens, prompts) in generate()
+        self.profile: Any = None  # e2e_profile.StepProfile with --profile
 
     # plumbing
     def save(self) -> None:
@@ -253,6 +254,8 @@ class Child:
 
         a = self.args
         kv = kv_transfer_config(a.config, a.socket, int(a.cpu_gib * (1 << 30)), a.kvo_chunk)
+        if a.profile:
+            self.start_profile(kv)
         t0 = time.time()
         self.llm = LLM(
             model=a.model,
@@ -273,6 +276,8 @@ class Child:
         import vllm
 
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # in-process only
+        if self.profile is not None and core is not None:
+            self.result["profile_engine"] = self.profile.patch_engine(core)
         kcc = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
         groups = [
             f"{type(g.kv_cache_spec).__name__}x{len(g.layer_names)}"
@@ -294,6 +299,32 @@ class Child:
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
         }
         self.save()
+
+    def start_profile(self, kv: dict[str, Any] | None) -> None:
+        """--profile: time the connector's own hooks (class-level, before the engine exists)."""
+        sys.path.insert(0, str(ROOT / "bench"))
+        from e2e_profile import StepProfile
+
+        self.profile = StepProfile()
+        cls = None
+        if kv is not None:
+            try:
+                from vllm.config import KVTransferConfig
+                from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+                cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**kv))
+            except Exception as e:  # noqa: BLE001 - profiling is an aid
+                self.result["profile_error"] = f"{type(e).__name__}: {e}"
+        self.result["profile_hooks"] = self.profile.patch_connector(cls) if cls else []
+
+    def phase(self, name: str, before: dict[str, Any] | None) -> dict[str, Any] | None:
+        """With --profile: store the delta since `before` under profile[name]; new snapshot."""
+        if self.profile is None:
+            return None
+        after = self.profile.snapshot()
+        if before is not None:
+            self.result.setdefault("profile", {})[name] = self.profile.since(before, after)
+        return after
 
     def params(self, max_tokens: int) -> Any:
         from vllm import SamplingParams
@@ -474,19 +505,24 @@ class Child:
                 if self.left() < a.reserve_s + later + 2 * (size / rate + a.settle_s):
                     self.log(f"ttft: out of time at {size} rep {i}")
                     break
+                snap = self.phase("", None)
                 cold = self.timed(p)
+                snap = self.phase(f"ttft/{size}/cold/{i}", snap)
                 add(size, "cold", cold)
                 rate = max(1000.0, size / max(cold.wall_ms / 1e3, 1e-3))
                 add(size, "gpu_hit", self.timed(p))
+                self.phase(f"ttft/{size}/gpu_hit/{i}", snap)
                 done[size] = i + 1
             self.save()
         sec["flush"] = self.flush("ttft")
         self.save()
         for size in a.sizes:
-            for p in prompts[size][: done.get(size, 0)]:
+            snap = self.phase("", None)
+            for i, p in enumerate(prompts[size][: done.get(size, 0)]):
                 if self.left() < a.reserve_s:
                     break
                 add(size, "pool_hit", self.timed(p))
+                snap = self.phase(f"ttft/{size}/pool_hit/{i}", snap)
         sec["complete"] = all(done.get(s) == a.reps for s in a.sizes)
         self.save()
 
@@ -547,7 +583,9 @@ class Child:
                 break
             batch = [self.prompt(a.dec_prompt, "dec", rep, i) for i in range(a.dec_batch)]
             time.sleep(a.settle_s)
+            snap = self.phase("", None)
             outs, wall = self.generate(batch, a.dec_tokens)
+            self.phase(f"decode/{rep}", snap)
             itl, ttft = [], []
             for o in outs:
                 m = o.metrics
@@ -637,6 +675,7 @@ def child_argv(args: argparse.Namespace, config: str, result: Path, deadline: fl
         "dec_tokens",
         "dec_reps",
     )
+    flags = ("profile",)
     argv = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -654,6 +693,7 @@ def child_argv(args: argparse.Namespace, config: str, result: Path, deadline: fl
     ]
     for k in keep:
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    argv += [f"--{k}" for k in flags if getattr(args, k)]
     return argv
 
 
@@ -953,6 +993,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dec-prompt", type=int, default=1024)
     p.add_argument("--dec-tokens", type=int, default=256)
     p.add_argument("--dec-reps", type=int, default=2)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time connector hooks, engine steps, CPU per thread, per phase (bench/e2e_profile.py)",
+    )
     p.add_argument("--merge", nargs="+", default=[], help="merge these reports into --out")
     # child-only
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

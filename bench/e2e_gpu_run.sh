@@ -9,6 +9,14 @@
 #        hybrid  Gemma-3-12B shape (sliding window + full), 32K pool hit, kvo-eager vs offloading
 #        all     llama, then hybrid with what is left
 #        final   kvo-eager on Llama (all sections), the hybrid pair, kvo-lazy TTFT if time is left
+#        hybrid-mt  the hybrid pair, then Llama-3-8B TTFT 2K/10K + multi-turn (offloading, kvo-eager,
+#                   simple)
+#        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
+#        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
+#        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
+#        decode-mt  Llama-3-8B shape, 5 configurations: 0%-hit decode then multi-turn, --profile
+#        profile Llama-3-8B shape, none / kvo-eager / offloading / kvo-lazy side by side, TTFT at
+#                2K and 10K plus decode, with --profile (connector hooks, steps, CPU per thread)
 # Hybrid models need more GPU blocks than dense ones for the same max_model_len: vLLM 0.26 sizes each
 # sliding-window group for window - 1 + 2 x max_num_batched_tokens (16,384) tokens in flight:
 # with two batches in flight (async scheduling), 40,960 tokens take 2,560 + 5 x 2,113 = 13,125
@@ -114,7 +122,35 @@ case $phase in
       --sections ttft --sizes 32000 --reps 3 --config-budget-s 70 --gpu-blocks 14000 --fillers 2
     drive llama3-8b-lazy llama3-8b $(( $(left) - 5 )) --configs kvo-lazy --sections ttft
     ;;
-  *) echo "unknown phase $phase (smoke, llama, hybrid, all)"; exit 2 ;;
+  hybrid-mt)
+    drive gemma3-12b gemma3-12b-hybrid $(( $(left) - 215 )) --configs kvo-eager,offloading \
+      --sections ttft --sizes 32000 --reps 3 --config-budget-s 130 --gpu-blocks 14000 --fillers 2
+    drive llama3-8b-mt2 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,simple}" \
+      --sections ttft,multiturn --sizes 2000,10000 --reps 3 --config-budget-s 85 --profile
+    ;;
+  mt3)
+    drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \
+      --sections multiturn --sizes 2000 --config-budget-s 120 --profile
+    ;;
+  mt-hybrid)
+    drive llama3-8b-mt llama3-8b $(( $(left) - 290 )) --configs "${E2E_CONFIGS:-none,kvo-eager,offloading,kvo-lazy,simple}" \
+      --sections multiturn --sizes 2000 --config-budget-s 90 --profile
+    drive gemma3-12b gemma3-12b-hybrid $(( $(left) - 5 )) --configs kvo-eager,offloading \
+      --sections ttft --sizes 32000 --reps 3 --config-budget-s 140 --gpu-blocks 14000 --fillers 2
+    ;;
+  ttft-dec)
+    drive llama3-8b-ttft llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-eager,offloading,kvo-lazy,simple}" \
+      --sections ttft,decode --reps 3 --dec-reps 2 --config-budget-s 125 --profile
+    ;;
+  decode-mt)
+    drive llama3-8b-decode-mt llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-eager,kvo-lazy,offloading,simple}" \
+      --sections decode,multiturn --sizes 2000 --dec-reps 3 --config-budget-s 95 --profile
+    ;;
+  profile)
+    drive llama3-8b-profile llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-eager,offloading,kvo-lazy}" \
+      --sections ttft,decode --sizes 2000,10000 --reps 3 --dec-reps 2 --config-budget-s 105 --profile
+    ;;
+  *) echo "unknown phase $phase (smoke, llama, hybrid, all, final, profile)"; exit 2 ;;
 esac
 
 python3 - "$OUT" <<'EOF' | tee "$OUT/tables.txt"

@@ -354,6 +354,61 @@ def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict
     return out
 
 
+def edge_sweep(pool_file, kind: str, page: int, total: int, reps: int, edges: list[int]) -> list:
+    """STORE and LOAD wall/device GB/s per ``edge_bytes`` (first STORE piece, last LOAD piece),
+    engines side by side and repetitions interleaved so machine drift hits every variant alike."""
+    block_size, head_size, layers = PAGES[page]
+    nb = max(1, total // (layers * page))
+    cb = max(1, min(16, 32 * MiB // (layers * page)))
+    setup = make_kv_caches(
+        kind,
+        num_layers=layers,
+        num_blocks=3 * nb,
+        heads=8,
+        block_size=block_size,
+        head_size=head_size,
+        dtype="bfloat16",
+        device="cuda",
+    )
+    layout = canonicalize(setup.kv_caches, setup.layer_groups, cb)
+    n_slots = 2 * (-(-nb // cb))
+    pool = pool_file.view(layout.slot_bytes, min(pool_file.nbytes // layout.slot_bytes, n_slots))
+    rng = np.random.default_rng(page + 7)
+    a = scattered_batches(layout, nb, rng.permutation(n_slots)[: n_slots // 2], rng)
+    nbytes = nb * layout.groups[0].block_bytes
+    engines = [CudaEngine(layout, pool, torch.device("cuda"), edge_bytes=e) for e in edges]
+    jid = iter(range(1 << 30))
+    wall: dict = {(e, d): [] for e in edges for d in Direction}
+    dev: dict = {(e, d): [] for e in edges for d in Direction}
+    for rep in range(reps + 1):
+        for e, engine in zip(edges, engines, strict=True):
+            for d in (Direction.STORE, Direction.LOAD):
+                j = next(jid)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                engine.submit(j, d, [a])
+                [r] = engine.wait([j])
+                t = time.perf_counter() - t0
+                assert r.ok, r.error
+                if rep:  # the first round warms up
+                    wall[e, d].append(t)
+                    dev[e, d].append(r.seconds)
+    rows = []
+    for e, engine in zip(edges, engines, strict=True):
+        engine.shutdown()
+        row = {"layout": kind, "page_bytes": page, "edge_mib": e / MiB}
+        for d in Direction:
+            name = d.name.lower()
+            row[f"{name}_gbps"] = nbytes / statistics.median(wall[e, d]) / 1e9
+            row[f"{name}_device_gbps"] = nbytes / statistics.median(dev[e, d]) / 1e9
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    pool.close()
+    del setup, layout
+    torch.cuda.empty_cache()
+    return rows
+
+
 def kernel_rates(engine, layout, batch, pool) -> dict:
     """HBM-side rate of the gather (store, 8 CTAs) and scatter (load, 16 CTAs) kernels alone
     on one staging piece: the headroom they leave over PCIe."""
@@ -450,6 +505,12 @@ def main() -> None:
     ap.add_argument("--pages", default="16K,32K,64K,256K,2M")
     ap.add_argument("--out", default="bench/results/transfer.json")
     ap.add_argument("--explore", action="store_true", help="also try engine variants")
+    ap.add_argument(
+        "--edge-sweep",
+        default="",
+        help="also compare these first-STORE/last-LOAD piece sizes, MiB (e.g. 8,16,32)",
+    )
+    ap.add_argument("--no-10k", action="store_true", help="skip the 10K-token load")
     args = ap.parse_args()
     total = int(args.gib * GiB)
     pages = [int(p[:-1]) * (MiB if p.endswith("M") else KiB) for p in args.pages.split(",")]
@@ -487,8 +548,16 @@ def main() -> None:
         if args.explore:
             for kind, page in (("BLHNC", 2 * MiB), ("LBHNC", 64 * KiB)):
                 result["explore_both"] += explore(pool_file, kind, page, total, args.reps)
+        result["edge_sweep"] = []
+        if args.edge_sweep:
+            edges = [int(float(x) * MiB) for x in args.edge_sweep.split(",")]
+            for page in pages:
+                for kind in ("LBHNC", "BLHNC"):
+                    result["edge_sweep"] += edge_sweep(
+                        pool_file, kind, page, total, max(args.reps, 7), edges
+                    )
         result["llama_10k_load"] = []
-        for kind, dmas in (("LBHNC", 1), ("BLHNC", 1), ("LBHNC", 2)):
+        for kind, dmas in () if args.no_10k else (("LBHNC", 1), ("BLHNC", 1), ("LBHNC", 2)):
             try:
                 result["llama_10k_load"].append(llama_10k(pool_file, kind, max(args.reps, 7), dmas))
             except Exception as exc:
@@ -543,6 +612,12 @@ def print_table(r: dict) -> None:
         print(
             f"both at once, {row['layout']} {row['page_bytes'] // KiB}K, {row['variant']}: "
             f"{row['both_gbps']:.1f} GB/s"
+        )
+    for row in r.get("edge_sweep", []):
+        print(
+            f"edge {row['edge_mib']:g} MiB, {row['layout']} {row['page_bytes'] // KiB}K: store "
+            f"{row['store_gbps']:.1f} ({row['store_device_gbps']:.1f} device), load "
+            f"{row['load_gbps']:.1f} ({row['load_device_gbps']:.1f} device) GB/s"
         )
     for row in r["llama_10k_load"]:
         if "error" in row:
