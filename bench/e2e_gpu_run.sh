@@ -11,6 +11,7 @@
 #        final   kvo-eager on Llama (all sections), the hybrid pair, kvo-lazy TTFT if time is left
 #        hybrid-mt  the hybrid pair, then Llama-3-8B TTFT 2K/10K + multi-turn (offloading, kvo-eager,
 #                   simple)
+#        ttft4      Llama-3-8B TTFT 2K/10K/32K: kvo-eager, offloading, kvo-lazy, simple (one call)
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -127,6 +128,10 @@ case $phase in
       --sections ttft --sizes 32000 --reps 3 --config-budget-s 130 --gpu-blocks 14000 --fillers 2
     drive llama3-8b-mt2 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,simple}" \
       --sections ttft,multiturn --sizes 2000,10000 --reps 3 --config-budget-s 85 --profile
+    ;;
+  ttft4)
+    drive llama3-8b-ttft4 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-eager,offloading,kvo-lazy,simple}" \
+      --sections ttft --reps 3 --config-budget-s 120 --profile
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \
