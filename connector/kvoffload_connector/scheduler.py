@@ -70,6 +70,7 @@ class _Req:
     hit_end: int = 0  # tokens covered by the answer (after the n-1 cap)
     stored_chunks: int = 0  # chunks already in, or on their way to, the pool
     load_job: int | None = None
+    planned: bool = False  # eager: seen by a store plan since it was (re)scheduled
 
 
 @dataclass
@@ -420,6 +421,14 @@ class OffloadScheduler:
             if st is None:
                 continue
             req = st.request
+            if not st.planned:
+                # First schedule: what vLLM found in its GPU prefix cache was computed by an
+                # earlier request, whose eager stores sent it already (re-reserving it is a
+                # round of PRESENT answers and block references held for nothing).
+                st.planned = True
+                st.stored_chunks = max(
+                    st.stored_chunks, req.num_computed_tokens // self.chunk_tokens
+                )
             computed = req.num_computed_tokens + n_sched
             if not self.cfg.store_decode:
                 computed = min(computed, req.num_prompt_tokens)
@@ -622,6 +631,7 @@ class OffloadScheduler:
                 st = self._reqs.get(req_id)
                 if st is not None:
                     st.stored_chunks = 0
+                    st.planned = False
                     if st.load_job is None and st.answer is not None:
                         self._release(st.answer.pins)
                         st.answer = None

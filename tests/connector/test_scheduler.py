@@ -458,6 +458,25 @@ def test_hybrid_groups_hit_is_the_shortest_group_prefix():
     assert (t1.group, len(t1.gpu_blocks)) == (1, 3)  # the null block is not loaded
 
 
+def test_eager_skips_what_the_gpu_prefix_cache_already_held():
+    # vLLM found 128 tokens (2 chunks) in its GPU prefix cache: an earlier request computed
+    # and stored them, so only the chunk computed now is reserved.
+    s, fake, bp, mgr = make()
+    req = Request("r", list(range(200)), num_computed_tokens=128)
+    assert ask(s, req, 128) == (0, False)
+    mgr.req_blocks["r"] = [bp.allocate(7)]
+    reserved: list[int] = []
+    real = fake.reserve_store
+    fake.reserve_store = lambda keys: reserved.append(len(keys)) or real(keys)
+    s.build_connector_meta(SchedOut({"r": 72}))
+    settle(s)
+    assert reserved == [1]
+    stored = [
+        c for c in range(3) if make_key(req.block_hashes[(c + 1) * 2 - 1], 0) in fake.committed
+    ]
+    assert stored == [2]
+
+
 def test_sliding_window_group_needs_only_the_window_before_the_hit():
     # Group 1 is sliding-window (64 tokens = 1 chunk). A 256-token hit reads, in that group,
     # only chunks 2-3 (the window before token 256 plus one chunk of margin): only those are
