@@ -21,26 +21,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-HOOKS = (
-    "get_num_new_matched_tokens",
-    "update_state_after_alloc",
-    "build_connector_meta",
-    "update_connector_output",
-    "request_finished",
-    "request_finished_all_groups",
-    "bind_connector_metadata",
-    "clear_connector_metadata",
-    "handle_preemptions",
-    "start_load_kv",
-    "wait_for_layer_load",
-    "save_kv_layer",
-    "wait_for_save",
-    "get_finished",
-    "get_transfer_results",
-    "get_block_ids_with_load_errors",
-    "build_connector_worker_meta",
-    "get_kv_connector_stats",
-)
+from connector_overhead import SCHED_HOOKS, WORKER_HOOKS  # bench/ is on sys.path
+
+# every hook vLLM calls on the step path (the same list the CPU overhead bench times)
+HOOKS = tuple(dict.fromkeys((*SCHED_HOOKS, *WORKER_HOOKS)))
 
 
 class StepProfile:

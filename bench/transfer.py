@@ -289,9 +289,9 @@ def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_li
     return row
 
 
-def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict]:
-    """Both directions at once under engine variants (ring depth, piece size, DMA streams,
-    CTAs, submit order): which knob moves full-duplex throughput."""
+def _variant_cell(pool_file, kind: str, page: int, total: int):
+    """KV caches, layout and a pool view for one page size: ``total`` bytes of blocks, chunks of
+    up to 32 MiB, twice the slots one job needs. -> (setup, layout, pool, blocks, chunk, slots)"""
     block_size, head_size, layers = PAGES[page]
     nb = max(1, total // (layers * page))
     cb = max(1, min(16, 32 * MiB // (layers * page)))
@@ -308,6 +308,13 @@ def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict
     layout = canonicalize(setup.kv_caches, setup.layer_groups, cb)
     n_slots = 2 * (-(-nb // cb))
     pool = pool_file.view(layout.slot_bytes, min(pool_file.nbytes // layout.slot_bytes, n_slots))
+    return setup, layout, pool, nb, cb, n_slots
+
+
+def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict]:
+    """Both directions at once under engine variants (ring depth, piece size, DMA streams,
+    CTAs, submit order): which knob moves full-duplex throughput."""
+    setup, layout, pool, nb, cb, n_slots = _variant_cell(pool_file, kind, page, total)
     rng = np.random.default_rng(page + 1)
     perm = rng.permutation(3 * nb)
     slots = rng.permutation(n_slots)
@@ -357,22 +364,7 @@ def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict
 def edge_sweep(pool_file, kind: str, page: int, total: int, reps: int, edges: list[int]) -> list:
     """STORE and LOAD wall/device GB/s per ``edge_bytes`` (first STORE piece, last LOAD piece),
     engines side by side and repetitions interleaved so machine drift hits every variant alike."""
-    block_size, head_size, layers = PAGES[page]
-    nb = max(1, total // (layers * page))
-    cb = max(1, min(16, 32 * MiB // (layers * page)))
-    setup = make_kv_caches(
-        kind,
-        num_layers=layers,
-        num_blocks=3 * nb,
-        heads=8,
-        block_size=block_size,
-        head_size=head_size,
-        dtype="bfloat16",
-        device="cuda",
-    )
-    layout = canonicalize(setup.kv_caches, setup.layer_groups, cb)
-    n_slots = 2 * (-(-nb // cb))
-    pool = pool_file.view(layout.slot_bytes, min(pool_file.nbytes // layout.slot_bytes, n_slots))
+    setup, layout, pool, nb, cb, n_slots = _variant_cell(pool_file, kind, page, total)
     rng = np.random.default_rng(page + 7)
     a = scattered_batches(layout, nb, rng.permutation(n_slots)[: n_slots // 2], rng)
     nbytes = nb * layout.groups[0].block_bytes

@@ -67,6 +67,9 @@ class FakePool:
 
     def reserve_load(self, keys):
         self._check("reserve_load")
+        return self._pin(keys)
+
+    def _pin(self, keys):
         slots = []
         for k in keys:
             if k not in self.committed:
@@ -79,17 +82,7 @@ class FakePool:
     def reserve_load_many(self, key_lists):
         """One pipelined round: the real client's contract (a pin per list, None if it failed)."""
         self._check("reserve_load_many")
-        out = []
-        for keys in key_lists:
-            slots = []
-            for k in keys:
-                if k not in self.committed:
-                    break
-                slots.append(self.committed[k])
-            pin = len(self.pins) + 1
-            self.pins[pin] = slots
-            out.append((pin, slots))
-        return out
+        return [self._pin(keys) for keys in key_lists]
 
     def release(self, pins):
         self._check("release")
