@@ -247,7 +247,8 @@ class Child:
     def prompt(self, length: int, *parts: object) -> list[int]:
         # The configuration is part of every seed: the sidecar outlives the engines (and two
         # kvoffload configurations share a namespace), so no configuration hits another's data.
-        return token_prompt(seed_of(self.args.config, *parts), length, self.shape.vocab)
+        rnd = () if self.args.round <= 1 else (f"round{self.args.round}",)
+        return token_prompt(seed_of(self.args.config, *rnd, *parts), length, self.shape.vocab)
 
     def start(self) -> None:
         from vllm import LLM
@@ -648,7 +649,9 @@ def sidecar_stats(socket: str) -> dict[str, Any] | None:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def child_argv(args: argparse.Namespace, config: str, result: Path, deadline: float) -> list[str]:
+def child_argv(
+    args: argparse.Namespace, config: str, result: Path, deadline: float, rnd: int = 1
+) -> list[str]:
     keep = (
         "model",
         "socket",
@@ -686,6 +689,8 @@ def child_argv(args: argparse.Namespace, config: str, result: Path, deadline: fl
         str(result),
         "--deadline",
         f"{deadline:.1f}",
+        "--round",
+        str(rnd),
         "--sections",
         ",".join(args.sections),
         "--sizes",
@@ -732,25 +737,29 @@ def run_parent(args: argparse.Namespace) -> int:
         args.socket = sidecar.socket
     log_path = Path(args.log) if args.log else out.with_suffix(".log")
     try:
-        for config in args.configs:
+        # --rounds N: the configuration list N times over (A, B, A, B, ...), so machine drift
+        # hits every configuration alike; round r > 1 is stored as "config#r"
+        order = [(r, c) for r in range(1, args.rounds + 1) for c in args.configs]
+        for rnd, config in order:
+            key = config if rnd == 1 else f"{config}#{rnd}"
             left = t_end - time.time()
             if left < CHILD_START_S:
-                report["runs"][config] = {"config": config, "status": "skipped: out of time"}
+                report["runs"][key] = {"config": config, "status": "skipped: out of time"}
                 continue
-            result = out.with_name(f"{out.stem}.{config}.part.json")
+            result = out.with_name(f"{out.stem}.{key}.part.json")
             result.unlink(missing_ok=True)
             deadline = (
                 t_end
-                if config == args.configs[-1]
+                if (rnd, config) == order[-1]
                 else time.time() + min(left, args.config_budget_s)
             )
-            print(f"== {shape.name} / {config}: {deadline - time.time():.0f} s", flush=True)
+            print(f"== {shape.name} / {key}: {deadline - time.time():.0f} s", flush=True)
             with open(log_path, "a") as log:
-                log.write(f"\n===== {shape.name} / {config} =====\n")
+                log.write(f"\n===== {shape.name} / {key} =====\n")
                 log.flush()
                 try:
                     proc = subprocess.run(
-                        child_argv(args, config, result, deadline - 5),
+                        child_argv(args, config, result, deadline - 5, rnd),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         timeout=max(10.0, deadline - time.time() + 15),
@@ -767,11 +776,12 @@ def run_parent(args: argparse.Namespace) -> int:
             run["returncode"] = rc
             if config.startswith("kvo"):
                 run["sidecar_stats"] = sidecar_stats(args.socket)
-            report["runs"][config] = run
+            run["round"] = rnd
+            report["runs"][key] = run
             report["tables"] = tables(report)
             out.write_text(json.dumps(report, indent=1))
             tail = "" if rc == 0 else f" (rc {rc}: {run.get('error', 'see log')})"
-            print(f"   {config}: {run.get('status')}{tail}", flush=True)
+            print(f"   {key}: {run.get('status')}{tail}", flush=True)
     finally:
         if sidecar is not None:
             sidecar.close()
@@ -923,6 +933,7 @@ def tables(report: dict[str, Any]) -> list[str]:
         dec_rows.append([c, _cell(tps), rel, _cell(itl, 1), _cell(ttft), _cell(cold)])
     if len(dec_rows) > 1:
         lines += ["", *_format(dec_rows)]
+    lines += paired_decode_lines(runs)
     bad = [
         f"{c}: {runs[c].get('status')} {runs[c].get('error', '')}".strip()
         for c in runs
@@ -931,6 +942,41 @@ def tables(report: dict[str, Any]) -> list[str]:
     if bad:
         lines += ["", "not ok: " + "; ".join(bad)]
     return lines
+
+
+def paired_decode_lines(runs: dict[str, Any]) -> list[str]:
+    """With --rounds: decode tok/s per round and each configuration's ratio to `none` in the
+    same round (paired), then the median of those ratios: drift between rounds cancels."""
+    by_round: dict[int, dict[str, float]] = {}
+    for key, run in runs.items():
+        dec = run.get("sections", {}).get("decode", {}).get("runs")
+        if dec:
+            tps = statistics.median(r["output_tok_s"] for r in dec)
+            by_round.setdefault(int(run.get("round", 1)), {})[key.split("#")[0]] = tps
+    if len(by_round) < 2 or not any("none" in r for r in by_round.values()):
+        return []
+    configs = [c for c in CONFIGS if any(c in r for r in by_round.values())]
+    rows = [["round", *configs]]
+    ratios: dict[str, list[float]] = {c: [] for c in configs}
+    for rnd in sorted(by_round):
+        row = [str(rnd)]
+        base = by_round[rnd].get("none")
+        for c in configs:
+            v = by_round[rnd].get(c)
+            if v is None:
+                row.append("-")
+                continue
+            row.append(f"{v:,.0f}")
+            if base and c != "none":
+                ratios[c].append(v / base - 1)
+        rows.append(row)
+    rows.append(
+        [
+            "paired vs none",
+            *(f"{statistics.median(ratios[c]):+.1%}" if ratios[c] else "-" for c in configs),
+        ]
+    )
+    return ["", "0% hits, output tok/s by round (configurations interleaved)", *_format(rows)]
 
 
 def _format(rows: list[list[str]]) -> list[str]:
@@ -958,6 +1004,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=str(ROOT / "bench/results/e2e_gpu.json"))
     p.add_argument("--log", default="", help="engines' output (default: OUT with .log)")
     p.add_argument("--budget-s", type=float, default=540, help="wall budget of the whole run")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run the configuration list this many times over"
+    )
     p.add_argument(
         "--config-budget-s",
         type=float,
@@ -1004,6 +1053,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="none", help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--round", type=int, default=1, help=argparse.SUPPRESS)
     return p
 
 

@@ -11,6 +11,8 @@
 #        final   kvo-eager on Llama (all sections), the hybrid pair, kvo-lazy TTFT if time is left
 #        hybrid-mt  the hybrid pair, then Llama-3-8B TTFT 2K/10K + multi-turn (offloading, kvo-eager,
 #                   simple)
+#        decode-ab  Llama-3-8B 0%-hit decode, none and kvo-eager interleaved over 3 rounds (paired
+#                   ratios: drift between rounds cancels)
 #        ttft4      Llama-3-8B TTFT 2K/10K/32K: kvo-eager, offloading, kvo-lazy, simple (one call)
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
@@ -128,6 +130,10 @@ case $phase in
       --sections ttft --sizes 32000 --reps 3 --config-budget-s 130 --gpu-blocks 14000 --fillers 2
     drive llama3-8b-mt2 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,simple}" \
       --sections ttft,multiturn --sizes 2000,10000 --reps 3 --config-budget-s 85 --profile
+    ;;
+  decode-ab)
+    drive llama3-8b-decode-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-eager}" \
+      --sections decode --sizes 2000 --dec-reps 3 --rounds 3 --config-budget-s 75 --profile
     ;;
   ttft4)
     drive llama3-8b-ttft4 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-eager,offloading,kvo-lazy,simple}" \

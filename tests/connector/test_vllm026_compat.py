@@ -105,6 +105,27 @@ def test_bad_command_lines_are_refused_with_a_reason(capsys):
         e2e.main(["--sizes", "50000", "--max-model-len", "40960"])
 
 
+def test_interleaved_rounds_compare_each_config_with_none_of_the_same_round():
+    def run(rnd, *tok_s):
+        return {
+            "round": rnd,
+            "sections": {"decode": {"runs": [{"output_tok_s": t} for t in tok_s]}},
+        }
+
+    # round 2 ran on a slower machine state: every configuration dropped ~40% together
+    runs = {
+        "none": run(1, 1000, 1000),
+        "kvo-eager": run(1, 990),
+        "none#2": run(2, 600),
+        "kvo-eager#2": run(2, 597, 591),
+    }
+    lines = e2e.paired_decode_lines(runs)
+    assert any(line.split()[:2] == ["2", "600"] for line in lines), lines
+    paired = next(line for line in lines if line.startswith("paired"))
+    assert paired.split()[-1] == "-1.0%"  # median of -1.0% and -1.0%, not the -20% of the means
+    assert e2e.paired_decode_lines({"none": run(1, 1000), "kvo-eager": run(1, 990)}) == []
+
+
 def test_run_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "e2e_gpu_run.sh")], check=True, timeout=30)
 
