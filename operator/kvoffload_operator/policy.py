@@ -67,7 +67,7 @@ class PoolSpec:
 @dataclass(frozen=True)
 class OffloadSpec:
     mode: Mode = Mode.EAGER
-    chunk_size: int = 256  # tokens per pool slot
+    chunk_size: int = 64  # tokens per pool slot (4 blocks of 16: see the connector default)
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ def pool_from_spec(raw: Mapping[str, Any]) -> PoolSpec:
 
 
 def _offload(raw: Mapping[str, Any]) -> OffloadSpec:
-    chunk = _int(raw.get("chunkSize", 256), "spec.offload.chunkSize", CHUNK_ALIGN, MAX_CHUNK_TOKENS)
+    chunk = _int(raw.get("chunkSize", 64), "spec.offload.chunkSize", CHUNK_ALIGN, MAX_CHUNK_TOKENS)
     if chunk % CHUNK_ALIGN:
         raise PolicyError("spec.offload.chunkSize: must be a multiple of 16 tokens")
     return OffloadSpec(

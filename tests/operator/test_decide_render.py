@@ -148,7 +148,7 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
     config = json.loads(engine["args"][-1].split("=", 1)[1])
     assert config["kv_connector_extra_config"] == {
         "socket": "/kvoffload/run/pool.sock",
-        "chunk_size": 256,
+        "chunk_size": 64,
         "mode": "eager",
     }
     assert config["kv_load_failure_policy"] == "recompute" and config["kv_role"] == "kv_both"
