@@ -204,11 +204,13 @@ def scattered_batches(layout, nb: int, slots: np.ndarray, rng, first: int = 0):
     return TransferBatch(0, blocks, slots[idx // cb], idx % cb)
 
 
-def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_lib) -> dict:
+def _cell_setup(pool_file, kind: str, page: int, total: int, pool_factor: int = 1):
+    """KV caches, layout and a pool view for one page size: ``total`` bytes of blocks, chunks of
+    up to 32 MiB, a pool of ``pool_factor`` x twice the slots one job needs.
+    -> (setup, layout, pool, blocks, chunk, slots)"""
     block_size, head_size, layers = PAGES[page]
-    block_bytes = layers * page
-    nb = max(1, total // block_bytes)
-    cb = max(1, min(16, 32 * MiB // block_bytes))  # slots of up to 32 MiB (16 blocks)
+    nb = max(1, total // (layers * page))
+    cb = max(1, min(16, 32 * MiB // (layers * page)))
     setup = make_kv_caches(
         kind,
         num_layers=layers,
@@ -222,8 +224,13 @@ def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_li
     layout = canonicalize(setup.kv_caches, setup.layer_groups, cb)
     n_slots = 2 * (-(-nb // cb))
     pool = pool_file.view(
-        layout.slot_bytes, min(pool_file.nbytes // layout.slot_bytes, 3 * n_slots)
+        layout.slot_bytes, min(pool_file.nbytes // layout.slot_bytes, pool_factor * n_slots)
     )
+    return setup, layout, pool, nb, cb, n_slots
+
+
+def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_lib) -> dict:
+    setup, layout, pool, nb, cb, n_slots = _cell_setup(pool_file, kind, page, total, 3)
     rng = np.random.default_rng(page)
     slot_perm = rng.permutation(pool.slot_count)
     a = scattered_batches(layout, nb, slot_perm[: n_slots // 2], rng)
@@ -257,7 +264,7 @@ def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_li
     row = {
         "layout": "layer-major" if kind == "LBHNC" else "block-major",
         "page_bytes": page,
-        "layers": layers,
+        "layers": PAGES[page][2],
         "regions_per_block": len(layout.groups[0].regions),
         "chunk_blocks": cb,
         "slot_bytes": layout.slot_bytes,
@@ -289,32 +296,10 @@ def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_li
     return row
 
 
-def _variant_cell(pool_file, kind: str, page: int, total: int):
-    """KV caches, layout and a pool view for one page size: ``total`` bytes of blocks, chunks of
-    up to 32 MiB, twice the slots one job needs. -> (setup, layout, pool, blocks, chunk, slots)"""
-    block_size, head_size, layers = PAGES[page]
-    nb = max(1, total // (layers * page))
-    cb = max(1, min(16, 32 * MiB // (layers * page)))
-    setup = make_kv_caches(
-        kind,
-        num_layers=layers,
-        num_blocks=3 * nb,
-        heads=8,
-        block_size=block_size,
-        head_size=head_size,
-        dtype="bfloat16",
-        device="cuda",
-    )
-    layout = canonicalize(setup.kv_caches, setup.layer_groups, cb)
-    n_slots = 2 * (-(-nb // cb))
-    pool = pool_file.view(layout.slot_bytes, min(pool_file.nbytes // layout.slot_bytes, n_slots))
-    return setup, layout, pool, nb, cb, n_slots
-
-
 def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict]:
     """Both directions at once under engine variants (ring depth, piece size, DMA streams,
     CTAs, submit order): which knob moves full-duplex throughput."""
-    setup, layout, pool, nb, cb, n_slots = _variant_cell(pool_file, kind, page, total)
+    setup, layout, pool, nb, cb, n_slots = _cell_setup(pool_file, kind, page, total)
     rng = np.random.default_rng(page + 1)
     perm = rng.permutation(3 * nb)
     slots = rng.permutation(n_slots)
@@ -364,7 +349,7 @@ def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict
 def edge_sweep(pool_file, kind: str, page: int, total: int, reps: int, edges: list[int]) -> list:
     """STORE and LOAD wall/device GB/s per ``edge_bytes`` (first STORE piece, last LOAD piece),
     engines side by side and repetitions interleaved so machine drift hits every variant alike."""
-    setup, layout, pool, nb, cb, n_slots = _variant_cell(pool_file, kind, page, total)
+    setup, layout, pool, nb, cb, n_slots = _cell_setup(pool_file, kind, page, total)
     rng = np.random.default_rng(page + 7)
     a = scattered_batches(layout, nb, rng.permutation(n_slots)[: n_slots // 2], rng)
     nbytes = nb * layout.groups[0].block_bytes
