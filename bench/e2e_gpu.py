@@ -23,6 +23,10 @@ Sections (each child runs the ones asked for, in this order, within its deadline
                first_token_latency: arrival to first token, queueing included).
     decode     B new 1,024-token prompts at once, 256 generated tokens each, nothing to hit:
                output tokens/s, inter-token latency and TTFT: the 0%-hit cost.
+    hotpath    where the engine's main thread spends a step: cProfile over 8 GPU-prefix hits
+               of one prompt (the first --sizes), then over one short 0%-hit decode batch; the
+               top functions by own time and by cumulative time (profiled calls run slower:
+               compare configurations, not absolute times).
 
     python bench/e2e_gpu.py --model bench/e2e_models/llama3-8b \
         --configs none,offloading,simple,kvo-eager,kvo-lazy --sections ttft,multiturn,decode \
@@ -60,7 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PCIE_GBPS = 52.0  # measured H2D ceiling on the H100 host (DESIGN.md; 52.5 in bench/transfer.py)
 TARGET_SLACK = 1.1  # issue 6: pool hit within 1.1 x (GPU-hit time + KV bytes / 52 GB/s)
 CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy")
-SECTIONS = ("ttft", "multiturn", "decode")
+SECTIONS = ("ttft", "multiturn", "decode", "hotpath")
 CHILD_START_S = 60.0  # import + engine start + warm-up: do not start a child with less left
 
 
@@ -549,7 +553,9 @@ class Child:
                 system + history[c] + self.prompt(a.mt_turn, "mt", c, turn)
                 for c in range(a.mt_convs)
             ]
+            snap = self.phase("", None)
             outs, wall = self.generate(batch, a.mt_reply)
+            self.phase(f"multiturn/{turn}", snap)
             ttfts = [1e3 * o.metrics.first_token_latency for o in outs if o.metrics is not None]
             for c, o in enumerate(outs):
                 history[c] = batch[c][len(system) :] + list(o.outputs[0].token_ids)
@@ -608,6 +614,34 @@ class Child:
             )
             self.save()
 
+    def section_hotpath(self) -> None:
+        import cProfile
+
+        a = self.args
+        sec: dict[str, Any] = {}
+        self.result["sections"]["hotpath"] = sec
+        prompt = self.prompt(a.sizes[0], "hotpath")
+        self.generate([prompt], 1)  # cold: computed (and, with kvoffload eager, stored)
+        time.sleep(1.0)  # its copies settle: the hits below measure the hit path alone
+        prof, walls = cProfile.Profile(), []
+        for _ in range(8):
+            time.sleep(a.settle_s)
+            prof.enable()
+            _, wall = self.generate([prompt], 1)
+            prof.disable()
+            walls.append(round(1e3 * wall, 2))
+        sec["gpu_hit"] = {"prompt_tokens": len(prompt), "wall_ms": walls, **profile_top(prof)}
+        self.save()
+        batch = [self.prompt(a.dec_prompt, "hot-dec", i) for i in range(a.dec_batch)]
+        time.sleep(a.settle_s)
+        prof = cProfile.Profile()
+        prof.enable()
+        outs, wall = self.generate(batch, 64)
+        prof.disable()
+        steps = max(len(o.outputs[0].token_ids) for o in outs)
+        sec["decode"] = {"batch": len(batch), "steps": steps, "wall_s": wall, **profile_top(prof)}
+        self.save()
+
     def run(self) -> int:
         try:
             self.log("starting engine")
@@ -631,6 +665,21 @@ class Child:
             return 1
         finally:
             self.save()
+
+
+def profile_top(prof: Any, n: int = 40) -> dict[str, Any]:
+    """The n functions with most own time and most cumulative time, in ms (path tails only)."""
+    import pstats
+
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = []
+    for (path, line, func), (_cc, calls, own, cum, _callers) in stats.items():
+        where = "/".join(Path(path).parts[-2:]) if path != "~" else "C"
+        rows.append([f"{where}:{line}:{func}", calls, round(1e3 * own, 2), round(1e3 * cum, 2)])
+    total = sum(r[2] for r in rows)
+    by_own = sorted(rows, key=lambda r: -r[2])[:n]
+    by_cum = sorted(rows, key=lambda r: -r[3])[:n]
+    return {"total_ms": round(total, 1), "by_own": by_own, "by_cum": by_cum}
 
 
 # -- the parent: sidecar, one child per configuration, tables --------------------------------------

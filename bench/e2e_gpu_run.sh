@@ -14,6 +14,9 @@
 #        decode-ab  Llama-3-8B 0%-hit decode, none and kvo-eager interleaved over 3 rounds (paired
 #                   ratios: drift between rounds cancels)
 #        ttft4      Llama-3-8B TTFT 2K/10K/32K: kvo-eager, offloading, kvo-lazy, simple (one call)
+#        ttft-mt    Llama-3-8B TTFT 2K/10K + multi-turn: offloading, kvo-eager, simple (--profile)
+#        hotpath    Llama-3-8B: cProfile of the main thread over GPU hits and a decode batch, for
+#                   kvo-eager, simple, none, kvo-lazy (where a connector's step time goes)
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -26,6 +29,7 @@
 # blocks (measured: 12.82 GiB at 1 MiB a block; gemma3-12b: --gpu-blocks 14000).
 # Environment: E2E_CONFIGS (llama phase's configurations), POOL_GIB (sidecar pool, default 48; 32
 # for smoke), CPU_GIB (vLLM connectors' cpu_bytes_to_use in GiB, default 48).
+# RPC_BENCH=1: first run bench/sidecar_rpc.py on this host (its own sidecar; JSON in $OUT).
 # BUDGET_S: wall seconds for everything after the unpack (default 540: a call is at most 600).
 # Prepare once, here (git-ignored through .git/info/exclude, ~48 MiB, named in the call's carry):
 #   echo /.gpu/ >> .git/info/exclude; mkdir -p .gpu/whl
@@ -67,6 +71,11 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBU
   nproc; free -g | head -2; df -h /dev/shm | tail -1
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+
+if [[ ${RPC_BENCH:-0} == 1 ]]; then
+  timeout 120 python3 bench/sidecar_rpc.py --calls 2000 --pool-dir /dev/shm \
+    --out "$OUT/sidecar_rpc_host.json" 2>&1 | tail -20
+fi
 
 pool_dir=/dev/shm/kvo-e2e
 rm -rf "$pool_dir" && mkdir -p "$pool_dir"
@@ -139,9 +148,17 @@ case $phase in
     drive llama3-8b-ttft4 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-eager,offloading,kvo-lazy,simple}" \
       --sections ttft --reps 3 --config-budget-s 120 --profile
     ;;
+  ttft-mt)
+    drive llama3-8b-ttft-mt llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,simple}" \
+      --sections ttft,multiturn --sizes 2000,10000 --reps 3 --config-budget-s 150 --profile
+    ;;
+  hotpath)
+    drive llama3-8b-hotpath llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-eager,simple,none,kvo-lazy}" \
+      --sections hotpath --sizes 2000 --config-budget-s 100
+    ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \
-      --sections multiturn --sizes 2000 --config-budget-s 120 --profile
+      --sections multiturn --sizes 2000 --config-budget-s 150 --profile
     ;;
   mt-hybrid)
     drive llama3-8b-mt llama3-8b $(( $(left) - 290 )) --configs "${E2E_CONFIGS:-none,kvo-eager,offloading,kvo-lazy,simple}" \

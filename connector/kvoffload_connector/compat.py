@@ -5,11 +5,10 @@ scheduler-side modules stay importable (and unit-testable) without it.
 
 Known differences the connector relies on:
 - 0.32/0.33: `get_transfer_results` (failed loads via `failed_recving`),
-  `bind_kv_cache_manager`, `requires_kv_delivery`, `handle_preemptions(metadata)`.
-- 0.26: only `get_finished` (the facade implements both), `handle_preemptions`
-  may receive a set of request ids, no `bind_kv_cache_manager` (vLLM calls
-  neither; the scheduler then reads block ids from `update_state_after_alloc`
-  and the scheduler output).
+  `bind_kv_cache_manager`, `requires_kv_delivery`.
+- 0.26: only `get_finished` (the facade implements both) and no
+  `bind_kv_cache_manager`: the scheduler then reads block ids from
+  `update_state_after_alloc` and the scheduler output.
 """
 
 from __future__ import annotations

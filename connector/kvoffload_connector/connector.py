@@ -145,10 +145,6 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
-    def handle_preemptions(self, kv_connector_metadata: Any = None) -> None:
-        if self._worker is not None and isinstance(kv_connector_metadata, ConnectorMeta):
-            self._worker.handle_preemptions(kv_connector_metadata)
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._meta())
 

@@ -58,9 +58,6 @@ class StoreJob:
 class ConnectorMeta(ConnectorMetadataBase):
     loads: tuple[LoadJob, ...] = ()
     stores: tuple[StoreJob, ...] = ()
-    # Store jobs of requests preempted this step: finished before the forward
-    # (their blocks are also held by the scheduler until stored; belt and braces).
-    flush: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

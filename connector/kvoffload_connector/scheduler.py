@@ -619,25 +619,18 @@ class OffloadScheduler:
             else:
                 self._reserve(self._plan_lazy())
         self._send_lookups()
-        flush: frozenset[int] = frozenset()
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
-        if preempted:
-            flush = frozenset(
-                j.job_id
-                for j in self._jobs.values()
-                if j.kind == "store" and preempted.intersection(j.req_ids)
-            )
-            for req_id in preempted:  # its blocks are gone: look up and store again on resume
-                st = self._reqs.get(req_id)
-                if st is not None:
-                    st.stored_chunks = 0
-                    st.planned = False
-                    if st.load_job is None and st.answer is not None:
-                        self._release(st.answer.pins)
-                        st.answer = None
-        meta = ConnectorMeta(
-            loads=tuple(self._loads_out), stores=tuple(self._stores_out), flush=flush
-        )
+        # A preempted request's blocks with stores in flight stay referenced until stored, so
+        # nothing waits here (vLLM's own connectors block the step on those stores instead).
+        for req_id in preempted or ():  # its blocks are gone: look up and store again on resume
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.stored_chunks = 0
+                st.planned = False
+                if st.load_job is None and st.answer is not None:
+                    self._release(st.answer.pins)
+                    st.answer = None
+        meta = ConnectorMeta(loads=tuple(self._loads_out), stores=tuple(self._stores_out))
         self._loads_out, self._stores_out = [], []
         return meta
 

@@ -199,13 +199,6 @@ class OffloadWorker:
         return self.engine is not None and self.pool is not None and self.pool.ready
 
     # -- jobs -----------------------------------------------------------------------------
-    def handle_preemptions(self, meta: ConnectorMeta | None) -> None:
-        if meta is None or not meta.flush or self.engine is None:
-            return
-        pending = [j for j in meta.flush if j in self._jobs]
-        if pending:
-            self._handle(self.engine.wait(pending))
-
     def start_load_kv(self, meta: ConnectorMeta | None) -> None:
         self._maybe_reconnect()
         if meta is None:

@@ -399,16 +399,24 @@ def test_lazy_mode_stores_only_blocks_about_to_be_evicted():
     assert sorted(job.transfers[0].gpu_blocks) == [b.block_id for b in blocks[:4]]
 
 
-def test_preempted_request_store_jobs_are_flushed():
+def test_preempted_request_blocks_stay_held_until_their_store_finishes():
+    """No step waits for a preempted request's stores: its blocks keep our reference, so vLLM
+    cannot hand them to another request before their bytes are in the pool."""
     s, fake, bp, mgr = make()
     req = Request("r", list(range(64)))
     ask(s, req)
-    mgr.req_blocks["r"] = [bp.allocate(2)]
+    blocks = bp.allocate(2)
+    mgr.req_blocks["r"] = [blocks]
     s.build_connector_meta(SchedOut({"r": 64}))
     settle(s)
     (job,) = s.build_connector_meta(SchedOut({})).stores
-    meta = s.build_connector_meta(SchedOut({}, preempted_req_ids={"r"}))
-    assert meta.flush == frozenset({job.job_id})
+    s.build_connector_meta(SchedOut({}, preempted_req_ids={"r"}))
+    bp.free_blocks(blocks)  # vLLM frees the preempted request's blocks
+    assert all(b.ref_cnt == 1 for b in blocks)  # ours: not in the free queue
+    assert not any(b in bp.free_block_queue.items for b in blocks)
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+    assert all(b.ref_cnt == 0 for b in blocks)
+    assert all(b in bp.free_block_queue.items for b in blocks)
 
 
 def test_first_registration_is_awaited_then_lookups_flow():
