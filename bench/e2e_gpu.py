@@ -8,6 +8,8 @@ a crash costs one configuration), all against one real `kvoffload sidecar`. Conf
     simple      vLLM's SimpleCPUOffloadConnector, same capacity
     kvo-eager   kvoffload, every full chunk stored as soon as it is computed
     kvo-lazy    kvoffload, chunks stored only when their GPU blocks are about to be evicted
+    kvo-layer   kvoffload eager, hits loaded layer by layer in the step that uses them
+                (load_mode=layered) instead of before it
 
 Sections (each child runs the ones asked for, in this order, within its deadline):
 
@@ -63,7 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PCIE_GBPS = 52.0  # measured H2D ceiling on the H100 host (DESIGN.md; 52.5 in bench/transfer.py)
 TARGET_SLACK = 1.1  # issue 6: pool hit within 1.1 x (GPU-hit time + KV bytes / 52 GB/s)
-CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy")
+CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy", "kvo-layer")
 SECTIONS = ("ttft", "multiturn", "decode", "hotpath")
 CHILD_START_S = 60.0  # import + engine start + warm-up: do not start a child with less left
 
@@ -177,7 +179,8 @@ def kv_transfer_config(
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
         }
-    if config in ("kvo-eager", "kvo-lazy"):
+    if config.startswith("kvo-") and config in CONFIGS:
+        layered = config == "kvo-layer"
         return {
             "kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload_connector.connector",
@@ -185,7 +188,8 @@ def kv_transfer_config(
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "socket": socket,
-                "mode": config.split("-")[1],
+                "mode": "eager" if layered else config.split("-")[1],
+                **({"load_mode": "layered"} if layered else {}),
                 **({"chunk_size": kvo_chunk} if kvo_chunk else {}),
             },
         }

@@ -17,6 +17,8 @@
 #        ttft-mt    Llama-3-8B TTFT 2K/10K + multi-turn: offloading, kvo-eager, simple (--profile)
 #        hotpath    Llama-3-8B: cProfile of the main thread over GPU hits and a decode batch, for
 #                   kvo-eager, simple, none, kvo-lazy (where a connector's step time goes)
+#        layered    the layered-load GPU tests, then Llama-3-8B TTFT 2K/10K/32K: kvo-layer, kvo-eager,
+#                   offloading
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -155,6 +157,12 @@ case $phase in
   hotpath)
     drive llama3-8b-hotpath llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-eager,simple,none,kvo-lazy}" \
       --sections hotpath --sizes 2000 --config-budget-s 100
+    ;;
+  layered)  # GPU tests of the layered load, then TTFT: layered vs staged loads vs OffloadingConnector
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 -m gpu \
+      tests/connector/test_transfer_gpu.py -k "layered" 2>&1 | tail -6
+    drive llama3-8b-layered llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,kvo-eager,offloading}" \
+      --sections ttft --reps 3 --config-budget-s 150 --profile
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \

@@ -29,11 +29,26 @@ class StoreMode(enum.Enum):
     LAZY = "lazy"  # store only chunks whose GPU blocks are about to be evicted
 
 
+class LoadMode(enum.Enum):
+    """How a pool hit reaches the GPU.
+
+    ASYNC: the request waits (WAITING_FOR_REMOTE_KVS) while staged DMA loads its KV, then runs;
+    the engine's other requests never wait for it. LAYERED: the request runs in the same step
+    and each layer's attention waits on the GPU for that layer's bytes (SM copies straight from
+    the pool): time to first token ~ max(load, step) instead of their sum, but the step's other
+    requests wait for the load too.
+    """
+
+    ASYNC = "async"
+    LAYERED = "layered"
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     socket: str = DEFAULT_SOCKET  # sidecar's Unix socket
     chunk_tokens: int = 0  # tokens per pool slot (a multiple of the GPU block size)
     mode: StoreMode = StoreMode.EAGER
+    load_mode: LoadMode = LoadMode.ASYNC
     lookup_timeout_ms: int = 200  # deadline of one batched lookup exchange
     rpc_timeout_ms: int = 1000  # deadline of every other RPC
     register_wait_ms: int = 5000  # how long a request may wait for the first registration
@@ -111,6 +126,14 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
             except ValueError:
                 raise ValueError(
                     f"kv_connector_extra_config['mode'] must be 'eager' or 'lazy', got {value!r}"
+                ) from None
+        elif key == "load_mode":
+            try:
+                fields["load_mode"] = LoadMode(value)
+            except ValueError:
+                raise ValueError(
+                    "kv_connector_extra_config['load_mode'] must be 'async' or 'layered', "
+                    f"got {value!r}"
                 ) from None
         elif key in _INT_KEYS:
             fields[key] = _int(key, value, minimum=_INT_KEYS[key])

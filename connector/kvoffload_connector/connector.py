@@ -149,7 +149,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+        """Async loads: nothing (the request waited in WAITING_FOR_REMOTE_KVS). Layered loads:
+        this layer's attention runs after its bytes arrived (a GPU-side wait)."""
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -173,6 +175,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         self._submit_unsaved_stores()
         recving, failed, _ = self._worker.transfer_results()
+        self._load_error_blocks = self._worker.take_failed_layered_blocks()
         return KVConnectorTransferResults(
             finished_sending=set(), finished_recving=recving, failed_recving=failed
         )
@@ -181,12 +184,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM 0.26 entry point: failures go out through get_block_ids_with_load_errors."""
         self._submit_unsaved_stores()
         recving, _, blocks = self._worker.transfer_results()
-        self._legacy_failed_blocks = blocks
+        self._load_error_blocks = blocks | self._worker.take_failed_layered_blocks()
         return None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        blocks = getattr(self, "_legacy_failed_blocks", set())
-        self._legacy_failed_blocks = set()
+        blocks = getattr(self, "_load_error_blocks", set())
+        self._load_error_blocks = set()
         return blocks
 
     def build_connector_worker_meta(self) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,10 @@ class CanonicalLayout:
     groups: tuple[GroupLayout, ...]
     chunk_blocks: int  # GPU blocks per pool slot
     tag: str  # short description of the byte format; goes into the namespace spec
+    # Per layer, in forward order: (layer name, group id, indices of the group's regions that
+    # hold its bytes). Regions merged across layers (block-major layouts) list every layer
+    # sharing them. Layer-by-layer loads use it; empty when unknown.
+    layers: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
 
     @property
     def slot_bytes(self) -> int:
@@ -120,6 +125,7 @@ def canonicalize(
     storage_order: dict[tuple[str, int], int] = {}
     storage_tensors: list[torch.Tensor] = []
     pieces: dict[int, list[_Piece]] = {}
+    layer_pieces_of: dict[str, list[_Piece]] = {}
     num_blocks: dict[int, int] = {}
     kv_kinds: set[str] = set()
     entries: dict[int, dict[tuple[int, int], tuple[int, Any]]] = {}  # per group, deduped views
@@ -139,6 +145,7 @@ def canonicalize(
             storage_tensors.append(_flat_bytes(tensor))
         layer_pieces = _pieces_of(name, view, storage.data_ptr(), storage.nbytes())
         pieces.setdefault(gid, []).extend(layer_pieces)
+        layer_pieces_of[name] = layer_pieces
         kv_kinds.add(kind)
         ekey = (view.data_ptr(), hash((tuple(view.shape), tuple(view.stride()))))
         entries.setdefault(gid, {}).setdefault(
@@ -154,9 +161,38 @@ def canonicalize(
     kv = "+".join(sorted(kv_kinds))
     fmt = _format_digest([list(entries[gid].values()) for gid in sorted(entries)])
     tag = f"{'BL' if block_major else 'LB'}/{kv}/{len(groups)}g/{fmt}"
-    return CanonicalLayout(
-        storages=tuple(storage_tensors), groups=tuple(groups), chunk_blocks=chunk_blocks, tag=tag
+    ptr_index = {ptr: idx for (_, ptr), idx in storage_order.items()}
+    layers = tuple(
+        (name, int(layer_groups[name]), _regions_holding(groups, layer_groups[name], ps, ptr_index))
+        for name, ps in sorted(layer_pieces_of.items(), key=lambda kv: _natural_key(kv[0]))
     )
+    return CanonicalLayout(
+        storages=tuple(storage_tensors),
+        groups=tuple(groups),
+        chunk_blocks=chunk_blocks,
+        tag=tag,
+        layers=layers,
+    )
+
+
+def _natural_key(name: str) -> tuple:
+    """Sort key putting "layers.10" after "layers.9" (vLLM's forward order of layer names)."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _regions_holding(
+    groups: list[GroupLayout], gid: int, pieces: list[_Piece], ptr_index: Mapping[int, int]
+) -> tuple[int, ...]:
+    """Indices of group ``gid``'s regions that contain one of a layer's pieces."""
+    regions = next(g.regions for g in groups if g.group_id == gid)
+    found = set()
+    for p in pieces:
+        sidx = ptr_index[p.storage_ptr]
+        for i, r in enumerate(regions):
+            if r.storage == sidx and r.offset <= p.offset < r.offset + r.block_bytes:
+                found.add(i)
+                break
+    return tuple(sorted(found))
 
 
 def _config_num_blocks(kv_cache_config: object | None) -> int | None:

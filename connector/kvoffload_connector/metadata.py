@@ -41,6 +41,7 @@ class LoadJob:
     req_id: str
     transfers: tuple[GroupTransfer, ...]
     generation: str  # pool generation the slots belong to; a worker on another one fails it
+    layered: bool = False  # the request runs this step: its layers wait for their bytes
 
 
 @dataclass(frozen=True)

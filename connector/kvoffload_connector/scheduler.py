@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
-from kvoffload_connector.config import ConnectorConfig, StoreMode
+from kvoffload_connector.config import ConnectorConfig, LoadMode, StoreMode
 from kvoffload_connector.keys import PoolKey, chunk_keys
 from kvoffload_connector.metadata import (
     ConnectorMeta,
@@ -216,7 +216,7 @@ class OffloadScheduler:
         st.hit_end = hit_end
         if hit_end <= num_computed_tokens:
             return 0, False
-        return hit_end - num_computed_tokens, True
+        return hit_end - num_computed_tokens, self.cfg.load_mode is LoadMode.ASYNC
 
     def _usable(self) -> bool:
         """Connected, and every rank has its pool mapped and device-registered."""
@@ -402,7 +402,8 @@ class OffloadScheduler:
         st.load_job = job_id
         st.stored_chunks = max(st.stored_chunks, answer.hit_chunks)
         self.stats.hit_tokens += num_external_tokens
-        self._loads_out.append(LoadJob(job_id, st.req_id, tuple(transfers), generation))
+        layered = self.cfg.load_mode is LoadMode.LAYERED
+        self._loads_out.append(LoadJob(job_id, st.req_id, tuple(transfers), generation, layered))
 
     # -- stores -------------------------------------------------------------------------
     def _touch(self, blocks: list[Any]) -> None:

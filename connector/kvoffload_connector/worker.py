@@ -91,6 +91,7 @@ class OffloadWorker:
         self._recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._failed_layered_blocks: set[int] = set()
         self._stats: dict[str, float] = {}
         self.spec = None
 
@@ -201,6 +202,8 @@ class OffloadWorker:
     # -- jobs -----------------------------------------------------------------------------
     def start_load_kv(self, meta: ConnectorMeta | None) -> None:
         self._maybe_reconnect()
+        if self.engine is not None:
+            self.engine.new_step()
         if meta is None:
             return
         for job in meta.loads:
@@ -214,22 +217,34 @@ class OffloadWorker:
                     job.generation,
                     self.generation,
                 )
-                self._fail_load(job.job_id, job.req_id, blocks)
+                self._fail_load(job.job_id, job.req_id, blocks, job.layered)
                 continue
-            self._jobs[job.job_id] = ("load", job.req_id, 0, "")
+            self._jobs[job.job_id] = ("layered" if job.layered else "load", job.req_id, 0, "")
             self._load_blocks[job.job_id] = blocks
             try:
-                self.engine.submit(job.job_id, Direction.LOAD, _batches(job.transfers))
+                if job.layered:
+                    self.engine.submit_layered(job.job_id, _batches(job.transfers))
+                else:
+                    self.engine.submit(job.job_id, Direction.LOAD, _batches(job.transfers))
             except Exception as e:  # noqa: BLE001 - a bad job is a failed load, never a crash
                 log.warning("kvoffload: load job %d rejected: %s", job.job_id, e)
                 self._jobs.pop(job.job_id, None)
-                self._fail_load(job.job_id, job.req_id, blocks)
+                self._fail_load(job.job_id, job.req_id, blocks, job.layered)
 
-    def _fail_load(self, job_id: int, req_id: str, blocks: list[int]) -> None:
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.engine is not None:
+            self.engine.wait_layer(layer_name)
+
+    def _fail_load(self, job_id: int, req_id: str, blocks: list[int], layered: bool) -> None:
+        """An async load fails its request (vLLM recomputes it); a layered one, whose request
+        runs this step, fails its blocks (vLLM recomputes from the first bad block)."""
         self._failed[job_id] = self._failed.get(job_id, 0) + 1
-        self._recving.add(req_id)
-        self._failed_recving.add(req_id)
-        self._failed_blocks.update(blocks)
+        if layered:
+            self._failed_layered_blocks.update(blocks)
+        else:
+            self._recving.add(req_id)
+            self._failed_recving.add(req_id)
+            self._failed_blocks.update(blocks)
         self._stats["failed_loads"] = self._stats.get("failed_loads", 0) + 1
         self._load_blocks.pop(job_id, None)
 
@@ -257,15 +272,17 @@ class OffloadWorker:
             if info is None:
                 continue
             kind, req_id, store_id, ns = info
-            if kind == "load":
+            if kind in ("load", "layered"):
                 if r.ok:
                     self._done[r.job_id] = self._done.get(r.job_id, 0) + 1
-                    self._recving.add(req_id)
+                    if kind == "load":  # a layered load's request is already running
+                        self._recving.add(req_id)
                     self._load_blocks.pop(r.job_id, None)
                     self._add(loaded_bytes=r.bytes, load_seconds=r.seconds)
                 else:
                     log.warning("kvoffload: load job %d failed: %s", r.job_id, r.error)
-                    self._fail_load(r.job_id, req_id, self._load_blocks.get(r.job_id, []))
+                    blocks = self._load_blocks.get(r.job_id, [])
+                    self._fail_load(r.job_id, req_id, blocks, kind == "layered")
             elif r.ok:
                 self._done[r.job_id] = self._done.get(r.job_id, 0) + 1
                 self._add(stored_bytes=r.bytes, store_seconds=r.seconds)
@@ -286,13 +303,19 @@ class OffloadWorker:
             self._stats[k] = self._stats.get(k, 0) + v
 
     def transfer_results(self) -> tuple[set[str], set[str], set[int]]:
-        """(finished_recving, failed_recving, failed load block ids) since the last call."""
+        """(finished_recving, failed_recving, failed async load block ids) since the last
+        call; failed layered blocks wait in ``take_failed_layered_blocks``."""
         if self.engine is not None and self._jobs:
             self._handle(self.engine.poll())
         recving, failed = self._recving, self._failed_recving
         blocks = self._failed_blocks
         self._recving, self._failed_recving, self._failed_blocks = set(), set(), set()
         return recving, failed, blocks
+
+    def take_failed_layered_blocks(self) -> set[int]:
+        """Blocks of this step's layered loads that did not load (vLLM recomputes them)."""
+        blocks, self._failed_layered_blocks = self._failed_layered_blocks, set()
+        return blocks
 
     def report(self) -> WorkerReport | None:
         reg, self._report_registration = self._report_registration, None

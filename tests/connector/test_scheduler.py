@@ -212,9 +212,11 @@ class SchedOut:
     preempted_req_ids: set[str] = field(default_factory=set)
 
 
-def make(mode="eager", world=1, groups=1, pool=None, nblocks=64, windows=None):
+def make(mode="eager", world=1, groups=1, pool=None, nblocks=64, windows=None, load="async"):
     fake = pool or FakePool()
-    cfg = parse_extra_config({"chunk_size": CHUNK, "mode": mode, "register_wait_ms": 0}, BS)
+    cfg = parse_extra_config(
+        {"chunk_size": CHUNK, "mode": mode, "register_wait_ms": 0, "load_mode": load}, BS
+    )
     s = OffloadScheduler(
         cfg, block_size=BS, num_groups=groups, world_size=world, client=fake, windows=windows
     )
@@ -288,6 +290,22 @@ def test_load_of_unaligned_start_uses_positions_inside_the_chunk():
     settle(s)
     assert all(b.ref_cnt == 1 for b in blocks[1:8])
     assert fake.pins == {}  # released after the load
+
+
+def test_layered_load_runs_the_request_in_the_same_step():
+    """load_mode=layered: vLLM schedules the request at once (load_kv_async False) and the load
+    job, marked layered, goes out in that step's metadata; pins and block holds end as usual."""
+    s, fake, bp, _ = make(load="layered")
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert ask(s, req) == (256, False)
+    blocks = bp.allocate(19)
+    s.update_state_after_alloc(req, KVBlocks((blocks,)), 256)
+    (job,) = s.build_connector_meta(SchedOut({"r": 300 - 256})).loads
+    assert job.layered and job.transfers[0].gpu_blocks == tuple(b.block_id for b in blocks[:8])
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+    settle(s)
+    assert all(b.ref_cnt == 1 for b in blocks[:8]) and fake.pins == {}
 
 
 def test_eager_store_holds_blocks_until_every_rank_reports():
@@ -530,6 +548,7 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
     [
         {"chunk_size": 48},
         {"mode": "sometimes"},
+        {"load_mode": "eventually"},
         {"socket": ""},
         {"lookup_timeout_ms": "x"},
         {"lookup_timeout_ms": 0},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -61,6 +62,36 @@ def test_round_trip_every_kind(kind, inline, pool_factory):
             assert round_trip(setup, layout, pool, engine, rng) > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_layered_load_round_trip_every_kind(kind, pool_factory):
+    setup, layout, pool = build(kind, pool_factory, groups=2, shared=True, heads=3)
+    engine = CpuTorchEngine(layout, pool)
+    try:
+        rng = random.Random(hash(("layered", kind)) & 0xFFFF)
+        for _ in range(2):
+            assert round_trip(setup, layout, pool, engine, rng, layered=True) > 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_layer_map_covers_every_region_in_forward_order(kind, pool_factory):
+    setup, layout, _ = build(kind, pool_factory, groups=2, heads=3, num_layers=11)
+    names = [name for name, _, _ in layout.layers]
+    assert sorted(names) == sorted(setup.kv_caches)
+    order = [tuple(map(int, m.groups())) for n in names if (m := re.match(r"g(\d+)\.l(\d+)$", n))]
+    assert order == sorted(order)  # "l10" after "l9": the forward's order
+    assert kind == "crosslayer" or len(order) == 2 * 11
+    for g in layout.groups:
+        held = [set(r) for _, gid, r in layout.layers if gid == g.group_id]
+        assert all(held), "a layer without regions"
+        assert set().union(*held) == set(range(len(g.regions)))
+        if layout.tag.startswith("LB"):  # layer-major: each layer its own regions (block-major
+            # layouts merge a block's layers into shared regions: a layered load moves them
+            # with the first layer that needs them)
+            assert all(a.isdisjoint(b) for i, a in enumerate(held) for b in held[i + 1 :])
 
 
 @pytest.mark.parametrize(

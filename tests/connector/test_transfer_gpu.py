@@ -86,6 +86,68 @@ def test_round_trip_every_kind_and_dtype(kind, dtype, pools):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("kind", KIND_NAMES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_layered_round_trip_every_kind(kind, dtype, pools):
+    setup, layout, pool = build(kind, pools, groups=2, shared=True, heads=3, dtype=dtype)
+    engine = small_engine(layout, pool)
+    try:
+        rng = random.Random(hash(("layered", kind, dtype)) & 0xFFFF)
+        for _ in range(3):
+            round_trip(setup, layout, pool, engine, rng, max_blocks=12, layered=True)
+    finally:
+        engine.shutdown()
+
+
+def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools):
+    """Work queued on the compute stream right after wait_layer(L) sees all of layer L's bytes,
+    while later layers may still be in flight: snapshots taken per layer on the compute stream
+    (no host sync in between) equal the pool's bytes."""
+    setup, layout, pool = build(
+        "LBHNC",
+        pools,
+        num_layers=12,
+        num_blocks=512,
+        heads=8,
+        head_size=128,
+        block_size=16,
+        slot_count=160,
+    )
+    engine = make_engine(layout, pool, torch.device("cuda"))
+    try:
+        rng = random.Random(7)
+        slots = rng.sample(range(pool.slot_count), 120)
+        blocks = rng.sample(range(512), 480)
+        batch = TransferBatch(
+            0,
+            np.array(blocks),
+            np.repeat(np.array(slots), 4),
+            np.tile(np.arange(4), 120),
+        )
+        pool.tensor.copy_(torch.randint(0, 255, pool.tensor.shape, dtype=torch.uint8))
+        for t in setup.kv_caches.values():
+            t.view(torch.uint8).fill_(POISON)
+        torch.cuda.synchronize()
+        engine.new_step()
+        engine.submit_layered(1, [batch])
+        snaps = {}
+        for name, _, _ in layout.layers:
+            engine.wait_layer(name)
+            snaps[name] = setup.kv_caches[name].clone()  # on the compute stream
+        [res] = engine.wait([1])
+        assert res.ok, res
+        torch.cuda.synchronize()
+        for name, snap in snaps.items():
+            assert torch.equal(snap, setup.kv_caches[name]), f"{name} read before it landed"
+        gbb = layout.group(0).block_bytes
+        for i in range(0, 480, 8):
+            blk, slot, pos = blocks[i], batch.slots[i], batch.slot_block_index[i]
+            want = pool.tensor[slot, pos * gbb : (pos + 1) * gbb].numpy()
+            assert np.array_equal(expected_block(setup, layout, 0, blk), want)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize(
     "params",
     [

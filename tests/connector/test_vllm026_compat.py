@@ -205,7 +205,7 @@ def test_model_configs_read_as_meant(model):
 @needs_vllm
 @pytest.mark.parametrize("config", e2e.CONFIGS)
 def test_connector_configurations_are_accepted(config):
-    from kvoffload_connector.config import StoreMode, parse_extra_config
+    from kvoffload_connector.config import LoadMode, StoreMode, parse_extra_config
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -217,7 +217,9 @@ def test_connector_configurations_are_accepted(config):
     assert ktc.kv_role == "kv_both"
     if config.startswith("kvo"):
         cfg = parse_extra_config(ktc.kv_connector_extra_config, block_size=16)
-        assert cfg.mode is StoreMode(config.split("-")[1])
+        layered = config == "kvo-layer"
+        assert cfg.mode is (StoreMode.EAGER if layered else StoreMode(config.split("-")[1]))
+        assert cfg.load_mode is (LoadMode.LAYERED if layered else LoadMode.ASYNC)
         assert cfg.chunk_tokens == 512 and cfg.socket == "/tmp/pool.sock"
         assert ktc.kv_load_failure_policy == "recompute"
     else:

@@ -157,6 +157,28 @@ def test_llama_reset_hit_warm_restart_and_sidecar_kill(sidecar, tmp_path):
     _assert_same_outputs(last["a"], last["b"])
 
 
+def test_llama_layered_load_feeds_the_same_step(sidecar, tmp_path):
+    # load_mode=layered: a hit runs in the step that loads it (vLLM's synchronous load path,
+    # each layer waiting for its bytes), with the same outputs; overwritten pool bytes change
+    # them, so the forward really read what the layered load brought in.
+    r = _run(
+        "reset",
+        "tiny-llama",
+        sidecar,
+        tmp_path / "layered.json",
+        "--load-mode",
+        "layered",
+        "--corrupt-pool",
+        _pool_file(sidecar),
+    )
+    assert all(o["cached"] == 0 for o in r["first"])
+    assert all(o["cached"] >= 256 for o in r["second"]), r["second"]
+    _assert_same_outputs(r["first"], r["second"])
+    assert all(o["cached"] >= 256 for o in r["corrupted"])
+    assert [o["tokens"] for o in r["corrupted"]] != [o["tokens"] for o in r["first"]]
+    assert sidecar.stats().namespaces[0].loaded_blocks > 0
+
+
 def test_gemma2_hybrid_sliding_window_reset_hit(sidecar, tmp_path):
     # Proof 2: the same as proof 1 with sliding-window + full-attention layers, HMA on.
     r = _run("reset", "tiny-gemma2", sidecar, tmp_path / "reset.json")

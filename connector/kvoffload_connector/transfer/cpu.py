@@ -86,6 +86,22 @@ class CpuTorchEngine:
         else:
             self._queue.put(job)
 
+    def submit_layered(self, job_id: int, batches: Sequence[TransferBatch]) -> None:
+        """A LOAD for this step's forward: on the CPU there is no stream to overlap with, so the
+        whole copy runs here, before the forward (``wait_layer`` then has nothing to wait for)."""
+        nbytes = validate_batches(self._layout, self._slot_count, Direction.LOAD, batches)
+        with self._cv:
+            if job_id in self._pending or job_id in self._done:
+                raise ValueError(f"job id {job_id} is still in flight or unreported")
+            self._pending.add(job_id)
+        self._run(job_id, Direction.LOAD, tuple(batches), nbytes, time.perf_counter())
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Nothing to wait for: ``submit_layered`` finished the copy."""
+
+    def new_step(self) -> None:
+        """No per-step state."""
+
     def poll(self) -> list[JobResult]:
         with self._cv:
             out = list(self._done.values())

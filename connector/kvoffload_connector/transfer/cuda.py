@@ -25,6 +25,13 @@ side: 16 MiB stores 0.3-0.4 GB/s faster at 16-32 KiB pages, loads alike).
   event recorded on the compute stream at submit (the target blocks may just have been freed
   by work still queued there).
 
+- LOAD by layer (``submit_layered``, for a request that runs in the same step): no staging.
+  One copy kernel per layer, in forward order, reads that layer's bytes of every block straight
+  from the pool through its UVA mapping (SM copies reach ~51 GB/s at any page size with 32 CTAs,
+  DESIGN.md) on the load kernel stream, and records that layer's event; ``wait_layer`` makes the
+  compute stream wait for it on the GPU (the host never waits). Layer L's attention runs while
+  layers L+1.. still cross PCIe, so the step costs about max(load, compute), not their sum.
+
 Host path (what stands between ``submit()`` and the first DMA): validation against per-layout
 limits read once (``BatchValidator``), one sort and the piece cuts (``JobPlan``), then piece 0 is
 queued before the DMA runs of the other pieces are built. Nothing is allocated or created per
@@ -80,6 +87,17 @@ class _Job:
     start: Any  # torch.cuda.Event (timing), owned by the job until it is reported
     end: Any
     pipe: _Pipe  # whose free list the two events go back to
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One layer of a layer-by-layer load: the regions of its group that hold its bytes."""
+
+    group: int
+    regions: Any  # torch int64 [r, 4] on the device (rows of the group table)
+    n_regions: int
+    units_per_region: int
+    width: int
 
 
 @dataclass(frozen=True)
@@ -254,6 +272,7 @@ class CudaEngine:
         ring: int = 2,
         store_ctas: int = 8,
         load_ctas: int = 16,
+        layer_ctas: int = 32,
         dma_streams: int = 1,
         edge_bytes: int = 16 << 20,
     ) -> None:
@@ -290,6 +309,7 @@ class CudaEngine:
                 Direction.LOAD: _Pipe(device, self._capacity, ring, -1, dma_streams, ids),
             }
             self._tables = {g.group_id: self._table(g) for g in layout.groups}
+            self._stages, self._stage_of = self._layer_stages(layout)
             self._kernels = CopyKernels(device.index, torch.cuda.get_device_capability(device))
         # per-layout constants, read once: submit's host time gates the first copy
         self._validate = BatchValidator(layout)
@@ -303,6 +323,19 @@ class CudaEngine:
         self._closed = False
         self._edge_bytes = edge_bytes
         self._compute: dict[int, Any] = {}  # raw stream handle -> its CUstream wrapper
+        self._layer_ctas = layer_ctas
+        # layered loads get their own stream and id buffer: never queued behind staged loads
+        with torch.cuda.device(device):
+            self._layer_stream = torch.cuda.Stream(device, priority=-1)
+            self._layer_ids = _BlockIds(torch, device, self._layer_stream, 2 * ids)
+        self._layer_stream_h = driver.CUstream(self._layer_stream.cuda_stream)
+        self._layer_ready = _ok(driver.cuEventCreate(_NO_TIMING), "cuEventCreate")
+        # one event per stage, re-recorded by each layered load (a stream wait binds to the
+        # record made before it); `_layered` says whether this step's forward must wait
+        self._stage_events = [
+            _ok(driver.cuEventCreate(_NO_TIMING), "cuEventCreate") for _ in self._stages
+        ]
+        self._layered = False
         # set to [] to record host timestamps of the last submit (benchmarks)
         self.trace: list[tuple[str, float]] | None = None
 
@@ -316,6 +349,28 @@ class CudaEngine:
         units = -(-int(arr[:, 2].max()) // unit_bytes(width))
         regions = self._torch.from_numpy(arr).to(self._device)
         return _GroupTable(regions, len(rows), g.block_bytes, width, units)
+
+    def _layer_stages(self, layout: CanonicalLayout) -> tuple[list[_Stage], dict[str, int]]:
+        """Stages of a layer-by-layer load, in forward order, and the stage each layer waits
+        for. A layer whose regions an earlier stage already moved (block-major layouts keep
+        every layer of a block in one region) waits for that stage."""
+        stages: list[_Stage] = []
+        stage_of: dict[str, int] = {}
+        done: dict[tuple[int, int], int] = {}  # (group, region) -> stage that moves it
+        for name, gid, regions in layout.layers:
+            todo = [r for r in regions if (gid, r) not in done]
+            if not todo:
+                if regions:
+                    stage_of[name] = max(done[(gid, r)] for r in regions)
+                continue
+            t = self._tables[gid]
+            rows = t.regions[todo]
+            units = -(-int(rows[:, 2].max()) // unit_bytes(t.width))
+            stages.append(_Stage(gid, rows.contiguous(), len(todo), units, t.width))
+            for r in todo:
+                done[(gid, r)] = len(stages) - 1
+            stage_of[name] = max(done[(gid, r)] for r in regions)
+        return stages, stage_of
 
     # ---- the TransferEngine protocol -------------------------------------------------------
 
@@ -356,6 +411,47 @@ class CudaEngine:
                 err = f"{type(exc).__name__}: {exc}"
                 self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
 
+    def submit_layered(self, job_id: int, batches: Sequence[TransferBatch]) -> None:
+        """A LOAD by layer for this step's forward (see the module docstring). Call
+        ``wait_layer`` from each layer's attention; ``new_step`` before the next step. Bad input
+        raises ValueError; an unregistered pool or a CUDA error gives a failed JobResult (and
+        nothing for the forward to wait for: the caller reports the blocks as load errors)."""
+        nbytes = self._validate(self._pool.slot_count, Direction.LOAD, batches)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("engine is shut down")
+            if job_id in self._jobs or job_id in self._done:
+                raise ValueError(f"job id {job_id} is still in flight or unreported")
+            if not self._pool.registered or not self._stages:
+                err = self._pool.error or (
+                    "pool not registered with CUDA (yet)" if self._stages else "no layer map"
+                )
+                self._done[job_id] = JobResult(job_id, False, 0, 0.0, err)
+                return
+            t0 = time.perf_counter()
+            try:
+                with self._torch.cuda.device(self._device):
+                    self._jobs[job_id] = self._enqueue_layered(job_id, batches, nbytes)
+                self._layered = True
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"
+                self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Make the current (compute) stream wait, on the GPU, until this step's layered loads
+        have moved ``layer_name``'s bytes (all of them, for a layer the map does not know)."""
+        if not self._layered:
+            return
+        stage = self._stage_of.get(layer_name, len(self._stages) - 1)
+        _ok(
+            self._driver.cuStreamWaitEvent(self._compute_stream(), self._stage_events[stage], 0),
+            "cuStreamWaitEvent",
+        )
+
+    def new_step(self) -> None:
+        """The next forward has no layered load to wait for until ``submit_layered``."""
+        self._layered = False
+
     def poll(self) -> list[JobResult]:
         with self._lock:
             for job in list(self._jobs.values()):
@@ -387,6 +483,11 @@ class CudaEngine:
                 for stream in (pipe.kernel, *pipe.dmas):
                     stream.synchronize()
                 pipe.close(self._driver.cuEventDestroy)
+            self._layer_stream.synchronize()
+            self._layer_ids.close(self._driver.cuEventDestroy)
+            for ev in (*self._stage_events, self._layer_ready):
+                self._driver.cuEventDestroy(ev)
+            self._stage_events = []
 
     # ---- internals -------------------------------------------------------------------------
 
@@ -487,6 +588,55 @@ class CudaEngine:
             _ok(record(ev, other), "cuEventRecord")
             _ok(wait(tail, ev, 0), "cuStreamWaitEvent")
         end.record(pipe.dmas[0] if store else pipe.kernel)
+
+    def _enqueue_layered(self, job_id: int, batches: Sequence[TransferBatch], nbytes: int) -> _Job:
+        pipe = self._pipes[Direction.LOAD]  # lends its timing events
+        drv = self._driver
+        kstream = self._layer_stream_h
+        # the target blocks may just have been freed by work still queued on the compute stream
+        _ok(drv.cuEventRecord(self._layer_ready, self._compute_stream()), "cuEventRecord")
+        _ok(drv.cuStreamWaitEvent(kstream, self._layer_ready, 0), "cuStreamWaitEvent")
+        start, end = pipe.take_timers()
+        start.record(self._layer_stream)
+        # per group: block ids then each block's pool address, in one upload
+        parts, spans = [], {}
+        at = 0
+        for b in batches:
+            if not len(b):
+                continue
+            addrs = (
+                self._pool.base_ptr
+                + b.slots * self._pool.slot_bytes
+                + b.slot_block_index * self._block_bytes[b.group]
+            )
+            spans[b.group] = (at, len(b))
+            parts += [b.gpu_blocks, addrs]
+            at += 2 * len(b)
+        ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        dev = self._layer_ids.upload(ids, kstream)
+        for k, st in enumerate(self._stages):
+            span = spans.get(st.group)
+            if span is not None:
+                first, n = span
+                work = n * st.n_regions * st.units_per_region
+                grid = max(1, min(self._layer_ctas, -(-work // (512 // 32))))
+                self._kernels.launch(
+                    st.width,
+                    grid,
+                    kstream,
+                    dev + 8 * first,
+                    n,
+                    st.regions.data_ptr(),
+                    st.n_regions,
+                    st.units_per_region,
+                    0,
+                    0,
+                    False,
+                    dev + 8 * (first + n),
+                )
+            _ok(drv.cuEventRecord(self._stage_events[k], kstream), "cuEventRecord")
+        end.record(self._layer_stream)
+        return _Job(job_id, nbytes, start, end, pipe)
 
     def _copy_kernel(
         self, p: Piece, ids_ptr: int, buf: int, stream: Any, to_staging: bool, ctas: int

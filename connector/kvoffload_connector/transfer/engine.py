@@ -78,6 +78,21 @@ class TransferEngine(Protocol):
         ok, its bytes are in GPU memory. ValueError on malformed batches or a reused job id."""
         ...
 
+    def submit_layered(self, job_id: int, batches: Sequence[TransferBatch]) -> None:
+        """A LOAD that this step's forward consumes layer by layer: ``wait_layer(name)`` from a
+        layer's attention returns once that layer's bytes will be in place before the layer
+        runs (on a GPU: a stream wait, not a host wait). Reported through ``poll`` like any job;
+        a failed one leaves nothing to wait for (the caller reports its blocks as errors)."""
+        ...
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Order the current compute stream after this step's layered loads of that layer."""
+        ...
+
+    def new_step(self) -> None:
+        """Forget the previous step's layered loads (the next forward waits for none)."""
+        ...
+
     def poll(self) -> list[JobResult]:
         """Jobs finished since the last call (each reported once, here or by ``wait``)."""
         ...

@@ -1,6 +1,9 @@
 """The gather/scatter kernel between KV storage regions and a staging buffer (NVRTC + driver API).
 
-One kernel, ``kv_copy_<W>`` for vector widths W in {16, 8, 4, 2, 1} bytes. Work unit: one warp
+One kernel, ``kv_copy_<W>`` for vector widths W in {16, 8, 4, 2, 1} bytes. The other side of
+the copy is a staging buffer (block b at ``staging + b * block_bytes``) or, given a per-block
+address array, anywhere in the GPU's address space: the pool itself through its UVA mapping, for
+layer-by-layer loads that skip staging. Work unit: one warp
 copies up to ``32 * W * UNROLL`` bytes (4 KiB at W=16) of one region of one block, UNROLL
 independent loads in flight per lane before the stores; warps stride over the units of all
 (block, region) pairs, so any mix of region sizes keeps every warp busy. The grid size is the
@@ -19,7 +22,7 @@ __all__ = ["CopyKernels", "THREADS", "UNROLL", "vector_width"]
 THREADS = 512
 UNROLL = 8
 WIDTHS = (16, 8, 4, 2, 1)
-_OFFSETS = np.arange(8, dtype=np.uint64) * 8
+_OFFSETS = np.arange(9, dtype=np.uint64) * 8
 
 _SOURCE = r"""
 struct alignas(16) V16 { unsigned long long a, b; };
@@ -32,7 +35,8 @@ template <typename V>
 __device__ __forceinline__ void kv_copy(
     const long long* __restrict__ blocks, long long n_blocks,
     const long long* __restrict__ regions, long long n_regions, long long units_per_region,
-    char* __restrict__ staging, long long block_bytes, int to_staging)
+    char* __restrict__ staging, long long block_bytes, int to_staging,
+    const long long* __restrict__ block_addrs)
 {
     constexpr long long UNIT = 32LL * sizeof(V) * UNROLL;
     const int lane = threadIdx.x & 31;
@@ -50,7 +54,8 @@ __device__ __forceinline__ void kv_copy(
         if (start >= rbytes) continue;
         const long long nv = (rbytes - start < UNIT ? rbytes - start : UNIT) / (long long)sizeof(V);
         char* gpu = (char*)(reg[0] + blocks[b] * reg[1] + start);
-        char* stg = staging + b * block_bytes + reg[3] + start;
+        char* stg = (block_addrs ? (char*)block_addrs[b] : staging + b * block_bytes)
+                    + reg[3] + start;
         const V* src = (const V*)(to_staging ? gpu : stg);
         V* dst = (V*)(to_staging ? stg : gpu);
         V tmp[UNROLL];
@@ -70,9 +75,10 @@ __device__ __forceinline__ void kv_copy(
 #define KV_COPY(W) \
 extern "C" __global__ void __launch_bounds__(THREADS) kv_copy_##W( \
     const long long* blocks, long long n_blocks, const long long* regions, long long n_regions, \
-    long long units_per_region, char* staging, long long block_bytes, int to_staging) { \
+    long long units_per_region, char* staging, long long block_bytes, int to_staging, \
+    const long long* block_addrs) { \
     kv_copy<V##W>(blocks, n_blocks, regions, n_regions, units_per_region, staging, block_bytes, \
-                  to_staging); }
+                  to_staging, block_addrs); }
 KV_COPY(16)
 KV_COPY(8)
 KV_COPY(4)
@@ -152,8 +158,11 @@ class CopyKernels:
         staging_ptr: int,
         block_bytes: int,
         to_staging: bool,
+        block_addrs_ptr: int = 0,
     ) -> None:
-        """Enqueue one copy on ``stream`` (a CUstream, or its handle as int)."""
+        """Enqueue one copy on ``stream`` (a CUstream, or its handle as int). With
+        ``block_addrs_ptr`` (a device array of n_blocks addresses) block b's bytes are at
+        ``block_addrs[b]`` instead of in ``staging``."""
         if isinstance(stream, int):
             stream = self._driver.CUstream(stream)
         # one 8-byte slot per parameter (the int parameter reads the low half: little-endian)
@@ -167,6 +176,7 @@ class CopyKernels:
                 staging_ptr,
                 block_bytes,
                 1 if to_staging else 0,
+                block_addrs_ptr,
             ],
             dtype=np.uint64,
         )

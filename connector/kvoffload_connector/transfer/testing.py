@@ -281,10 +281,13 @@ def round_trip(
     engine,
     rng: random.Random,
     max_blocks: int = 8,
+    layered: bool = False,
 ) -> int:
     """STORE random blocks into random (unaligned) chunk positions of a poisoned pool, check
     every pool byte; LOAD them back into other, poisoned blocks, check those and that no other
-    KV byte changed. Returns the bytes moved. Raises AssertionError on any difference."""
+    KV byte changed. Returns the bytes moved. Raises AssertionError on any difference.
+    ``layered``: the LOAD goes through ``submit_layered`` and the bytes are checked once the
+    current stream has waited for every layer (``wait_layer``), before the job is reaped."""
     from kvoffload_connector.transfer.engine import Direction, TransferBatch
 
     fill_random(layout, seed=rng.randrange(1 << 30))
@@ -323,7 +326,19 @@ def round_trip(
         loads.append(TransferBatch(b.group, np.array(dst), b.slots, b.slot_block_index))
     before = _storage_snapshot(layout)
     job2 = job + 1
-    engine.submit(job2, Direction.LOAD, loads)
+    if layered:
+        import torch
+
+        engine.new_step()
+        engine.submit_layered(job2, loads)
+        for name, _, _ in layout.layers:
+            engine.wait_layer(name)
+        if layout.storages[0].is_cuda:
+            torch.cuda.current_stream().synchronize()  # the stream waits, not the job
+        for (gid, d), data in dst_of.items():
+            assert np.array_equal(expected_block(setup, layout, gid, d), data), f"{gid}/{d}"
+    else:
+        engine.submit(job2, Direction.LOAD, loads)
     [res2] = engine.wait([job2])
     assert res2.ok, res2
     for (gid, d), data in dst_of.items():
