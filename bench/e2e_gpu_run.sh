@@ -19,6 +19,8 @@
 #                   kvo-eager, simple, none, kvo-lazy (where a connector's step time goes)
 #        layered    the layered-load GPU tests, then Llama-3-8B TTFT 2K/10K/32K: kvo-layer, kvo-eager,
 #                   offloading
+#        layered2   the layered-load GPU tests, the Gemma-3-12B hybrid 32K pool hit with kvo-layer, and
+#                   Llama-3-8B multi-turn: kvo-layer, offloading
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -163,6 +165,15 @@ case $phase in
       tests/connector/test_transfer_gpu.py -k "layered" 2>&1 | tail -6
     drive llama3-8b-layered llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,kvo-eager,offloading}" \
       --sections ttft --reps 3 --config-budget-s 150 --profile
+    ;;
+  layered2)  # the layered-load GPU tests (log in $OUT), the hybrid pool hit and multi-turn with them
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 -m gpu \
+      tests/connector/test_transfer_gpu.py -k "layered" >"$OUT/tests_layered.txt" 2>&1
+    tail -3 "$OUT/tests_layered.txt"
+    drive gemma3-12b-layered gemma3-12b-hybrid $(( $(left) - 305 )) --configs kvo-layer \
+      --sections ttft --sizes 32000 --reps 3 --config-budget-s 140 --gpu-blocks 14000 --fillers 2
+    drive llama3-8b-mt-layered llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading}" \
+      --sections multiturn --sizes 2000 --config-budget-s 150 --profile
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \
