@@ -47,7 +47,7 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
                 "socket": args.socket,
                 "chunk_size": args.chunk,
                 "mode": args.mode,
-                "load_mode": args.load_mode,
+                **({"load_mode": args.load_mode} if args.load_mode else {}),
                 # Generous deadlines: on a 2-core CI box busy engines starve the sidecar.
                 "lookup_timeout_ms": 1000,
                 "rpc_timeout_ms": 3000,
@@ -195,7 +195,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--mode", default="eager")
-    ap.add_argument("--load-mode", default="async")
+    ap.add_argument("--load-mode", default="", help="the connector's default when empty")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--max-tokens", type=int, default=12)

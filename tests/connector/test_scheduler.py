@@ -451,7 +451,7 @@ def test_first_registration_is_awaited_then_lookups_flow():
     fake.up = True  # the worker's registration arrived and the scheduler joined
     s.build_connector_meta(SchedOut({}))
     settle(s)
-    assert s.get_num_new_matched_tokens(req, 0) == (256, True)
+    assert s.get_num_new_matched_tokens(req, 0) == (256, False)  # default: layered load
 
 
 def test_worker_report_aggregates_ranks():

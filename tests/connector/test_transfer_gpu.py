@@ -138,7 +138,8 @@ def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools):
         assert res.ok, res
         torch.cuda.synchronize()
         for name, snap in snaps.items():
-            assert torch.equal(snap, setup.kv_caches[name]), f"{name} read before it landed"
+            got, final = snap.contiguous().view(torch.uint8), setup.kv_caches[name].contiguous()
+            assert torch.equal(got, final.view(torch.uint8)), f"{name} read before it landed"
         gbb = layout.group(0).block_bytes
         for i in range(0, 480, 8):
             blk, slot, pos = blocks[i], batch.slots[i], batch.slot_block_index[i]

@@ -157,17 +157,18 @@ def test_llama_reset_hit_warm_restart_and_sidecar_kill(sidecar, tmp_path):
     _assert_same_outputs(last["a"], last["b"])
 
 
-def test_llama_layered_load_feeds_the_same_step(sidecar, tmp_path):
-    # load_mode=layered: a hit runs in the step that loads it (vLLM's synchronous load path,
-    # each layer waiting for its bytes), with the same outputs; overwritten pool bytes change
-    # them, so the forward really read what the layered load brought in.
+def test_llama_async_load_waits_then_runs(sidecar, tmp_path):
+    # load_mode=async: a hit waits (WAITING_FOR_REMOTE_KVS) for its staged load, then runs,
+    # with the same outputs; overwritten pool bytes change them, so the forward really read
+    # what the load brought in. (Every other engine test runs the default, layered loads: the
+    # hit runs in the step that loads it, each layer waiting for its bytes.)
     r = _run(
         "reset",
         "tiny-llama",
         sidecar,
-        tmp_path / "layered.json",
+        tmp_path / "async.json",
         "--load-mode",
-        "layered",
+        "async",
         "--corrupt-pool",
         _pool_file(sidecar),
     )
