@@ -21,6 +21,7 @@
 #                   offloading
 #        layered2   the layered-load GPU tests, the Gemma-3-12B hybrid 32K pool hit with kvo-layer, and
 #                   Llama-3-8B multi-turn: kvo-layer, offloading
+#        check-ab   every GPU transfer test, then decode-ab for none and kvo-layer
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -174,6 +175,13 @@ case $phase in
       --sections ttft --sizes 32000 --reps 3 --config-budget-s 140 --gpu-blocks 14000 --fillers 2
     drive llama3-8b-mt-layered llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading}" \
       --sections multiturn --sizes 2000 --config-budget-s 150 --profile
+    ;;
+  check-ab)  # every GPU transfer test (log in $OUT), then 0%-hit decode: none vs kvo-layer, interleaved
+    timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 -m gpu \
+      tests/connector/test_transfer_gpu.py >"$OUT/tests_gpu.txt" 2>&1
+    tail -3 "$OUT/tests_gpu.txt"
+    drive llama3-8b-decode-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \
+      --sections decode --sizes 2000 --dec-reps 3 --rounds 3 --config-budget-s 70 --profile
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \
