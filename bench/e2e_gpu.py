@@ -6,10 +6,12 @@ a crash costs one configuration), all against one real `kvoffload sidecar`. Conf
     none        no KV connector (recompute whatever left the GPU prefix cache)
     offloading  vLLM's OffloadingConnector, `cpu_bytes_to_use` = --cpu-gib
     simple      vLLM's SimpleCPUOffloadConnector, same capacity
-    kvo-eager   kvoffload, every full chunk stored as soon as it is computed
+    kvo-eager   kvoffload, every full chunk stored as soon as it is computed, hits loaded before
+                the request runs (load_mode=async)
     kvo-lazy    kvoffload, chunks stored only when their GPU blocks are about to be evicted
-    kvo-layer   kvoffload eager, hits loaded layer by layer in the step that uses them
-                (load_mode=layered) instead of before it
+                (load_mode=async)
+    kvo-layer   kvoffload as shipped: eager stores, hits loaded layer by layer in the step that
+                uses them (load_mode=layered, the default)
 
 Sections (each child runs the ones asked for, in this order, within its deadline):
 
@@ -189,7 +191,7 @@ def kv_transfer_config(
             "kv_connector_extra_config": {
                 "socket": socket,
                 "mode": "eager" if layered else config.split("-")[1],
-                **({"load_mode": "layered"} if layered else {}),
+                "load_mode": "layered" if layered else "async",
                 **({"chunk_size": kvo_chunk} if kvo_chunk else {}),
             },
         }
