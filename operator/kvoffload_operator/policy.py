@@ -45,6 +45,11 @@ class Mode(str, Enum):
     LAZY = "lazy"
 
 
+class LoadMode(str, Enum):
+    LAYERED = "layered"
+    ASYNC = "async"
+
+
 class SecurityProfile(str, Enum):
     MINIMAL = "minimal"
     PRIVILEGED = "privileged"
@@ -68,6 +73,7 @@ class PoolSpec:
 class OffloadSpec:
     mode: Mode = Mode.EAGER
     chunk_size: int = 64  # tokens per pool slot (4 blocks of 16: see the connector default)
+    load_mode: LoadMode = LoadMode.LAYERED  # the connector's default too
 
 
 @dataclass(frozen=True)
@@ -240,12 +246,17 @@ def pool_from_spec(raw: Mapping[str, Any]) -> PoolSpec:
     )
 
 
+_OFFLOAD_KEYS = ("mode", "chunkSize", "loadMode")
+
+
 def _offload(raw: Mapping[str, Any]) -> OffloadSpec:
     chunk = _int(raw.get("chunkSize", 64), "spec.offload.chunkSize", CHUNK_ALIGN, MAX_CHUNK_TOKENS)
     if chunk % CHUNK_ALIGN:
         raise PolicyError("spec.offload.chunkSize: must be a multiple of 16 tokens")
     return OffloadSpec(
-        mode=_enum(Mode, raw.get("mode", "eager"), "spec.offload.mode"), chunk_size=chunk
+        mode=_enum(Mode, raw.get("mode", "eager"), "spec.offload.mode"),
+        chunk_size=chunk,
+        load_mode=_enum(LoadMode, raw.get("loadMode", "layered"), "spec.offload.loadMode"),
     )
 
 
@@ -277,7 +288,7 @@ def _sidecar(raw: Mapping[str, Any]) -> SidecarSpec:
 
 def _connector(raw: Mapping[str, Any]) -> ConnectorSpec:
     extra = _map(raw.get("extraConfig"), "spec.connector.extraConfig")
-    reserved = sorted(set(extra) & {"socket", "chunk_size", "mode"})
+    reserved = sorted(set(extra) & {"socket", "chunk_size", "mode", "load_mode"})
     if reserved:
         raise PolicyError(
             f"spec.connector.extraConfig: {', '.join(reserved)} are set by the "
@@ -315,7 +326,7 @@ def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
         generation=int(meta.get("generation") or 1),
         selector=selector_from_spec(spec["selector"], "spec.selector", PolicyError),
         pool=pool_from_spec(_map(spec["pool"], "spec.pool", _POOL_KEYS)),
-        offload=_offload(_map(spec.get("offload"), "spec.offload", ("mode", "chunkSize"))),
+        offload=_offload(_map(spec.get("offload"), "spec.offload", _OFFLOAD_KEYS)),
         sidecar=_sidecar(
             _map(
                 spec.get("sidecar"),

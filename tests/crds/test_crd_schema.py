@@ -56,7 +56,7 @@ def test_schema_defaults_equal_policy_defaults() -> None:
     raw = yaml.safe_load((ROOT / "crds/examples/minimal.yaml").read_text())
     defaulted, errors = validate(raw)
     assert errors == []
-    assert defaulted["spec"]["offload"] == {"mode": "eager", "chunkSize": 64}
+    assert defaulted["spec"]["offload"] == {"mode": "eager", "chunkSize": 64, "loadMode": "layered"}
     from_server: Policy = policy_from_resource(defaulted)
     from_file: Policy = policy_from_resource(raw)
     assert from_server == from_file

@@ -150,6 +150,7 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
         "socket": "/kvoffload/run/pool.sock",
         "chunk_size": 64,
         "mode": "eager",
+        "load_mode": "layered",
     }
     assert config["kv_load_failure_policy"] == "recompute" and config["kv_role"] == "kv_both"
     inits = [c["name"] for c in out["spec"]["initContainers"]]

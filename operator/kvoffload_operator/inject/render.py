@@ -51,6 +51,7 @@ def kv_transfer_config(policy: Policy) -> dict[str, Any]:
         "socket": SOCKET,
         "chunk_size": policy.offload.chunk_size,
         "mode": policy.offload.mode.value,
+        "load_mode": policy.offload.load_mode.value,
     }
     return {
         "kv_connector": CONNECTOR_CLASS,
