@@ -34,6 +34,7 @@
 # blocks (measured: 12.82 GiB at 1 MiB a block; gemma3-12b: --gpu-blocks 14000).
 # Environment: E2E_CONFIGS (llama phase's configurations), POOL_GIB (sidecar pool, default 48; 32
 # for smoke), CPU_GIB (vLLM connectors' cpu_bytes_to_use in GiB, default 48).
+# ROUNDS, CFG_BUDGET: decode-ab's interleaved rounds (3) and seconds per configuration (75).
 # RPC_BENCH=1: first run bench/sidecar_rpc.py on this host (its own sidecar; JSON in $OUT).
 # BUDGET_S: wall seconds for everything after the unpack (default 540: a call is at most 600).
 # Prepare once, here (git-ignored through .git/info/exclude, ~48 MiB, named in the call's carry):
@@ -147,7 +148,7 @@ case $phase in
     ;;
   decode-ab)
     drive llama3-8b-decode-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-eager}" \
-      --sections decode --sizes 2000 --dec-reps 3 --rounds 3 --config-budget-s 75 --profile
+      --sections decode --sizes 2000 --dec-reps 3 --rounds ${ROUNDS:-3} --config-budget-s ${CFG_BUDGET:-75} --profile
     ;;
   ttft4)
     drive llama3-8b-ttft4 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-eager,offloading,kvo-lazy,simple}" \
