@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload_connector import compat
 from kvoffload_connector.compat import KVConnectorTransferResults
-from kvoffload_connector.config import parse_extra_config
+from kvoffload_connector.config import LoadMode, parse_extra_config
 from kvoffload_connector.metadata import ConnectorMeta
 from kvoffload_connector.stats import ConnectorStats, PromMetrics
 
@@ -97,6 +97,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # best-effort cache: a dropped store is a future miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layered loads wait inside each layer's attention (`wait_for_layer_load`), which a
+        captured full CUDA graph would skip: vLLM then keeps attention out of its graphs."""
+        mode = (extra_config or {}).get("load_mode", LoadMode.LAYERED.value)
+        return mode != LoadMode.ASYNC.value
 
     # -- scheduler side -------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

@@ -215,9 +215,9 @@ def test_connector_configurations_are_accepted(config):
         return
     ktc = KVTransferConfig(**kv)
     assert ktc.kv_role == "kv_both"
+    layered = config == "kvo-layer"
     if config.startswith("kvo"):
         cfg = parse_extra_config(ktc.kv_connector_extra_config, block_size=16)
-        layered = config == "kvo-layer"
         assert cfg.mode is (StoreMode.EAGER if layered else StoreMode(config.split("-")[1]))
         assert cfg.load_mode is (LoadMode.LAYERED if layered else LoadMode.ASYNC)
         assert cfg.chunk_tokens == 512 and cfg.socket == "/tmp/pool.sock"
@@ -225,6 +225,9 @@ def test_connector_configurations_are_accepted(config):
     else:
         assert ktc.kv_connector in KVConnectorFactory._registry
         assert ktc.kv_connector_extra_config == {"cpu_bytes_to_use": 48 << 30}
+        # layered loads wait inside attention: vLLM must keep attention out of full CUDA graphs
+        cls = KVConnectorFactory.get_connector_class(ktc)
+        assert cls.requires_piecewise_for_cudagraph(ktc.kv_connector_extra_config) == layered
     with pytest.raises(ValueError, match="unknown configuration"):
         e2e.kv_transfer_config("lmcache", "", 0)
 
