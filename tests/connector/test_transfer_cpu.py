@@ -387,3 +387,40 @@ def test_validator_refuses_duplicates_across_batches_and_counts_bytes(pool_facto
         check(pool.slot_count, "h2d", ok)
     with pytest.raises(ValueError, match="expected TransferBatch"):
         check(pool.slot_count, Direction.LOAD, [object()])
+
+
+@pytest.mark.parametrize("kind", KIND_NAMES)
+def test_layered_load_stages_follow_the_forward_and_cover_every_region_once(kind, pool_factory):
+    """CudaEngine's stage plan, built on the CPU: one copy per layer in forward order, every
+    region of every group moved by exactly one stage, and each layer waiting for the stage
+    that moves its bytes (a later layer never waits for less than an earlier one needs)."""
+    from types import SimpleNamespace
+
+    from kvoffload_connector.transfer.cuda import CudaEngine
+
+    setup, layout, _ = build(kind, pool_factory, groups=2, shared=True, heads=3, num_layers=11)
+    fake = SimpleNamespace(_layout=layout, _device=torch.device("cpu"), _torch=torch)
+    fake._tables = {g.group_id: CudaEngine._table(fake, g) for g in layout.groups}
+    stages, stage_of = CudaEngine._layer_stages(fake, layout)
+    assert set(stage_of) == set(setup.kv_caches)  # every layer knows what to wait for
+    moved: dict[int, list[tuple[int, ...]]] = {}
+    for st in stages:
+        rows = [tuple(r) for r in st.regions.tolist()]
+        assert st.n_regions == len(rows) > 0
+        moved.setdefault(st.group, []).extend(rows)
+    for g in layout.groups:
+        table = [tuple(r) for r in fake._tables[g.group_id].regions.tolist()]
+        assert sorted(moved[g.group_id]) == sorted(table)  # each region once
+    for name, gid, regions in layout.layers:
+        st = stages[stage_of[name]]
+        assert st.group == gid
+        need = {tuple(fake._tables[gid].regions[r].tolist()) for r in regions}
+        upto = {
+            tuple(r)
+            for s in stages[: stage_of[name] + 1]
+            if s.group == gid
+            for r in s.regions.tolist()
+        }
+        assert need <= upto  # its bytes are moved by the stage it waits for or earlier
+    if layout.tag.startswith("LB"):
+        assert len(stages) == len({n for n, _, _ in layout.layers}) - 2  # shared layers: no stage
