@@ -27,6 +27,8 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import eq
 
 import numpy as np
 
@@ -221,10 +223,12 @@ class SlotIndex:
         self.counts.reserved += n
         return slot_list
 
-    def reserve_if_distinct(self, keys: Sequence[PoolKey], slots: np.ndarray) -> list[int] | None:
-        """`reserve_many` for keys none of which is in the index (the caller has just checked,
-        under the same lock) but which may repeat: None, with nothing changed, when one does.
-        Cheaper than checking distinctness first: the key -> slot dict must grow by len(keys)."""
+    def reserve_if_new(self, keys: Sequence[PoolKey], slots: np.ndarray) -> list[int] | None:
+        """`reserve_many` for a batch expected to be all new keys, none repeated: one dict pass
+        (`setdefault`) both checks and inserts. None, with nothing changed, when a key is
+        already in the index or repeats in the batch; the caller then takes the general path.
+        A fresh slot is free, so no key already in the index maps to it: a key was new exactly
+        when `setdefault` returned its own fresh slot."""
         n = len(keys)
         if n != len(slots) or not n:
             raise ValueError(f"{n} keys for {len(slots)} slots")
@@ -236,11 +240,10 @@ class SlotIndex:
         if used.any():
             raise ValueError(f"slot {int(slots[used.argmax()])} is already in use")
         slot_of = self._slot_of
-        before = len(slot_of)
         slot_list: list[int] = slots.tolist()
-        slot_of.update(zip(keys, slot_list, strict=True))
-        if len(slot_of) - before != n:  # a key repeats: take every one of them out again
-            _consume(map(slot_of.__delitem__, dict.fromkeys(keys)))
+        found = list(map(slot_of.setdefault, keys, slot_list))
+        if found != slot_list:  # some key was there or repeats: take out what we put in
+            _consume(map(slot_of.__delitem__, compress(keys, map(eq, found, slot_list))))
             return None
         self._state_v[slots] = _RESERVED
         self.counts.reserved += n

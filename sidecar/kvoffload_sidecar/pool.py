@@ -598,18 +598,19 @@ class Pool:
             client = self._owned_client(ns, client_id)
             key_list = split_keys(keys, ns.spec.key_size)
             index, free = ns.index, ns.free
-            found = index.slots_of(key_list)
-            missing = found.count(None)
-            if not missing:
-                return StoreReservation(0, (_PRESENT,) * len(key_list), ())
-            if missing == len(found):  # the usual store: every key is new (no list copy)
-                fresh = key_list
+            slots, slot_list = self._reserve_new(ns, key_list)
+            if slot_list is not None:  # the usual store: every key new, distinct, slots free
+                stored = fresh = key_list
+                unique = True
             else:
-                fresh = list(compress(key_list, map(is_, found, repeat(None))))
-            slots, slot_list = self._reserve_distinct(ns, fresh)
-            if slot_list is not None:  # every fresh key distinct and got a slot
-                stored, unique = fresh, True
-            else:
+                found = index.slots_of(key_list)
+                missing = found.count(None)
+                if not missing:
+                    return StoreReservation(0, (_PRESENT,) * len(key_list), ())
+                if missing == len(found):
+                    fresh = key_list
+                else:
+                    fresh = list(compress(key_list, map(is_, found, repeat(None))))
                 unique = len(set(fresh)) == len(fresh)
                 if not unique:
                     fresh = list(dict.fromkeys(fresh))  # first occurrences, in key order
@@ -630,20 +631,20 @@ class Pool:
             return StoreReservation(store_id, decisions, tuple(slot_list))
 
     @staticmethod
-    def _reserve_distinct(
-        ns: _Namespace, fresh: list[PoolKey]
+    def _reserve_new(
+        ns: _Namespace, keys: list[PoolKey]
     ) -> tuple[np.ndarray | list[int], list[int] | None]:
-        """The fast path of `reserve_store` for a large batch of new keys that fits in the free
-        slots: allocate and reserve assuming the keys are distinct, which the index verifies as
-        it goes (cheaper than a `set` of them first). (slots, slot list) when that worked, else
-        ([], None) with nothing changed (a key repeats, the batch is small, or eviction is
-        needed), and the caller takes the general path."""
-        n, free = len(fresh), ns.free
+        """The fast path of `reserve_store` for a large batch of keys that are all new and fit
+        in the free slots: allocate, then insert and check in one index pass. (slots, slot
+        list) when that worked, else ([], None) with nothing changed (a key is known or
+        repeats, the batch is small, or eviction is needed): the caller takes the general
+        path."""
+        n, free = len(keys), ns.free
         if n <= allocator.VECTOR_MIN or n > free.available():
             return [], None
         mark = free.mark()
         slots = free.allocate_many(n)
-        slot_list = ns.index.reserve_if_distinct(fresh, slots)  # type: ignore[arg-type]
+        slot_list = ns.index.reserve_if_new(keys, slots)  # type: ignore[arg-type]
         if slot_list is None:
             free.rewind(mark)
             return [], None

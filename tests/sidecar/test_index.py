@@ -30,6 +30,30 @@ def test_free_slots_are_gated_by_the_prefault_frontier():
         free.release(3)
 
 
+@pytest.mark.parametrize(
+    "batch",
+    [
+        [k(10), k(11), k(1), k(12)],  # one key already in the index
+        [k(10), k(11), k(10), k(12)],  # one key twice in the batch
+        [k(1), k(2), k(1), k(2)],  # nothing new at all
+    ],
+)
+def test_reserve_if_new_refuses_known_or_repeated_keys_and_changes_nothing(batch):
+    import numpy as np
+
+    index = SlotIndex(slot_count=16, num_ranks=1)
+    index.reserve_many([k(1), k(2)], [0, 1])
+    index.open_store(1, client_id=1, slots=[0, 1], keys=[k(1), k(2)])
+    before = (dict(index._slot_of), bytes(index._state), index.counts.reserved)
+    assert index.reserve_if_new(batch, np.arange(4, 8)) is None
+    assert (dict(index._slot_of), bytes(index._state), index.counts.reserved) == before
+    index.check(free_slots=set(range(2, 16)))
+    fresh = [k(20), k(21), k(22), k(23)]
+    assert index.reserve_if_new(fresh, np.arange(4, 8)) == [4, 5, 6, 7]
+    assert [index.find(x) for x in fresh] == [4, 5, 6, 7]
+    assert index.state(5) == SlotState.RESERVED and index.counts.reserved == 6
+
+
 def test_slot_lifecycle_and_counts():
     index = SlotIndex(slot_count=8, num_ranks=2)
     index.reserve(k(1), 0)
