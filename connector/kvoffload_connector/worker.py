@@ -92,6 +92,7 @@ class OffloadWorker:
         self._failed_recving: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._failed_layered_blocks: set[int] = set()
+        self._layered_step = False  # a layered load was submitted for this step's forward
         self._stats: dict[str, float] = {}
         self.spec = None
 
@@ -202,8 +203,10 @@ class OffloadWorker:
     # -- jobs -----------------------------------------------------------------------------
     def start_load_kv(self, meta: ConnectorMeta | None) -> None:
         self._maybe_reconnect()
-        if self.engine is not None:
-            self.engine.new_step()
+        if self._layered_step:
+            self._layered_step = False
+            if self.engine is not None:
+                self.engine.new_step()
         if meta is None:
             return
         for job in meta.loads:
@@ -224,6 +227,7 @@ class OffloadWorker:
             try:
                 if job.layered:
                     self.engine.submit_layered(job.job_id, _batches(job.transfers))
+                    self._layered_step = True
                 else:
                     self.engine.submit(job.job_id, Direction.LOAD, _batches(job.transfers))
             except Exception as e:  # noqa: BLE001 - a bad job is a failed load, never a crash
@@ -232,7 +236,8 @@ class OffloadWorker:
                 self._fail_load(job.job_id, job.req_id, blocks, job.layered)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self.engine is not None:
+        """Called per layer in every forward: one flag test unless this step loads layered."""
+        if self._layered_step and self.engine is not None:
             self.engine.wait_layer(layer_name)
 
     def _fail_load(self, job_id: int, req_id: str, blocks: list[int], layered: bool) -> None:
