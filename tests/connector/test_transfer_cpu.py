@@ -424,3 +424,36 @@ def test_layered_load_stages_follow_the_forward_and_cover_every_region_once(kind
         assert need <= upto  # its bytes are moved by the stage it waits for or earlier
     if layout.tag.startswith("LB"):
         assert len(stages) == len({n for n, _, _ in layout.layers}) - 2  # shared layers: no stage
+
+
+def test_cuda_engine_admission_refuses_fails_or_queues_a_job():
+    """CudaEngine's one admission path for staged and layered jobs (checked here without a GPU:
+    the enqueue step is a stand-in): a live id raises, a refusal or an enqueue error becomes a
+    failed JobResult, anything else is queued."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from kvoffload_connector.transfer.cuda import CudaEngine
+
+    fake = SimpleNamespace(
+        _closed=False,
+        _jobs={},
+        _done={},
+        _device=None,
+        _torch=SimpleNamespace(cuda=SimpleNamespace(device=lambda _d: nullcontext())),
+    )
+    admit = CudaEngine._admit.__get__(fake)
+    assert admit(1, lambda: "job-1", None) and fake._jobs == {1: "job-1"}
+    with pytest.raises(ValueError, match="still in flight"):
+        admit(1, lambda: "again", None)
+    assert not admit(2, lambda: "never", "pool not registered with CUDA (yet)")
+    assert fake._done[2].error == "pool not registered with CUDA (yet)" and not fake._done[2].ok
+
+    def broken():
+        raise RuntimeError("cuMemcpyAsync h2d failed")
+
+    assert not admit(3, broken, None)
+    assert "cuMemcpyAsync h2d failed" in fake._done[3].error and 3 not in fake._jobs
+    fake._closed = True
+    with pytest.raises(RuntimeError, match="shut down"):
+        admit(4, lambda: "late", None)

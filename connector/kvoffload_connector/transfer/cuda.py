@@ -50,7 +50,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -380,36 +380,26 @@ class CudaEngine:
         if self.trace is not None:
             self.trace = [("submit", time.perf_counter())]
         nbytes = self._validate(self._pool.slot_count, direction, batches)
+
+        def enqueue() -> _Job:
+            self._mark("locked")
+            store = direction is Direction.STORE
+            # sorted and cut up front; DMA runs of piece 0 first, the rest while it copies
+            plan = JobPlan(
+                batches,
+                self._block_bytes,
+                self._pool.slot_bytes,
+                self._capacity,
+                self._pool.piece_bytes,
+                head=self._edge_bytes if store else 0,
+                tail=0 if store else self._edge_bytes,
+            )
+            self._mark("planned")
+            return self._enqueue(job_id, direction, plan, nbytes)
+
         with self._lock:
-            if self._closed:
-                raise RuntimeError("engine is shut down")
-            if job_id in self._jobs or job_id in self._done:
-                raise ValueError(f"job id {job_id} is still in flight or unreported")
-            if not self._pool.registered:
-                err = self._pool.error or "pool not registered with CUDA (yet)"
-                self._done[job_id] = JobResult(job_id, False, 0, 0.0, err)
-                return
-            t0 = time.perf_counter()
-            try:
-                self._mark("locked")
-                store = direction is Direction.STORE
-                # sorted and cut up front; DMA runs of piece 0 first, the rest while it copies
-                plan = JobPlan(
-                    batches,
-                    self._block_bytes,
-                    self._pool.slot_bytes,
-                    self._capacity,
-                    self._pool.piece_bytes,
-                    head=self._edge_bytes if store else 0,
-                    tail=0 if store else self._edge_bytes,
-                )
-                self._mark("planned")
-                with self._torch.cuda.device(self._device):
-                    self._jobs[job_id] = self._enqueue(job_id, direction, plan, nbytes)
+            if self._admit(job_id, enqueue, self._refusal()):
                 self._mark("enqueued")
-            except Exception as exc:
-                err = f"{type(exc).__name__}: {exc}"
-                self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
 
     def submit_layered(self, job_id: int, batches: Sequence[TransferBatch]) -> None:
         """A LOAD by layer for this step's forward (see the module docstring). Call
@@ -418,24 +408,36 @@ class CudaEngine:
         nothing for the forward to wait for: the caller reports the blocks as load errors)."""
         nbytes = self._validate(self._pool.slot_count, Direction.LOAD, batches)
         with self._lock:
-            if self._closed:
-                raise RuntimeError("engine is shut down")
-            if job_id in self._jobs or job_id in self._done:
-                raise ValueError(f"job id {job_id} is still in flight or unreported")
-            if not self._pool.registered or not self._stages:
-                err = self._pool.error or (
-                    "pool not registered with CUDA (yet)" if self._stages else "no layer map"
-                )
-                self._done[job_id] = JobResult(job_id, False, 0, 0.0, err)
-                return
-            t0 = time.perf_counter()
-            try:
-                with self._torch.cuda.device(self._device):
-                    self._jobs[job_id] = self._enqueue_layered(job_id, batches, nbytes)
+            refusal = self._refusal() or (None if self._stages else "no layer map")
+            if self._admit(job_id, lambda: self._enqueue_layered(job_id, batches, nbytes), refusal):
                 self._layered = True
-            except Exception as exc:
-                err = f"{type(exc).__name__}: {exc}"
-                self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
+
+    def _refusal(self) -> str | None:
+        """Why a job must fail at once (no registered pool yet), or None."""
+        if self._pool.registered:
+            return None
+        return self._pool.error or "pool not registered with CUDA (yet)"
+
+    def _admit(self, job_id: int, enqueue: Callable[[], _Job], refusal: str | None) -> bool:
+        """Under the lock: raise for a shut-down engine or a job id still in use; otherwise
+        queue the job, or record it failed (``refusal``, or an error while enqueuing). True
+        when queued."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if job_id in self._jobs or job_id in self._done:
+            raise ValueError(f"job id {job_id} is still in flight or unreported")
+        if refusal is not None:
+            self._done[job_id] = JobResult(job_id, False, 0, 0.0, refusal)
+            return False
+        t0 = time.perf_counter()
+        try:
+            with self._torch.cuda.device(self._device):
+                self._jobs[job_id] = enqueue()
+            return True
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
+            return False
 
     def wait_layer(self, layer_name: str) -> None:
         """Make the current (compute) stream wait, on the GPU, until this step's layered loads

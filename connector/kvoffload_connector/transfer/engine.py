@@ -1,7 +1,7 @@
 """The transfer-engine contract: move GPU blocks of a canonical layout to and from pool slots.
 
 A job is a list of ``TransferBatch`` (one KV group each). ``submit`` never blocks on the copy;
-``poll`` reports finished jobs once; ``wait`` blocks for given jobs (preemption fencing,
+``poll`` reports finished jobs once; ``wait`` blocks for given jobs (tests, benchmarks,
 shutdown). Malformed batches raise ``ValueError`` in ``submit`` before anything is queued, so a
 bad request loses nothing; copy failures come back as ``JobResult(ok=False, error=...)``.
 """
