@@ -222,6 +222,7 @@ class Sample:
     wait_ms: float | None  # vLLM: queued -> scheduled (lookup + asynchronous load)
     compute_ms: float | None  # vLLM: scheduled -> first token (the prefill step(s))
     counters: dict[str, float] = field(default_factory=dict)  # metric deltas over the request
+    first_token: int | None = None  # the greedy token: a pool hit must agree with the GPU hit
 
 
 class Child:
@@ -273,7 +274,7 @@ class Child:
             load_format="dummy",
             skip_tokenizer_init=True,
             dtype=a.dtype,
-            enforce_eager=True,
+            enforce_eager=not a.cuda_graphs,
             block_size=a.block_size or None,
             seed=0,
             max_model_len=a.max_model_len,
@@ -306,7 +307,8 @@ class Child:
             "max_model_len": vc.model_config.max_model_len,
             "hybrid_kv_cache_manager": not vc.scheduler_config.disable_hybrid_kv_cache_manager,
             "kv_groups": groups,
-            "enforce_eager": True,
+            "enforce_eager": not a.cuda_graphs,
+            "cudagraph_mode": str(getattr(vc.compilation_config, "cudagraph_mode", None)),
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
         }
         self.save()
@@ -435,8 +437,16 @@ class Child:
                 wait = 1e3 * (m.scheduled_ts - m.queued_ts)
                 compute = 1e3 * (m.first_token_ts - m.scheduled_ts)
         delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+        tokens = o.outputs[0].token_ids if o.outputs else ()
         return Sample(
-            len(prompt), 1e3 * wall, int(o.num_cached_tokens or 0), ttft, wait, compute, delta
+            len(prompt),
+            1e3 * wall,
+            int(o.num_cached_tokens or 0),
+            ttft,
+            wait,
+            compute,
+            delta,
+            int(tokens[0]) if tokens else None,
         )
 
     def warmup(self) -> None:
@@ -733,7 +743,7 @@ def child_argv(
         "dec_tokens",
         "dec_reps",
     )
-    flags = ("profile",)
+    flags = ("profile", "cuda_graphs")
     argv = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -753,7 +763,7 @@ def child_argv(
     ]
     for k in keep:
         argv += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    argv += [f"--{k}" for k in flags if getattr(args, k)]
+    argv += [f"--{k.replace('_', '-')}" for k in flags if getattr(args, k)]
     return argv
 
 
@@ -942,6 +952,24 @@ def tables(report: dict[str, Any]) -> list[str]:
                         f"{c} {key.split('/')[0]}: {statistics.fmean(cached):.0%}"
                         + (f" (GPU {statistics.fmean(local):.0%})" if any(local) else "")
                     )
+        agree = []
+        for c in configs:
+            samples = runs[c].get("sections", {}).get("ttft", {}).get("samples", {})
+            for size in sizes:
+                pairs = [
+                    (g.get("first_token"), h.get("first_token"))
+                    for g, h in zip(  # fewer pool hits where time ran out
+                        samples.get(f"{size}/gpu_hit", []),
+                        samples.get(f"{size}/pool_hit", []),
+                        strict=False,
+                    )
+                    if g.get("first_token") is not None
+                ]
+                if pairs:
+                    same = sum(g == h for g, h in pairs)
+                    agree.append(f"{c} {size}: {same}/{len(pairs)}")
+        if agree:
+            lines.append("pool-hit first token equal to the GPU hit's: " + "; ".join(agree))
         if hits:
             lines.append(
                 "pool-hit phase, prompt tokens not recomputed (of which from the GPU prefix "
@@ -1093,6 +1121,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60,
         help="extra seconds for the first configuration (a fresh machine's first engine start)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="vLLM's default compile and CUDA graphs (FULL_AND_PIECEWISE) instead of enforce_eager",
     )
     p.add_argument("--settle-s", type=float, default=0.25, help="pause before each timed request")
     p.add_argument("--stall-s", type=float, default=45, help="a generate() this long is a hang")

@@ -22,6 +22,9 @@
 #        layered2   the layered-load GPU tests, the Gemma-3-12B hybrid 32K pool hit with kvo-layer, and
 #                   Llama-3-8B multi-turn: kvo-layer, offloading
 #        check-ab   every GPU transfer test, then decode-ab for none and kvo-layer
+#        graphs     every GPU transfer test, then Llama-3-8B TTFT 2K/10K/32K with vLLM's compile and
+#                   CUDA graphs on (FULL_AND_PIECEWISE): kvo-layer, offloading, simple
+#        graphs-ab  Llama-3-8B 0%-hit decode with CUDA graphs on, none and kvo-layer interleaved
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -183,6 +186,18 @@ case $phase in
     tail -3 "$OUT/tests_gpu.txt"
     drive llama3-8b-decode-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \
       --sections decode --sizes 2000 --dec-reps 3 --rounds 3 --config-budget-s 70 --profile
+    ;;
+  graphs)  # every GPU transfer test (log in $OUT), then TTFT with CUDA graphs on
+    timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 -m gpu \
+      tests/connector/test_transfer_gpu.py >"$OUT/tests_gpu.txt" 2>&1
+    tail -3 "$OUT/tests_gpu.txt"
+    drive llama3-8b-graphs llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading,simple}" \
+      --sections ttft --reps 3 --config-budget-s ${CFG_BUDGET:-110} --cuda-graphs --profile
+    ;;
+  graphs-ab)
+    drive llama3-8b-graphs-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \
+      --sections decode --sizes 2000 --dec-reps 3 --rounds ${ROUNDS:-3} --config-budget-s ${CFG_BUDGET:-75} \
+      --cuda-graphs
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \

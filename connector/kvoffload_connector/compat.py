@@ -106,6 +106,16 @@ def world(vllm_config: Any) -> tuple[int, int, int]:
     return int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size), int(pc.world_size)
 
 
+def full_cudagraphs(vllm_config: Any) -> bool:
+    """Whether vLLM may replay a whole forward as one captured CUDA graph, which skips the
+    per-layer connector hooks (``wait_for_layer_load``) inside it."""
+    if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
+        return False
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    has_full = getattr(mode, "has_full_cudagraphs", None)
+    return bool(has_full()) if callable(has_full) else False
+
+
 def worker_rank() -> int:
     """This worker's global rank (index of its pool region)."""
     try:

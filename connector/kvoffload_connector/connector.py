@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvoffload_connector import compat
 from kvoffload_connector.compat import KVConnectorTransferResults
-from kvoffload_connector.config import LoadMode, parse_extra_config
+from kvoffload_connector.config import parse_extra_config
 from kvoffload_connector.metadata import ConnectorMeta
 from kvoffload_connector.stats import ConnectorStats, PromMetrics
 
@@ -100,10 +100,10 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layered loads wait inside each layer's attention (`wait_for_layer_load`), which a
-        captured full CUDA graph would skip: vLLM then keeps attention out of its graphs."""
-        mode = (extra_config or {}).get("load_mode", LoadMode.LAYERED.value)
-        return mode != LoadMode.ASYNC.value
+        """No: where vLLM may replay full CUDA graphs (which skip `wait_for_layer_load`), the
+        worker makes the compute stream wait for a step's whole layered load before the
+        forward instead, so decode keeps its full graphs and loads stay correct."""
+        return False
 
     # -- scheduler side -------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

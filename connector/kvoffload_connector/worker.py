@@ -93,6 +93,9 @@ class OffloadWorker:
         self._failed_blocks: set[int] = set()
         self._failed_layered_blocks: set[int] = set()
         self._layered_step = False  # a layered load was submitted for this step's forward
+        # A forward replayed as one CUDA graph skips wait_for_layer_load: there the compute
+        # stream waits for the whole layered load once, before the forward (still no host wait).
+        self._wait_whole_step = compat.full_cudagraphs(vllm_config)
         self._stats: dict[str, float] = {}
         self.spec = None
 
@@ -234,10 +237,12 @@ class OffloadWorker:
                 log.warning("kvoffload: load job %d rejected: %s", job.job_id, e)
                 self._jobs.pop(job.job_id, None)
                 self._fail_load(job.job_id, job.req_id, blocks, job.layered)
+        if self._layered_step and self._wait_whole_step:
+            self.engine.wait_all_layers()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Called per layer in every forward: one flag test unless this step loads layered."""
-        if self._layered_step and self.engine is not None:
+        if self._layered_step and not self._wait_whole_step and self.engine is not None:
             self.engine.wait_layer(layer_name)
 
     def _fail_load(self, job_id: int, req_id: str, blocks: list[int], layered: bool) -> None:

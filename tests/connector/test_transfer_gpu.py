@@ -99,10 +99,12 @@ def test_layered_round_trip_every_kind(kind, dtype, pools):
         engine.shutdown()
 
 
-def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools):
+@pytest.mark.parametrize("wait_all", [False, True], ids=["per-layer", "whole-step"])
+def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_all):
     """Work queued on the compute stream right after wait_layer(L) sees all of layer L's bytes,
     while later layers may still be in flight: snapshots taken per layer on the compute stream
-    (no host sync in between) equal the pool's bytes."""
+    (no host sync in between) equal the pool's bytes. With wait_all_layers (a forward that may
+    replay a full CUDA graph), one wait before the first layer covers every layer."""
     setup, layout, pool = build(
         "LBHNC",
         pools,
@@ -131,8 +133,11 @@ def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools):
         engine.new_step()
         engine.submit_layered(1, [batch])
         snaps = {}
+        if wait_all:
+            engine.wait_all_layers()
         for name, _, _ in layout.layers:
-            engine.wait_layer(name)
+            if not wait_all:
+                engine.wait_layer(name)
             snaps[name] = setup.kv_caches[name].clone()  # on the compute stream
         [res] = engine.wait([1])
         assert res.ok, res

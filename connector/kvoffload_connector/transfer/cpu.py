@@ -99,6 +99,9 @@ class CpuTorchEngine:
     def wait_layer(self, layer_name: str) -> None:
         """Nothing to wait for: ``submit_layered`` finished the copy."""
 
+    def wait_all_layers(self) -> None:
+        """Nothing to wait for: ``submit_layered`` finished the copy."""
+
     def new_step(self) -> None:
         """No per-step state."""
 

@@ -442,9 +442,15 @@ class CudaEngine:
     def wait_layer(self, layer_name: str) -> None:
         """Make the current (compute) stream wait, on the GPU, until this step's layered loads
         have moved ``layer_name``'s bytes (all of them, for a layer the map does not know)."""
-        if not self._layered:
-            return
-        stage = self._stage_of.get(layer_name, len(self._stages) - 1)
+        if self._layered:
+            self._wait_stage(self._stage_of.get(layer_name, len(self._stages) - 1))
+
+    def wait_all_layers(self) -> None:
+        """The stages run in order on one stream: the last stage's event covers them all."""
+        if self._layered:
+            self._wait_stage(len(self._stages) - 1)
+
+    def _wait_stage(self, stage: int) -> None:
         _ok(
             self._driver.cuStreamWaitEvent(self._compute_stream(), self._stage_events[stage], 0),
             "cuStreamWaitEvent",

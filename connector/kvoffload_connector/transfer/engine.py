@@ -89,6 +89,11 @@ class TransferEngine(Protocol):
         """Order the current compute stream after this step's layered loads of that layer."""
         ...
 
+    def wait_all_layers(self) -> None:
+        """Order the current compute stream after every layer of this step's layered loads
+        (for forwards that may run as one CUDA graph, where no per-layer hook runs)."""
+        ...
+
     def new_step(self) -> None:
         """Forget the previous step's layered loads (the next forward waits for none)."""
         ...
