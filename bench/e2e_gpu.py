@@ -59,7 +59,7 @@ import threading
 import time
 import traceback
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,8 +181,10 @@ def kv_transfer_config(
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
         }
-    if config.startswith("kvo-") and config in CONFIGS:
-        layered = config == "kvo-layer"
+    base, *overrides = config.split("+")  # kvo-layer+store_ctas=1: extra_config overrides
+    if base.startswith("kvo-") and base in CONFIGS:
+        layered = base == "kvo-layer"
+        extra = dict(o.split("=", 1) for o in overrides)
         return {
             "kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload_connector.connector",
@@ -190,17 +192,25 @@ def kv_transfer_config(
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "socket": socket,
-                "mode": "eager" if layered else config.split("-")[1],
+                "mode": "eager" if layered else base.split("-")[1],
                 "load_mode": "layered" if layered else "async",
                 **({"chunk_size": kvo_chunk} if kvo_chunk else {}),
+                **extra,
             },
         }
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
 
+def ordered_configs(names: Iterable[str]) -> list[str]:
+    """Configuration names (not rounds) in CONFIGS order, each variant (`+key=value`) after
+    its base."""
+    found = {n for n in names if "#" not in n}
+    return sorted(found, key=lambda c: (CONFIGS.index(c.split("+")[0]), c))
+
+
 def parse_list(text: str, known: Sequence[str], what: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if t not in known]
+    bad = [t for t in items if t.split("+")[0] not in known]
     if bad or not items:
         raise argparse.ArgumentTypeError(
             f"{what}: {bad or 'none given'}; known: {', '.join(known)}"
@@ -695,7 +705,18 @@ def profile_top(prof: Any, n: int = 40) -> dict[str, Any]:
     total = sum(r[2] for r in rows)
     by_own = sorted(rows, key=lambda r: -r[2])[:n]
     by_cum = sorted(rows, key=lambda r: -r[3])[:n]
-    return {"total_ms": round(total, 1), "by_own": by_own, "by_cum": by_cum}
+    # the connector's own functions and any gRPC wait, with who called them (where a step's
+    # time goes when a connector is loaded)
+    ours: list[list[Any]] = []
+    for (path, line, func), (_cc, calls, own, cum, callers) in stats.items():
+        if not any(k in path for k in ("kvoffload", "grpc", "kv_connector")):
+            continue
+        where = "/".join(Path(path).parts[-2:])
+        top = sorted(callers.items(), key=lambda kv: -kv[1][3])[:3]
+        by = [f"{Path(c[0]).name}:{c[1]}:{c[2]} {1e3 * v[3]:.1f}ms" for c, v in top]
+        ours.append([f"{where}:{line}:{func}", calls, round(1e3 * own, 2), round(1e3 * cum, 2), by])
+    ours.sort(key=lambda r: -r[3])
+    return {"total_ms": round(total, 1), "by_own": by_own, "by_cum": by_cum, "connector": ours[:n]}
 
 
 # -- the parent: sidecar, one child per configuration, tables --------------------------------------
@@ -910,7 +931,7 @@ def ttft_summary(run: dict[str, Any]) -> dict[str, dict[str, float] | None]:
 def tables(report: dict[str, Any]) -> list[str]:
     runs = report["runs"]
     shape = ModelShape(**report["shape"])
-    configs = [c for c in CONFIGS if c in runs]
+    configs = ordered_configs(runs)
     lines = [
         f"model {report['model']}, GPU {report.get('gpu')}; ms: median (min-max) of wall "
         "time of one LLM.generate(max_tokens=1)"
@@ -1041,7 +1062,7 @@ def paired_decode_lines(runs: dict[str, Any]) -> list[str]:
             by_round.setdefault(int(run.get("round", 1)), {})[key.split("#")[0]] = tps
     if len(by_round) < 2 or not any("none" in r for r in by_round.values()):
         return []
-    configs = [c for c in CONFIGS if any(c in r for r in by_round.values())]
+    configs = ordered_configs({c: None for r in by_round.values() for c in r})
     rows = [["round", *configs]]
     ratios: dict[str, list[float]] = {c: [] for c in configs}
     for rnd in sorted(by_round):

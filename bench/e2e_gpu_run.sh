@@ -25,6 +25,7 @@
 #        graphs     every GPU transfer test, then Llama-3-8B TTFT 2K/10K/32K with vLLM's compile and
 #                   CUDA graphs on (FULL_AND_PIECEWISE): kvo-layer, offloading, simple
 #        graphs-ab  Llama-3-8B 0%-hit decode with CUDA graphs on, none and kvo-layer interleaved
+#        graphs-hot the hotpath cProfile and a profiled 0%-hit decode with CUDA graphs on
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -198,6 +199,11 @@ case $phase in
     drive llama3-8b-graphs-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \
       --sections decode --sizes 2000 --dec-reps 3 --rounds ${ROUNDS:-3} --config-budget-s ${CFG_BUDGET:-75} \
       --cuda-graphs
+    ;;
+  graphs-hot)  # where a step's host time goes with CUDA graphs on (cProfile + connector hooks)
+    drive llama3-8b-graphs-hot llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \
+      --sections hotpath,decode --sizes 2000 --dec-reps 2 --config-budget-s ${CFG_BUDGET:-150} \
+      --cuda-graphs --profile
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \

@@ -269,7 +269,9 @@ def _cell_setup(pool_file, kind: str, page: int, total: int, pool_factor: int = 
     return setup, layout, pool, nb, cb, n_slots
 
 
-def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_lib) -> dict:
+def engine_cells(
+    pool_file, kind: str, page: int, total: int, reps: int, loop_lib, store_ctas: int = 8
+) -> dict:
     setup, layout, pool, nb, cb, n_slots = _cell_setup(pool_file, kind, page, total, 3)
     rng = np.random.default_rng(page)
     slot_perm = rng.permutation(pool.slot_count)
@@ -278,7 +280,7 @@ def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_li
     used = set(a.gpu_blocks.tolist())
     free = np.array([x for x in range(layout.groups[0].num_blocks) if x not in used])
     b = TransferBatch(0, rng.permutation(free)[:nb], b.slots, b.slot_block_index)
-    engine = CudaEngine(layout, pool, torch.device("cuda"))
+    engine = CudaEngine(layout, pool, torch.device("cuda"), store_ctas=store_ctas)
     jid = iter(range(1 << 30))
     nbytes = nb * layout.groups[0].block_bytes
     dev: dict[Direction, list[float]] = {Direction.STORE: [], Direction.LOAD: []}
@@ -309,6 +311,7 @@ def engine_cells(pool_file, kind: str, page: int, total: int, reps: int, loop_li
         "page_bytes": page,
         "layers": PAGES[page][2],
         "regions_per_block": len(layout.groups[0].regions),
+        "store_ctas": store_ctas,
         "chunk_blocks": cb,
         "slot_bytes": layout.slot_bytes,
         "bytes": nbytes,
@@ -530,6 +533,12 @@ def main() -> None:
         help="also compare these first-STORE/last-LOAD piece sizes, MiB (e.g. 8,16,32)",
     )
     ap.add_argument("--no-10k", action="store_true", help="skip the 10K-token load")
+    ap.add_argument(
+        "--store-ctas",
+        default="8",
+        type=lambda t: [int(x) for x in t.split(",")],
+        help="store gather CTAs to measure, side by side (e.g. 1,2,8)",
+    )
     args = ap.parse_args()
     total = int(args.gib * GiB)
     pages = [int(p[:-1]) * (MiB if p.endswith("M") else KiB) for p in args.pages.split(",")]
@@ -557,11 +566,14 @@ def main() -> None:
         rows = []
         for page in pages:
             for kind in ("LBHNC", "BLHNC"):
-                try:
-                    rows.append(engine_cells(pool_file, kind, page, total, args.reps, loop_lib))
-                except Exception as exc:  # keep the other cells
-                    rows.append({"layout": kind, "page_bytes": page, "error": repr(exc)})
-                print(json.dumps(rows[-1]), flush=True)
+                for ctas in args.store_ctas:
+                    try:
+                        rows.append(
+                            engine_cells(pool_file, kind, page, total, args.reps, loop_lib, ctas)
+                        )
+                    except Exception as exc:  # keep the other cells
+                        rows.append({"layout": kind, "page_bytes": page, "error": repr(exc)})
+                    print(json.dumps(rows[-1]), flush=True)
         result["rows"] = rows
         result["explore_both"] = []
         if args.explore:
@@ -617,7 +629,8 @@ def print_table(r: dict) -> None:
             print(f"{page:>6} {row['layout']:>12}  ERROR {row['error'][:80]}")
             continue
         print(
-            f"{page:>6} {row['layout']:>12} {row['regions_per_block']:>4} "
+            f"{page:>6} {row['layout']:>12} {row['regions_per_block']:>4}"
+            f"{'' if row.get('store_ctas', 8) == 8 else '/' + str(row['store_ctas'])} "
             f"{row['store_gbps']:6.1f} {100 * row['store_of_ceiling']:4.0f} "
             f"{row['load_gbps']:6.1f} {100 * row['load_of_ceiling']:4.0f} "
             f"{row['both_gbps']:6.1f} {row['store_device_gbps']:6.1f} "

@@ -59,6 +59,7 @@ class ConnectorConfig:
     reconnect_max_ms: int = 5000
     lazy_watermark_blocks: int = 0  # lazy mode: blocks at the free-queue head to protect (0=auto)
     store_decode: bool = True  # also store chunks filled by generated tokens
+    store_ctas: int = 8  # SMs a store's gather kernel may occupy beside the model (1-8)
     client_name: str = "vllm"  # prefix of the client name the sidecar logs
 
     def chunk_blocks(self, block_size: int) -> int:
@@ -140,6 +141,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
                 ) from None
         elif key in _INT_KEYS:
             fields[key] = _int(key, value, minimum=_INT_KEYS[key])
+        elif key == "store_ctas":
+            fields[key] = _int(key, value, minimum=1)
+            if fields[key] > 8:
+                raise ValueError(
+                    f"kv_connector_extra_config['store_ctas'] must be at most 8, got {value!r}"
+                )
         elif key == "store_decode":
             fields[key] = _bool(key, value)
         elif key == "client_name":

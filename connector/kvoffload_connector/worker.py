@@ -158,7 +158,9 @@ class OffloadWorker:
                     region.path, region.offset, region.slot_bytes, region.slot_count
                 )
                 self.pool.start_device_registration(self.device)
-                self.engine = make_engine(self.layout, self.pool, self.device)
+                self.engine = make_engine(
+                    self.layout, self.pool, self.device, store_ctas=self.cfg.store_ctas
+                )
             self.generation = reg.generation
         self.namespace_id = reg.namespace_id
         self._report_registration = Registration(

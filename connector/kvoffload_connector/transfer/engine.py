@@ -179,12 +179,15 @@ def _check_range(name: str, a: np.ndarray, end: int) -> None:
         raise ValueError(f"{name} out of range [0, {end}): min {lo}, max {hi}")
 
 
-def make_engine(layout: CanonicalLayout, pool: PoolView, device: torch.device) -> TransferEngine:
-    """CPU device -> CpuTorchEngine (worker thread); CUDA device -> CudaEngine."""
+def make_engine(
+    layout: CanonicalLayout, pool: PoolView, device: torch.device, store_ctas: int = 8
+) -> TransferEngine:
+    """CPU device -> CpuTorchEngine (worker thread); CUDA device -> CudaEngine, whose store
+    gather kernel occupies at most ``store_ctas`` SMs."""
     if device.type == "cuda":
         from kvoffload_connector.transfer.cuda import CudaEngine
 
-        return CudaEngine(layout, pool, device)
+        return CudaEngine(layout, pool, device, store_ctas=store_ctas)
     if device.type == "cpu":
         from kvoffload_connector.transfer.cpu import CpuTorchEngine
 
