@@ -38,6 +38,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
+from kvoffload_connector.keys import unpack_slots  # what the connector's client does
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY_SIZE = 32
@@ -285,12 +286,12 @@ def _ops(
 
     def u_store() -> Callable[[], None]:
         r = stub.ReserveStore(store_req)
-        check(len(r.slots) == n, "store not NEW")
+        check(len(unpack_slots(r.slots)) == n, "store not NEW")
         return abort(r.store_id)
 
     def u_load() -> Callable[[], None]:
         r = stub.ReserveLoad(load_req)
-        check(len(r.slots) == n, "load miss")
+        check(len(unpack_slots(r.slots)) == n, "load miss")
         return release(r.pin_id)
 
     def s_lookup() -> None:
@@ -298,13 +299,13 @@ def _ops(
 
     def s_store() -> Callable[[], None]:
         r = session.call(reserve_store=store_req).reserve_store
-        check(len(r.slots) == n, "store not NEW")
+        check(len(unpack_slots(r.slots)) == n, "store not NEW")
         sid = r.store_id
         return lambda: session.call(abort_store=pb.AbortStoreRequest(namespace_id=ns, store_id=sid))
 
     def s_load() -> Callable[[], None]:
         r = session.call(reserve_load=load_req).reserve_load
-        check(len(r.slots) == n, "load miss")
+        check(len(unpack_slots(r.slots)) == n, "load miss")
         pid = r.pin_id
         return lambda: session.call(release=pb.ReleaseRequest(namespace_id=ns, pin_ids=[pid]))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 from kvoffload.v1 import pool_pb2, pool_pb2_grpc
 
-from kvoffload_connector.keys import SpecFields, pack
+from kvoffload_connector.keys import SpecFields, pack, unpack_slots
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,13 @@ REGISTER_TIMEOUT_S = 5.0
 
 class PoolUnavailable(Exception):
     """The sidecar did not answer (down, slow, or refused): a miss for the caller."""
+
+
+def _slots(packed: bytes) -> list[int]:
+    try:
+        return unpack_slots(packed)
+    except ValueError as e:  # a reply this client cannot read is no answer
+        raise PoolUnavailable(f"malformed reply: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -61,8 +68,8 @@ class RegisterResult:
 @dataclass(frozen=True)
 class StoreReservation:
     store_id: int  # 0 when nothing is to be written
-    decisions: tuple[int, ...]  # pool_pb2.StoreDecision per key
-    slots: tuple[int, ...]  # one per NEW key, in key order
+    decisions: bytes  # per key, one byte: its pool_pb2.StoreDecision value
+    slots: list[int]  # one per NEW key, in key order
 
 
 class Backoff:
@@ -333,7 +340,7 @@ class PoolClient:
                 namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
             ),
         ).reserve_load
-        return r.pin_id, list(r.slots)
+        return r.pin_id, _slots(r.slots)
 
     def reserve_load_many(
         self, key_lists: Sequence[Sequence[bytes]]
@@ -357,7 +364,7 @@ class PoolClient:
             if isinstance(r, PoolUnavailable):
                 out.append(None)
             else:
-                out.append((r.reserve_load.pin_id, list(r.reserve_load.slots)))
+                out.append((r.reserve_load.pin_id, _slots(r.reserve_load.slots)))
         return out
 
     def release(self, pin_ids: Sequence[int]) -> int:
@@ -375,7 +382,7 @@ class PoolClient:
                 namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
             ),
         ).reserve_store
-        return StoreReservation(r.store_id, tuple(r.decisions), tuple(r.slots))
+        return StoreReservation(r.store_id, r.decisions, _slots(r.slots))
 
     def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:
         return self._call(

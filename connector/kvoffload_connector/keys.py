@@ -8,6 +8,8 @@ Keys are fixed-size so a batch travels as one packed `bytes` field.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -49,6 +51,21 @@ def pack(keys: Sequence[bytes], key_size: int) -> bytes:
     if len(packed) != key_size * len(keys):
         raise ValueError(f"keys must all be {key_size} bytes")
     return packed
+
+
+def unpack_slots(packed: bytes) -> list[int]:
+    """Slot numbers from a reply (4-byte little-endian uint32s, kvoffload.v1); ValueError when
+    the length is not a multiple of 4."""
+    if len(packed) % 4:
+        raise ValueError(f"packed slots are {len(packed)} bytes, not a multiple of 4")
+    slots = array("I", packed)
+    if _BIG_ENDIAN:
+        slots.byteswap()
+    return slots.tolist()
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array("I").itemsize == 4, "the wire's slot numbers are 4-byte uint32s"
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ class FakePool:
                 slots.append(self.next_slot)
                 self.committed[k] = self.next_slot  # visible at once: fine for these scenarios
                 self.next_slot += 1
-        return StoreReservation(7 if slots else 0, tuple(decisions), tuple(slots))
+        return StoreReservation(7 if slots else 0, bytes(decisions), slots)
 
     def abort_store(self, ns, store_id):
         self._check("abort_store")

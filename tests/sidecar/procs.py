@@ -19,6 +19,7 @@ import os
 import queue
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,12 @@ from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 KEY_SIZE = 32
 SLOT_BYTES = 64 << 10
 HERE = Path(__file__).resolve()
+
+
+def wire_slots(packed: bytes) -> list[int]:
+    """Slot numbers of a reply as the contract packs them: 4-byte little-endian uint32s."""
+    assert len(packed) % 4 == 0, f"{len(packed)} bytes of slots"
+    return list(struct.unpack(f"<{len(packed) // 4}I", packed))
 
 
 def kvoffload_command() -> list[str]:
@@ -388,7 +395,7 @@ def _cmd_pin(ns: argparse.Namespace) -> None:
     )
     print(
         json.dumps(
-            {"pin_id": pinned.reserve_load.pin_id, "slots": list(pinned.reserve_load.slots)}
+            {"pin_id": pinned.reserve_load.pin_id, "slots": wire_slots(pinned.reserve_load.slots)}
         ),
         flush=True,
     )

@@ -9,6 +9,7 @@ just before the call. Random histories are seeded, so a failure repeats.
 from __future__ import annotations
 
 import random
+import struct
 
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
@@ -19,7 +20,7 @@ from kvoffload_sidecar.index import SlotIndex, SlotState
 from kvoffload_sidecar.keys import PoolKey
 from kvoffload_sidecar.policies import make_policy
 from kvoffload_sidecar.policies.arc import ARCPolicy
-from kvoffload_sidecar.pool import Pool, StoreDecision, StoreReservation
+from kvoffload_sidecar.pool import LoadPin, Pool, StoreDecision, StoreReservation
 
 MiB = 1 << 20
 NEW, PRESENT, NO_SPACE = StoreDecision.NEW, StoreDecision.PRESENT, StoreDecision.NO_SPACE
@@ -425,22 +426,27 @@ def test_deferred_touches_evict_exactly_like_immediate_ones(
 # -- servicer encoding -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [0, 1, 127, 128, 1024, 20_000])
-def test_store_answer_encodes_like_repeated_field_extend(n):
-    """Decisions go out as one pre-packed field; the bytes equal the plain proto's (incl. a
-    length that needs a two- or three-byte varint) and inside a Session envelope too."""
+@pytest.mark.parametrize("n", [0, 1, 127, 1024, 20_000])
+def test_answers_pack_decisions_and_slots(n):
+    """A store answer carries one byte per decision (its StoreDecision number) and the slots as
+    4-byte little-endian uint32s (the whole 32-bit range), alone and inside a Session envelope;
+    a load answer packs its slots the same way."""
     decisions = tuple((NEW, PRESENT, NO_SPACE)[(i * 7) % 3] for i in range(n))
-    res = StoreReservation(9, decisions, tuple(range(0, 3 * n, 3)))
-    reference = pb.ReserveStoreResponse(
-        store_id=9, decisions=[int(d) for d in decisions], slots=res.slots
-    )
+    slots = tuple((i * 2_654_435_761) % (1 << 32) for i in range(n))
+    res = StoreReservation(9, decisions, slots)
     out = pb.ReserveStoreResponse()
     convert.store_reservation_to_proto(res, out)
-    assert out.SerializeToString() == reference.SerializeToString()
+    assert out.store_id == 9 and list(out.decisions) == [int(d) for d in decisions]
+    assert struct.unpack(f"<{n}I", out.slots) == slots
     envelope = pb.SessionResponse(seq=3)
     inner = envelope.reserve_store
     inner.SetInParent()
     convert.store_reservation_to_proto(res, inner)
-    assert envelope == pb.SessionResponse(seq=3, reserve_store=reference)
     decoded = pb.SessionResponse.FromString(envelope.SerializeToString())
-    assert list(decoded.reserve_store.decisions) == [int(d) for d in decisions]
+    assert decoded.seq == 3 and decoded.reserve_store == out
+    all_new = StoreReservation(4, (NEW,) * n, slots)
+    convert.store_reservation_to_proto(all_new, out)
+    assert out.decisions == bytes([pb.STORE_DECISION_NEW]) * n
+    pin = pb.ReserveLoadResponse()
+    convert.load_pin_to_proto(LoadPin(5, slots), pin)
+    assert pin.pin_id == 5 and struct.unpack(f"<{n}I", pin.slots) == slots

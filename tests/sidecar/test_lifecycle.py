@@ -24,6 +24,7 @@ from procs import (
     socket_dir,
     start_client,
     wait_ready,
+    wire_slots,
 )
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
@@ -146,7 +147,9 @@ def test_connection_drop_releases_pins(sidecar: SidecarProc) -> None:
 
             fill = client.reserve_store(keys(*range(1000, 1000 + slot_count)))
             assert set(fill.decisions) == {pb.STORE_DECISION_NEW}
-            assert set(pinned["slots"]) <= set(fill.slots)  # the formerly pinned slots were reused
+            assert set(pinned["slots"]) <= set(
+                wire_slots(fill.slots)
+            )  # the formerly pinned slots were reused
             assert client.lookup(keys(*range(8))) == [0]
             assert client.namespace_stats().evicted_blocks == 8
             client.abort(fill.store_id)

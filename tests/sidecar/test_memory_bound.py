@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from procs import Client, keys, sidecar_process, socket_dir, wait_ready
+from procs import Client, keys, sidecar_process, socket_dir, wait_ready, wire_slots
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
@@ -78,9 +78,9 @@ def test_full_pool_memory_is_bounded(shm_dir: Path) -> None:
             for first in range(0, n_slots, 1024):  # fill every slot, then overwrite half of them
                 client.store(keys(*range(first, min(first + 1024, n_slots))))
             evicting = client.store(keys(*range(n_slots, n_slots + n_slots // 2)))
-            assert len(evicting.slots) == n_slots // 2
+            assert len(wire_slots(evicting.slots)) == n_slots // 2
             pin = client.reserve_load(keys(*range(n_slots, n_slots + 256)))
-            assert len(pin.slots) == 256
+            assert len(wire_slots(pin.slots)) == 256
             ns = client.namespace_stats()
             assert ns.committed_slots == n_slots and ns.evicted_blocks == n_slots // 2
 

@@ -27,6 +27,7 @@ from procs import (
     socket_dir,
     spec,
     wait_ready,
+    wire_slots,
 )
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
@@ -64,14 +65,14 @@ def test_round_trip_register_lookup_store_commit_load_release(client: Client) ->
     assert client.lookup(keys(1, 2, 3)) == [0]
     res = client.reserve_store(keys(1, 2, 3))
     assert list(res.decisions) == [NEW, NEW, NEW]
-    assert len(set(res.slots)) == 3
+    assert len(set(wire_slots(res.slots))) == 3
     assert client.lookup(keys(1, 2, 3)) == [0]  # reserved, not visible before commit
     assert client.commit(res.store_id) is True
     assert client.lookup(keys(1, 2, 3), keys(1, 2, 9), keys(9)) == [3, 2, 0]
 
     pin = client.reserve_load(keys(1, 2, 9))
     assert pin.pin_id > 0
-    assert list(pin.slots) == list(res.slots[:2])
+    assert wire_slots(pin.slots) == wire_slots(res.slots)[:2]
     assert client.namespace_stats().pinned_slots == 2
     assert client.release(pin.pin_id) == 2
     ns = client.namespace_stats()
@@ -117,7 +118,7 @@ def test_racing_clients_never_share_a_slot(server: ServerThread, client: Client)
                     new = [k for k, d in zip(chunk, res.decisions, strict=True) if d == NEW]
                     if res.store_id:
                         assert c.commit(res.store_id) is True
-                    results.append((i, new, list(res.slots), list(res.decisions)))
+                    results.append((i, new, wire_slots(res.slots), list(res.decisions)))
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -159,7 +160,7 @@ def test_pins_survive_eviction_pressure(client: Client) -> None:
     client.store(keys(*range(capacity)))
     pinned = keys(*range(capacity // 2))
     pin = client.reserve_load(pinned)
-    assert len(pin.slots) == capacity // 2
+    assert len(wire_slots(pin.slots)) == capacity // 2
     for round_ in range(3):  # far more new keys than the unpinned half can hold
         first = 1000 + round_ * capacity
         client.store(keys(*range(first, first + capacity - capacity // 2)))
@@ -306,7 +307,7 @@ def test_session_attach_order_errors_and_detach(server: ServerThread, client: Cl
     pin = session.send(
         reserve_load=pb.ReserveLoadRequest(namespace_id=ns, keys=keys(1, 2))
     )  # stream still open
-    assert len(pin.reserve_load.slots) == 2
+    assert len(wire_slots(pin.reserve_load.slots)) == 2
     store = session.send(reserve_store=pb.ReserveStoreRequest(namespace_id=ns, keys=keys(50)))
     assert list(store.reserve_store.decisions) == [NEW]
     assert client.namespace_stats().pinned_slots == 2

@@ -126,8 +126,8 @@ class ReserveLoadResponse(_message.Message):
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
-    slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, pin_id: _Optional[int] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    slots: bytes
+    def __init__(self, pin_id: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("namespace_id", "client_id", "pin_ids")
@@ -161,9 +161,9 @@ class ReserveStoreResponse(_message.Message):
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     store_id: int
-    decisions: _containers.RepeatedScalarFieldContainer[StoreDecision]
-    slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, store_id: _Optional[int] = ..., decisions: _Optional[_Iterable[_Union[StoreDecision, str]]] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    decisions: bytes
+    slots: bytes
+    def __init__(self, store_id: _Optional[int] = ..., decisions: _Optional[bytes] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
     __slots__ = ("namespace_id", "store_id", "rank")
