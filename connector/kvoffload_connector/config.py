@@ -59,7 +59,10 @@ class ConnectorConfig:
     reconnect_max_ms: int = 5000
     lazy_watermark_blocks: int = 0  # lazy mode: blocks at the free-queue head to protect (0=auto)
     store_decode: bool = True  # also store chunks filled by generated tokens
-    store_ctas: int = 8  # SMs a store's gather kernel may occupy beside the model (1-8)
+    # SMs a store's gather kernel may hold beside the model (1-8). 2 stores at ~93-95% of PCIe
+    # (10x the rate a prefill makes KV) and kept 0%-hit decode within 0.5% of no offloading on
+    # an H100, where 8 (96-98% of PCIe) cost 2-3% (docs/BENCHMARKS.md, session 4).
+    store_ctas: int = 2
     client_name: str = "vllm"  # prefix of the client name the sidecar logs
 
     def chunk_blocks(self, block_size: int) -> int:

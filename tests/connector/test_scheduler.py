@@ -552,11 +552,21 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
         {"socket": ""},
         {"lookup_timeout_ms": "x"},
         {"lookup_timeout_ms": 0},
+        {"store_ctas": 0},
+        {"store_ctas": 9},
+        {"store_ctas": "two"},
     ],
 )
 def test_bad_config_names_the_key(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         parse_extra_config(bad, BS)
+
+
+def test_store_ctas_default_and_override():
+    """Stores gather with 2 SMs unless told otherwise (8 at most): measured on an H100, 2 kept
+    decode within 0.5% of no offloading where 8 cost 2-3% (docs/BENCHMARKS.md)."""
+    assert parse_extra_config({}, BS).store_ctas == 2
+    assert parse_extra_config({"store_ctas": "8"}, BS).store_ctas == 8
 
 
 @dataclass
