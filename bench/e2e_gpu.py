@@ -837,6 +837,8 @@ def run_parent(args: argparse.Namespace) -> int:
             # the first engine of a fresh machine pays CUDA, model-cache and pinned-memory
             # warm-up (measured 67-115 s against 15-20 s later): give it that much more
             first = args.first_start_s if (rnd, config) == order[0] else 0.0
+            if args.cuda_graphs and rnd == 1:  # each configuration compiles on its first start
+                first += args.compile_s
             deadline = (
                 t_end
                 if (rnd, config) == order[-1]
@@ -1147,6 +1149,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cuda-graphs",
         action="store_true",
         help="vLLM's default compile and CUDA graphs (FULL_AND_PIECEWISE) instead of enforce_eager",
+    )
+    p.add_argument(
+        "--compile-s",
+        type=float,
+        default=45,
+        help="with --cuda-graphs: extra seconds for each configuration's first start (its "
+        "torch.compile; measured 35-60 s against 15-25 s for a cached restart)",
     )
     p.add_argument("--settle-s", type=float, default=0.25, help="pause before each timed request")
     p.add_argument("--stall-s", type=float, default=45, help="a generate() this long is a hang")
