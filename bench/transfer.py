@@ -172,22 +172,27 @@ def ceiling(pool: PoolView, nbytes: int, reps: int) -> dict:
     return out
 
 
-def paired_with_ceiling(pool: PoolView, nbytes: int, reps: int, store, load) -> dict:
-    """Each engine job timed right beside one plain ``nbytes`` cudaMemcpyAsync the same way,
-    between the same pool memory and the GPU (order alternating): the ratio of the two is what
-    a noisy, shared machine cannot move (a slow spell slows both). -> GB/s medians and the
-    median of the per-pair ratios (``*_of_ceiling``)."""
-    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = pool.tensor.view(-1)[:nbytes]
-    stream = torch.cuda.Stream()
+def paired_with_ceiling(pool: PoolView, nbytes: int, reps: int, store, load, both) -> dict:
+    """Each engine job timed right beside the same bytes moved by plain cudaMemcpyAsync between
+    the same pool memory and the GPU (order alternating): one ``nbytes`` copy for a store or a
+    load, one each way at once on two streams for ``both`` (which moves 2 x ``nbytes``). The
+    ratio is what a noisy, shared machine cannot move (a slow spell slows both sides of a
+    pair). -> GB/s medians and the median of the per-pair ratios (``*_of_ceiling``)."""
+    gpu = torch.empty(2 * nbytes, dtype=torch.uint8, device="cuda")
+    host = pool.tensor.view(-1)
+    if host.numel() < 2 * nbytes:
+        raise ValueError("the pool view must hold twice the job's bytes")
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
 
-    def plain(h2d: bool) -> None:
-        with torch.cuda.stream(stream):
-            if h2d:
-                gpu.copy_(host, non_blocking=True)
-            else:
-                host.copy_(gpu, non_blocking=True)
-        stream.synchronize()
+    def plain(h2d: bool, d2h: bool) -> None:
+        if h2d:
+            with torch.cuda.stream(up):
+                gpu[:nbytes].copy_(host[:nbytes], non_blocking=True)
+        if d2h:
+            with torch.cuda.stream(down):
+                host[nbytes : 2 * nbytes].copy_(gpu[nbytes:], non_blocking=True)
+        up.synchronize()
+        down.synchronize()
 
     def seconds(fn) -> float:
         torch.cuda.synchronize()
@@ -196,18 +201,24 @@ def paired_with_ceiling(pool: PoolView, nbytes: int, reps: int, store, load) -> 
         return time.perf_counter() - t0
 
     out = {}
-    for name, job, h2d in (("store", store, False), ("load", load, True)):
-        job(), plain(h2d)  # warm-up
+    cells = (
+        ("store", store, False, True, 1),
+        ("load", load, True, False, 1),
+        ("both", both, True, True, 2),
+    )
+    for name, job, h2d, d2h, copies in cells:
+        job(), plain(h2d, d2h)  # warm-up
         eng, ceil = [], []
         for i in range(reps):
             if i % 2:
-                ceil.append(seconds(lambda h2d=h2d: plain(h2d)))
+                ceil.append(seconds(lambda h2d=h2d, d2h=d2h: plain(h2d, d2h)))
                 eng.append(seconds(job))
             else:
                 eng.append(seconds(job))
-                ceil.append(seconds(lambda h2d=h2d: plain(h2d)))
-        out[f"{name}_gbps"] = nbytes / statistics.median(eng) / 1e9
-        out[f"{name}_paired_ceiling_gbps"] = nbytes / statistics.median(ceil) / 1e9
+                ceil.append(seconds(lambda h2d=h2d, d2h=d2h: plain(h2d, d2h)))
+        moved = copies * nbytes
+        out[f"{name}_gbps"] = moved / statistics.median(eng) / 1e9
+        out[f"{name}_paired_ceiling_gbps"] = moved / statistics.median(ceil) / 1e9
         out[f"{name}_of_ceiling"] = statistics.median(c / e for c, e in zip(ceil, eng, strict=True))
     return out
 
@@ -304,7 +315,7 @@ def engine_cells(
 
     one(Direction.STORE, b)  # b's slots hold data for the loads
     paired = paired_with_ceiling(
-        pool, nbytes, reps, lambda: one(Direction.STORE, a), lambda: one(Direction.LOAD, b)
+        pool, nbytes, reps, lambda: one(Direction.STORE, a), lambda: one(Direction.LOAD, b), both
     )
     row = {
         "layout": "layer-major" if kind == "LBHNC" else "block-major",
@@ -316,7 +327,6 @@ def engine_cells(
         "slot_bytes": layout.slot_bytes,
         "bytes": nbytes,
         **paired,
-        "both_gbps": 2 * nbytes / timed(both, reps) / 1e9,
     }
     for direction, batch in ((Direction.STORE, a), (Direction.LOAD, b)):  # one traced job each
         engine.trace = []
@@ -615,13 +625,15 @@ def print_table(r: dict) -> None:
         f"{c['both_1stream_16MiB_gbps']:.1f}"
     )
     print(
-        "wall GB/s (submit -> done); %: median of each job's ratio to one plain 1-copy "
-        "cudaMemcpyAsync of the same bytes, same pool memory, timed right beside it; devS/devL: "
-        "device time of the job, subms: host time in submit"
+        "wall GB/s (submit -> done); %: median of each job's ratio to plain cudaMemcpyAsync of "
+        "the same bytes (one copy; for both: one each way at once), same pool memory, timed "
+        "right beside it; pair: that plain both-ways copy's GB/s; devS/devL: device time of "
+        "the job, subms: host time in submit"
     )
     print(
         f"{'page':>6} {'layout':>12} {'reg':>4} {'store':>6} {'%':>4} {'load':>6} {'%':>4} "
-        f"{'both':>6} {'devS':>6} {'devL':>6} {'subms':>6} {'loopH2D':>8} {'loopD2H':>8}"
+        f"{'both':>6} {'%':>4} {'pair':>6} {'devS':>6} {'devL':>6} {'subms':>6} {'loopH2D':>8} "
+        f"{'loopD2H':>8}"
     )
     for row in r["rows"]:
         page = f"{row['page_bytes'] // KiB}K"
@@ -633,7 +645,8 @@ def print_table(r: dict) -> None:
             f"{'' if row.get('store_ctas', 8) == 8 else '/' + str(row['store_ctas'])} "
             f"{row['store_gbps']:6.1f} {100 * row['store_of_ceiling']:4.0f} "
             f"{row['load_gbps']:6.1f} {100 * row['load_of_ceiling']:4.0f} "
-            f"{row['both_gbps']:6.1f} {row['store_device_gbps']:6.1f} "
+            f"{row['both_gbps']:6.1f} {100 * row['both_of_ceiling']:4.0f} "
+            f"{row['both_paired_ceiling_gbps']:6.1f} {row['store_device_gbps']:6.1f} "
             f"{row['load_device_gbps']:6.1f} "
             f"{row['submit_ms']:6.2f} {row.get('loop_h2d_gbps', float('nan')):8.1f} "
             f"{row.get('loop_d2h_gbps', float('nan')):8.1f}"
