@@ -106,14 +106,26 @@ def world(vllm_config: Any) -> tuple[int, int, int]:
     return int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size), int(pc.world_size)
 
 
-def full_cudagraphs(vllm_config: Any) -> bool:
-    """Whether vLLM may replay a whole forward as one captured CUDA graph, which skips the
-    per-layer connector hooks (``wait_for_layer_load``) inside it."""
+def full_graph_batches(vllm_config: Any) -> str:
+    """Which forwards vLLM may replay as one captured CUDA graph, which skips the per-layer
+    connector hooks (``wait_for_layer_load``) inside it: "none", "uniform" (uniform decode
+    batches only: mixed batches run piecewise or eager, with the hooks) or "any"."""
     if getattr(getattr(vllm_config, "model_config", None), "enforce_eager", False):
-        return False
+        return "none"
     mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
     has_full = getattr(mode, "has_full_cudagraphs", None)
-    return bool(has_full()) if callable(has_full) else False
+    if not callable(has_full) or not has_full():
+        return "none"
+    mixed = getattr(mode, "mixed_mode", None)
+    if callable(mixed) and getattr(mixed(), "name", "FULL") in ("PIECEWISE", "NONE"):
+        return "uniform"
+    return "any"
+
+
+def uniform_query_tokens(vllm_config: Any) -> int:
+    """Tokens per request in a uniform decode batch: 1 plus the speculative tokens."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 1
 
 
 def worker_rank() -> int:

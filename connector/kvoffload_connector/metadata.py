@@ -59,6 +59,9 @@ class StoreJob:
 class ConnectorMeta(ConnectorMetadataBase):
     loads: tuple[LoadJob, ...] = ()
     stores: tuple[StoreJob, ...] = ()
+    # most tokens any request computes this step (0: unknown). Longer than a uniform decode
+    # query means a mixed batch, which vLLM never replays as one full CUDA graph.
+    longest_query: int = 0
 
 
 @dataclass(frozen=True)

@@ -631,7 +631,12 @@ class OffloadScheduler:
                 if st.load_job is None and st.answer is not None:
                     self._release(st.answer.pins)
                     st.answer = None
-        meta = ConnectorMeta(loads=tuple(self._loads_out), stores=tuple(self._stores_out))
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        meta = ConnectorMeta(
+            loads=tuple(self._loads_out),
+            stores=tuple(self._stores_out),
+            longest_query=max(scheduled.values(), default=0),
+        )
         self._loads_out, self._stores_out = [], []
         return meta
 

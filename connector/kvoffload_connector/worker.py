@@ -93,9 +93,11 @@ class OffloadWorker:
         self._failed_blocks: set[int] = set()
         self._failed_layered_blocks: set[int] = set()
         self._layered_step = False  # a layered load was submitted for this step's forward
-        # A forward replayed as one CUDA graph skips wait_for_layer_load: there the compute
+        # A forward replayed as one full CUDA graph skips wait_for_layer_load: there the compute
         # stream waits for the whole layered load once, before the forward (still no host wait).
-        self._wait_whole_step = compat.full_cudagraphs(vllm_config)
+        self._full_graphs = compat.full_graph_batches(vllm_config)
+        self._uniform_query = compat.uniform_query_tokens(vllm_config)
+        self._wait_whole_step = False
         self._stats: dict[str, float] = {}
         self.spec = None
 
@@ -239,8 +241,19 @@ class OffloadWorker:
                 log.warning("kvoffload: load job %d rejected: %s", job.job_id, e)
                 self._jobs.pop(job.job_id, None)
                 self._fail_load(job.job_id, job.req_id, blocks, job.layered)
-        if self._layered_step and self._wait_whole_step:
+        self._wait_whole_step = self._layered_step and self._may_replay_full_graph(meta)
+        if self._wait_whole_step:
             self.engine.wait_all_layers()
+
+    def _may_replay_full_graph(self, meta: ConnectorMeta) -> bool:
+        """Whether this step's forward may run as one full CUDA graph (no per-layer hooks). A
+        request computing more tokens than a uniform decode makes the batch mixed, and mixed
+        batches run piecewise or eager where only uniform batches get full graphs."""
+        if self._full_graphs == "none":
+            return False
+        if self._full_graphs == "uniform":
+            return not meta.longest_query > self._uniform_query
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Called per layer in every forward: one flag test unless this step loads layered."""

@@ -631,3 +631,11 @@ def test_config_defaults_and_unknown_keys_warn(caplog):
     assert parse_extra_config({}, 1024).chunk_tokens == 1024  # never below one block
     assert parse_extra_config({"chunk_size": "64"}, 32).chunk_tokens == 64
     assert "typo_key" in caplog.text
+
+
+def test_metadata_names_the_steps_longest_query():
+    """The worker needs it to tell a mixed batch (never one full CUDA graph) from a decode one."""
+    s, _, _, _ = make()
+    assert s.build_connector_meta(SchedOut({"a": 1, "b": 300, "c": 17})).longest_query == 300
+    assert s.build_connector_meta(SchedOut({"a": 1, "b": 1})).longest_query == 1
+    assert s.build_connector_meta(SchedOut({})).longest_query == 0

