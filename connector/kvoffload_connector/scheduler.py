@@ -631,11 +631,14 @@ class OffloadScheduler:
                 if st.load_job is None and st.answer is not None:
                     self._release(st.answer.pins)
                     st.answer = None
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        # the worker reads longest_query only in a step that loads (a pass over the batch)
+        scheduled = (
+            getattr(scheduler_output, "num_scheduled_tokens", None) if self._loads_out else None
+        )
         meta = ConnectorMeta(
             loads=tuple(self._loads_out),
             stores=tuple(self._stores_out),
-            longest_query=max(scheduled.values(), default=0),
+            longest_query=max(scheduled.values(), default=0) if scheduled else 0,
         )
         self._loads_out, self._stores_out = [], []
         return meta

@@ -633,9 +633,14 @@ def test_config_defaults_and_unknown_keys_warn(caplog):
     assert "typo_key" in caplog.text
 
 
-def test_metadata_names_the_steps_longest_query():
-    """The worker needs it to tell a mixed batch (never one full CUDA graph) from a decode one."""
-    s, _, _, _ = make()
-    assert s.build_connector_meta(SchedOut({"a": 1, "b": 300, "c": 17})).longest_query == 300
-    assert s.build_connector_meta(SchedOut({"a": 1, "b": 1})).longest_query == 1
-    assert s.build_connector_meta(SchedOut({})).longest_query == 0
+def test_metadata_names_the_steps_longest_query_when_it_loads():
+    """The worker needs it to tell a mixed batch (never one full CUDA graph) from a decode one;
+    only in a step that loads (others: 0, no pass over the batch)."""
+    s, fake, bp, _ = make(load="layered")
+    assert s.build_connector_meta(SchedOut({"a": 1, "b": 300})).longest_query == 0  # no load
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert ask(s, req) == (256, False)
+    s.update_state_after_alloc(req, KVBlocks((bp.allocate(19),)), 256)
+    meta = s.build_connector_meta(SchedOut({"a": 1, "r": 300 - 256, "c": 17}))
+    assert len(meta.loads) == 1 and meta.longest_query == 44
