@@ -4,8 +4,9 @@
 - ``mutate-pods``: the admission webhook (`admission.admit_pod`, the CLI's code path);
 - reconcile on create/update/resume: rollouts (template hash) + status;
 - timer: status refresh (matched/injected pods, sidecar readiness).
-No delete handler: deleting a policy leaves running pods alone; the index drops it, so
-injection stops. (The timer makes kopf hold a finalizer while the operator runs: uninstall
+No delete handler: deleting a policy leaves running pods alone; the index drops it as
+soon as the policy is marked for deletion (not when its finalizer is released), so injection
+stops at once. (The timer makes kopf hold a finalizer while the operator runs: uninstall
 policies before the operator, see the chart's NOTES.)
 """
 
@@ -104,6 +105,8 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
     @kopf.index(*POLICIES, id="policy_index", registry=registry)
     def policy_index(body: Any, namespace: str, logger: Any, **_: Any) -> dict[str, Policy]:
+        if body.get("metadata", {}).get("deletionTimestamp"):
+            return {}  # being deleted: new pods must not get it while kopf releases it
         try:
             return {namespace: policy_from_resource(body)}
         except PolicyError as exc:

@@ -188,8 +188,16 @@ async def test_conflicting_policies_get_a_condition(kmock: Any, tmp_path: Path) 
         assert gold["status"] == "False"
 
 
-async def test_deleting_a_policy_stops_injection_and_keeps_pods(kmock: Any, tmp_path: Path) -> None:
-    put(kmock, POLICIES, policy("cache"))
+@pytest.mark.parametrize("held", [False, True], ids=["released", "held-by-another-finalizer"])
+async def test_deleting_a_policy_stops_injection_and_keeps_pods(
+    kmock: Any, tmp_path: Path, held: bool
+) -> None:
+    """Injection stops once the policy is marked for deletion, even while another controller's
+    finalizer keeps the object (and without waiting for kopf to release its own)."""
+    doomed = policy("cache")
+    if held:
+        doomed["metadata"]["finalizers"] = ["audit.example.com/hold"]
+    put(kmock, POLICIES, doomed)
     running = put(
         kmock, PODS, pod("ready", {"app": "vllm"}, injected_by="cache", sidecar_ready=True)
     )
@@ -221,5 +229,7 @@ async def test_deleting_a_policy_stops_injection_and_keeps_pods(kmock: Any, tmp_
             return not await injects()
 
         await eventually(stopped)
+        if held:  # still stored, marked for deletion: the webhook ignores it anyway
+            assert current(kmock, POLICIES, "cache")["metadata"]["deletionTimestamp"]
         assert current(kmock, PODS, "ready")["metadata"] == running["metadata"]
         assert current(kmock, PODS, "ready")["spec"] == running["spec"]
