@@ -39,7 +39,7 @@ def _describe(config: SidecarConfig) -> str:
     return (
         f"pool {format_bytes(config.pool_size)} in {config.pool_dir} (eviction {config.eviction}, "
         f"hugepages {config.hugepages}, numa {numa}, namespaces {config.max_namespaces}, "
-        f"client timeout {config.client_timeout_s:g}s)"
+        f"client timeout {config.client_timeout_s:g}s, detach grace {config.detach_grace_s:g}s)"
     )
 
 

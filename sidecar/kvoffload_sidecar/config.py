@@ -59,6 +59,8 @@ class SidecarConfig:
     """Equal pool partitions, one per namespace (model/layout); 1 suits one engine per pod."""
     client_timeout_s: float = 60.0
     """Seconds after which a client with no session and no call is reaped (pins released)."""
+    detach_grace_s: float = 2.0
+    """Seconds a client's pins and reservations outlive its last session (in-flight copies)."""
     log_level: str = "INFO"
     """Python logging level name."""
     drain_grace_s: float = 5.0
@@ -66,8 +68,12 @@ class SidecarConfig:
 
     @property
     def reap_interval_s(self) -> float:
-        """How often idle clients are reaped: a quarter of the timeout, between 0.1 s and 10 s."""
-        return min(10.0, max(0.1, self.client_timeout_s / 4))
+        """How often clients are reaped: a quarter of the idle timeout or half the detach grace
+        (whichever is shorter), between 0.1 s and 10 s."""
+        period = self.client_timeout_s / 4
+        if self.detach_grace_s > 0:
+            period = min(period, self.detach_grace_s / 2)
+        return min(10.0, max(0.1, period))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -107,6 +113,10 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("--max-namespaces", "pool partitions, one per namespace (default 1)"),
     _Flag(
         "--client-timeout", "seconds before an idle client without a session is reaped (default 60)"
+    ),
+    _Flag(
+        "--detach-grace",
+        "seconds a client's pins and reservations outlive its last session (default 2; 0: none)",
     ),
     _Flag("--log-level", "DEBUG, INFO (default), WARNING, ERROR"),
 )
@@ -192,6 +202,16 @@ def _parse_seconds(text: str) -> float:
     return value
 
 
+def _parse_grace(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value <= 3600:
+        raise ValueError(f"{text!r} must be between 0 and 3600 seconds")
+    return value
+
+
 def _parse_choice(choices: Sequence[str], *, upper: bool = False) -> Callable[[str], str]:
     def parse(text: str) -> str:
         value = text.strip().upper() if upper else text.strip().lower()
@@ -213,9 +233,10 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "numa_node": _parse_int(0),
     "max_namespaces": _parse_int(1),
     "client_timeout": _parse_seconds,
+    "detach_grace": _parse_grace,
     "log_level": _parse_choice(LOG_LEVELS, upper=True),
 }
-_FIELD_OF = {"client_timeout": "client_timeout_s"}
+_FIELD_OF = {"client_timeout": "client_timeout_s", "detach_grace": "detach_grace_s"}
 
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> SidecarConfig:

@@ -80,6 +80,9 @@ class PoolSettings:
     max_namespaces: int = 1  # equal partitions, one namespace each
     prefault_chunk_bytes: int = 64 << 20  # bytes touched per lock-free step of the pre-fault
     client_timeout_s: float = 60.0  # clients with no session and no call for this long are reaped
+    # A client whose last session ended keeps its pins and open store reservations this long:
+    # copies its engine still had in flight on those slots cannot race their next owner.
+    detach_grace_s: float = 2.0
     prefault: bool = True  # False: sparse file, every slot ready at once. TEST/BENCH ONLY.
 
 
@@ -185,6 +188,7 @@ class _Client:
     namespace_id: NamespaceId
     last_seen: float
     sessions: int = 0
+    detached_at: float | None = None  # its last session ended then: reaped after the grace
     pins: set[int] = field(default_factory=set)
     stores: set[int] = field(default_factory=set)
 
@@ -247,6 +251,8 @@ class Pool:
             raise ValueError(f"max_namespaces must be in 1..1024, got {s.max_namespaces!r}")
         if not s.client_timeout_s > 0:
             raise ValueError(f"client_timeout_s must be > 0, got {s.client_timeout_s!r}")
+        if not s.detach_grace_s >= 0:
+            raise ValueError(f"detach_grace_s must be >= 0, got {s.detach_grace_s!r}")
         resolve_policy(s.eviction)  # ValueError naming the choices
         self.settings = s
         self._clock = clock
@@ -484,18 +490,25 @@ class Pool:
             client = self._client(client_id)
             client.sessions += 1
             client.last_seen = self._clock()
+            client.detached_at = None
 
     def detach(self, client_id: int) -> None:
-        """A session ended. When it was the client's last one: release its pins, abort its open
-        store reservations, forget it (NotFound if unknown)."""
+        """A session ended. When it was the client's last one: after `detach_grace_s` (at once
+        when 0) release its pins, abort its open store reservations, forget it (NotFound if
+        unknown). The grace covers copies its engine may still have in flight on those slots
+        (a session also ends when the client gives up on a silent sidecar)."""
         with self._lock:
             client = self._client(client_id)
             client.sessions = max(0, client.sessions - 1)
             if client.sessions == 0:
-                self._forget_client(client)
+                if self.settings.detach_grace_s > 0:
+                    client.detached_at = self._clock()
+                else:
+                    self._forget_client(client)
 
     def reap_idle_clients(self) -> int:
-        """Forget clients with no session and no call for `client_timeout_s`; returns how many."""
+        """Forget clients detached for `detach_grace_s`, or with no session and no call for
+        `client_timeout_s`; returns how many."""
         with self._lock:
             now = self._clock()
             idle = [c for c in self._clients.values() if not self._is_live(c, now)]
@@ -505,7 +518,11 @@ class Pool:
             return len(idle)
 
     def _is_live(self, client: _Client, now: float) -> bool:
-        return client.sessions > 0 or now - client.last_seen < self.settings.client_timeout_s
+        if client.sessions > 0:
+            return True
+        if client.detached_at is not None:
+            return now - client.detached_at < self.settings.detach_grace_s
+        return now - client.last_seen < self.settings.client_timeout_s
 
     def _forget_client(self, client: _Client) -> None:
         ns = self._namespaces[client.namespace_id]

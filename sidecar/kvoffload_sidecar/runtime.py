@@ -29,6 +29,7 @@ def pool_settings(config: SidecarConfig) -> PoolSettings:
         numa_node=config.numa_node,
         max_namespaces=config.max_namespaces,
         client_timeout_s=config.client_timeout_s,
+        detach_grace_s=config.detach_grace_s,
     )
 
 

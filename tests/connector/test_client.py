@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 
 import pytest
@@ -115,6 +117,60 @@ def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar):
     assert c.connected and c.registrations == 2
     assert c.registration.generation != first.generation  # a new pool: workers re-map
     assert c.lookup([keys(1)]) == [0]
+    c.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sidecar):
+    """The caller reads its own answers; the watchdog ends an exchange at its deadline."""
+    c = PoolClient(
+        sidecar.socket, "test/w", rpc_timeout_s=0.3, reconnect_min_s=0.05, reconnect_max_s=0.2
+    )
+    reg = c.register(SPEC, 1, 8192)
+    res = c.reserve_store(keys(1))
+    c.commit_store(reg.namespace_id, res.store_id, 0)
+    sidecar.proc.send_signal(signal.SIGSTOP)  # alive but silent (a stuck process)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PoolUnavailable, match="no answer within 300 ms"):
+            c.lookup([keys(1)])
+        waited = time.monotonic() - t0
+        assert 0.3 <= waited < 1.0, waited
+        assert not c.connected  # that session is given up...
+        with pytest.raises(PoolUnavailable):
+            c.reserve_load(keys(1))  # ...at once, no second deadline
+    finally:
+        sidecar.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while not c.ensure() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.registrations == 2 and c.lookup([keys(1)]) == [1]  # same pool: the block is there
+    c.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_calls_from_several_threads_each_get_their_own_answer(sidecar):
+    c = PoolClient(sidecar.socket, "test/w", rpc_timeout_s=5)
+    reg = c.register(SPEC, 1, 8192)
+    res = c.reserve_store(keys(*range(1, 9)))
+    c.commit_store(reg.namespace_id, res.store_id, 0)
+    errors: list[BaseException] = []
+
+    def hammer(n: int) -> None:
+        try:
+            for _ in range(200):
+                assert c.lookup([keys(*range(1, n + 1)), keys(99)]) == [n, 0]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=hammer, args=(n,)) for n in (1, 4, 8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
     c.close()
 
 

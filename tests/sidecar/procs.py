@@ -191,7 +191,8 @@ def sidecar_process(
 
 
 class ServerThread:
-    """The real server and Pool in this process, on their own event loop thread."""
+    """The real server and Pool in this process, on their own event loop thread (with the
+    runtime's client reaper, which releases detached clients after their grace)."""
 
     def __init__(self, config: Any) -> None:
         from kvoffload_sidecar.pool import Pool
@@ -200,6 +201,7 @@ class ServerThread:
         self.config = config
         self.pool = Pool(pool_settings(config))
         self.sidecar: Any = None
+        self._reaper: Any = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvoffload-server", daemon=True
@@ -213,6 +215,7 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     def __enter__(self) -> ServerThread:
+        from kvoffload_sidecar.runtime import reap_forever
         from kvoffload_sidecar.server import create_server
 
         self.pool.start()
@@ -221,6 +224,7 @@ class ServerThread:
         async def build() -> Any:
             sidecar = create_server(self.config, self.pool)
             await sidecar.start()
+            self._reaper = asyncio.create_task(reap_forever(self.pool, self.config.reap_interval_s))
             return sidecar
 
         self.sidecar = self.call(build())
@@ -231,6 +235,8 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         try:
+            if self._reaper is not None:
+                self._loop.call_soon_threadsafe(self._reaper.cancel)
             if self.sidecar is not None:
                 self.drain()
         finally:
@@ -247,6 +253,7 @@ def server_config(pool_dir: Path, sock_dir: Path, **overrides: Any) -> Any:
         "pool_size": 16 << 20,
         "pool_dir": pool_dir,
         "socket": sock_dir / "pool.sock",
+        "detach_grace_s": 0.2,  # released soon after a session ends (tests wait for it)
     }
     fields.update(overrides)
     return SidecarConfig(**fields)

@@ -80,6 +80,8 @@ def test_flags_parse_into_a_frozen_config(tmp_path: Path) -> None:
         "3",
         "--client-timeout",
         "2.5",
+        "--detach-grace",
+        "0",
         "--log-level",
         "debug",
     ]
@@ -94,6 +96,7 @@ def test_flags_parse_into_a_frozen_config(tmp_path: Path) -> None:
         numa_node=0,
         max_namespaces=3,
         client_timeout_s=2.5,
+        detach_grace_s=0.0,
         log_level="DEBUG",
     )
     with pytest.raises(AttributeError):
@@ -134,6 +137,8 @@ def test_environment_fills_in_and_flags_win(tmp_path: Path) -> None:
         (["--numa-node", "-1"], {}, "--numa-node"),
         (["--max-namespaces", "0"], {}, "--max-namespaces"),
         (["--client-timeout", "nan"], {}, "--client-timeout"),
+        (["--detach-grace", "-1"], {}, "--detach-grace"),
+        ([], {"KVOFFLOAD_DETACH_GRACE": "soon"}, "'soon' is not a number of seconds"),
         (["--listen", "9090"], {}, "not HOST:PORT"),
         (["--metrics-listen", "host:99999"], {}, "out of range"),
         (["--log-level", "chatty"], {}, "--log-level"),
@@ -237,3 +242,20 @@ def test_main_sidecar_exits_2_with_one_line(
     assert err.count("\n") == 1
     assert err.startswith("kvoffload sidecar: error: ")
     assert expected in err
+
+
+@pytest.mark.parametrize(
+    ("timeout", "grace", "period"),
+    [(60.0, 2.0, 1.0), (60.0, 0.0, 10.0), (2.0, 30.0, 0.5), (60.0, 0.05, 0.1)],
+)
+def test_reaping_keeps_up_with_the_detach_grace(
+    tmp_path: Path, timeout: float, grace: float, period: float
+) -> None:
+    config = SidecarConfig(
+        pool_size=1 << 20,
+        pool_dir=tmp_path,
+        socket=tmp_path / "s.sock",
+        client_timeout_s=timeout,
+        detach_grace_s=grace,
+    )
+    assert config.reap_interval_s == period

@@ -208,7 +208,9 @@ class Fuzzer:
 def server(tmp_path: Path) -> Iterator[ServerThread]:
     with (
         socket_dir() as sock_dir,
-        ServerThread(server_config(tmp_path, sock_dir, max_namespaces=2)) as srv,
+        # no detach grace: a session's end frees its client at once, so the run does not
+        # depend on the reaper's timing (the grace has its own tests in test_pool/test_server)
+        ServerThread(server_config(tmp_path, sock_dir, max_namespaces=2, detach_grace_s=0)) as srv,
     ):
         yield srv
 

@@ -224,7 +224,12 @@ def test_abort_frees_the_reservation(pool, reg):
 # -- clients -----------------------------------------------------------------------------------
 
 
-def test_detach_releases_pins_and_aborts_open_stores(pool, reg, small_spec):
+@pytest.mark.parametrize("grace", [0.0, 2.0])
+def test_detach_releases_pins_and_aborts_open_stores_after_the_grace(
+    make_pool, small_spec, clock, grace
+):
+    pool = make_pool(clock=clock, detach_grace_s=grace)
+    reg = pool.register(small_spec(), 1, 1 * MiB, "engine-0/scheduler")
     ns = reg.namespace_id
     other = pool.register(small_spec(), 1, 1 * MiB, "engine-0/rank-0")
     store(pool, reg, 1, 2)
@@ -234,6 +239,13 @@ def test_detach_releases_pins_and_aborts_open_stores(pool, reg, small_spec):
     pool.reserve_store(ns, reg.client_id, pack(3, 4))
     assert (ns_stats(pool, reg).pinned_slots, ns_stats(pool, reg).reserved_slots) == (2, 2)
     pool.detach(reg.client_id)  # the session stream ended: the engine is gone
+    if grace:  # its copies may still be in flight: nothing is handed out yet
+        clock.advance(grace - 0.01)
+        assert pool.reap_idle_clients() == 0
+        stats = ns_stats(pool, reg)
+        assert (stats.pinned_slots, stats.reserved_slots) == (2, 2)
+        clock.advance(0.01)
+        assert pool.reap_idle_clients() == 1
     stats = ns_stats(pool, reg)
     assert (stats.pinned_slots, stats.reserved_slots, stats.committed_slots) == (1, 0, 2)
     with pytest.raises(NotFound, match="unknown client"):
@@ -241,6 +253,21 @@ def test_detach_releases_pins_and_aborts_open_stores(pool, reg, small_spec):
     with pytest.raises(NotFound):
         pool.detach(reg.client_id)
     assert pool.release(ns, other.client_id, [kept.pin_id]) == 1
+    pool.check_invariants()
+
+
+def test_a_client_reattaching_within_the_grace_keeps_its_pins(make_pool, small_spec, clock):
+    pool = make_pool(clock=clock, detach_grace_s=2.0)
+    reg = pool.register(small_spec(), 1, 1 * MiB, "engine-0/rank-0")
+    store(pool, reg, 1)
+    pool.attach(reg.client_id)
+    pool.reserve_load(reg.namespace_id, reg.client_id, pack(1))
+    pool.detach(reg.client_id)
+    clock.advance(1.0)
+    pool.attach(reg.client_id)  # a new stream for the same client
+    clock.advance(5.0)
+    assert pool.reap_idle_clients() == 0
+    assert ns_stats(pool, reg).pinned_slots == 1
     pool.check_invariants()
 
 

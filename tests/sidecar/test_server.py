@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -318,6 +319,29 @@ def test_session_attach_order_errors_and_detach(server: ServerThread, client: Cl
     ns_stats = client.namespace_stats()
     assert (ns_stats.pinned_slots, ns_stats.reserved_slots, ns_stats.committed_slots) == (0, 0, 3)
     server.pool.check_invariants()
+
+
+def test_an_ended_session_keeps_its_pins_for_the_detach_grace(tmp_path: Path) -> None:
+    """The engine may still be copying from its pinned slots when its stream ends."""
+    grace = 1.5
+    with (
+        socket_dir() as sock_dir,
+        ServerThread(server_config(tmp_path, sock_dir, detach_grace_s=grace)) as srv,
+        Client(srv.target) as c,
+    ):
+        wait_ready(c)
+        reg = c.register()
+        c.store(keys(1, 2))
+        session = Session(c)
+        session.send(attach=pb.AttachRequest(client_id=reg.client_id))
+        load = pb.ReserveLoadRequest(namespace_id=reg.namespace_id, keys=keys(1, 2))
+        session.send(reserve_load=load)
+        session.cancel()
+        ended = time.monotonic()
+        time.sleep(grace / 3)
+        assert c.namespace_stats().pinned_slots == 2  # within the grace: still held
+        _wait_for(lambda: c.namespace_stats().pinned_slots == 0, timeout=grace + 5)
+        assert time.monotonic() - ended >= grace - 0.05
 
 
 def test_session_cancelled_by_client_releases_pins(client: Client) -> None:
