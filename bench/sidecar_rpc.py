@@ -14,7 +14,8 @@ stream driven exactly like the Session. Its calls alternate with the sidecar's, 
 both see the same load; each row shows the floor and the sidecar's cost above it.
 Prints a table and writes JSON (`--out`, default bench/results/sidecar_rpc.json).
 
-    python bench/sidecar_rpc.py [--calls 2000] [--pool-dir /dev/shm] [--out PATH] [--no-floor]
+    python bench/sidecar_rpc.py [--calls 2000] [--sizes 1,64,1024] [--pool-dir /dev/shm]
+                                [--out PATH] [--no-floor]
 """
 
 from __future__ import annotations
@@ -385,9 +386,12 @@ def _client_ops(client: PoolClient, committed: list[bytes], n: int) -> list[tupl
     return [("Lookup", c_lookup), ("ReserveStore", c_store), ("ReserveLoad", c_load)]
 
 
-def _connector_client(target: str) -> tuple[PoolClient, list[bytes]]:
-    """A registered `PoolClient` (the connector's) with max(SIZES) committed keys."""
-    client = PoolClient(target.removeprefix("unix:"), "bench/client", rpc_timeout_s=5)
+def connector_client(
+    target: str, client_class: type[PoolClient] = PoolClient
+) -> tuple[PoolClient, list[bytes]]:
+    """A registered `PoolClient` (the connector's) with max(SIZES) committed keys (the same
+    keys in the same namespace on every call: a second client finds them committed)."""
+    client = client_class(target.removeprefix("unix:"), "bench/client", rpc_timeout_s=5)
     spec = build_spec(
         model="bench-client",
         dtype="bfloat16",
@@ -401,7 +405,8 @@ def _connector_client(target: str) -> tuple[PoolClient, list[bytes]]:
     reg = client.register(spec, 1, SLOT_BYTES)
     committed = [make_key(i.to_bytes(32, "big"), 0) for i in range(max(SIZES))]
     res = client.reserve_store(committed)
-    client.commit_store(reg.namespace_id, res.store_id, 0)
+    if res.store_id:
+        client.commit_store(reg.namespace_id, res.store_id, 0)
     return client, committed
 
 
@@ -427,7 +432,11 @@ def _row(
 
 
 def run(
-    target: str, calls: int, warmup: int, echo_target: str | None = None
+    target: str,
+    calls: int,
+    warmup: int,
+    echo_target: str | None = None,
+    sizes: tuple[int, ...] = SIZES,
 ) -> list[dict[str, Any]]:
     channel = grpc.insecure_channel(target)
     stub = pb_grpc.KVPoolStub(channel)
@@ -458,10 +467,10 @@ def run(
         pb.CommitStoreRequest(namespace_id=ns, store_id=res.store_id, rank=0), timeout=10
     )
     session = SessionCaller(stub, cid)
-    client, client_keys = _connector_client(target)
+    client, client_keys = connector_client(target)
     key_extra = len(client_keys[0]) - KEY_SIZE  # the client's keys carry the KV group too
     results = []
-    for n in SIZES:
+    for n in sizes:
         session_sizes = {}
         for op, mode, fn, sizes in _ops(stub, session, ns, cid, committed, n):
             floor = echo.op(mode, *sizes) if echo else None
@@ -530,19 +539,27 @@ def main() -> None:
     )
     parser.add_argument("--pool-size", default="256Mi")
     parser.add_argument(
+        "--sizes",
+        default=",".join(map(str, SIZES)),
+        help=f"keys per call, comma-separated, each at most {max(SIZES)} (default %(default)s)",
+    )
+    parser.add_argument(
         "--no-floor", action="store_true", help="skip the empty-echo floor measured alongside"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sidecar_rpc.json")
     ns = parser.parse_args()
+    sizes = tuple(int(x) for x in ns.sizes.split(","))
+    if not all(1 <= n <= max(SIZES) for n in sizes):
+        parser.error(f"--sizes: each must be in 1..{max(SIZES)}")
     pool_dir = ns.pool_dir or Path(tempfile.mkdtemp(prefix="kvo-bench-pool-"))
     pool_dir = Path(tempfile.mkdtemp(prefix="kvo-bench-pool-", dir=pool_dir))
     try:
         with sidecar(pool_dir, ns.pool_size) as target:
             if ns.no_floor:
-                results = run(target, ns.calls, ns.warmup)
+                results = run(target, ns.calls, ns.warmup, sizes=sizes)
             else:
                 with echo_server() as echo_target:
-                    results = run(target, ns.calls, ns.warmup, echo_target)
+                    results = run(target, ns.calls, ns.warmup, echo_target, sizes)
     finally:
         shutil.rmtree(pool_dir, ignore_errors=True)
     print(_table(results))

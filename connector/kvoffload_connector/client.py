@@ -95,8 +95,8 @@ class _Session:
 
     One exchange (a call, or a pipelined batch of calls) holds the stream at a time and its
     caller reads the answers straight off the stream: no reader thread hands them over, which
-    saves a thread wake-up per call (30-40 µs at p50 on a 2-core VM, more at p99; see
-    docs/BENCHMARKS.md, "Sidecar RPC"). The sidecar answers a session in order, so
+    saves a thread wake-up per call (8-19 µs at p50, 17-28 µs at p99 on a 2-core VM,
+    `bench/client_ab.py`). The sidecar answers a session in order, so
     serialising exchanges costs no latency. A watchdog thread enforces deadlines: an exchange
     that outlives its deadline cancels the stream (a sidecar silent for a whole deadline is
     treated as gone: the caller gets `PoolUnavailable` and `ensure()` re-registers; the
