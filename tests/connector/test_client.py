@@ -130,6 +130,7 @@ def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sideca
     reg = c.register(SPEC, 1, 8192)
     res = c.reserve_store(keys(1))
     c.commit_store(reg.namespace_id, res.store_id, 0)
+    time.sleep(1.3)  # no call for over a second: the watchdog sleeps until the next one
     sidecar.proc.send_signal(signal.SIGSTOP)  # alive but silent (a stuck process)
     try:
         t0 = time.monotonic()
