@@ -2,7 +2,11 @@
 # One GPU-machine run: environment facts, the GPU transfer tests, then bench/transfer.py.
 # Run from the repository root with the machine's python3 (no .venv there):
 #   bash bench/gpu_check.sh [env|tests|bench|all] [extra args for bench/transfer.py]
-# Writes env.txt, tests.txt, bench.txt and transfer.json under $OUT (default ./out/gpu).
+#   bash bench/gpu_check.sh rpc [extra args for bench/sidecar_rpc.py]   # the sidecar's RPC
+#     round trips on the GPU host (absolute times count there); carry .gpu/whl (grpcio 1.85.1,
+#     protobuf 7.36.2 for the stubs, grpcio-health-checking), installed into /tmp/site first.
+# Writes env.txt, tests.txt, bench.txt and transfer.json (rpc: rpc.txt and sidecar_rpc.json)
+# under $OUT (default ./out/gpu).
 set -uo pipefail
 mode=${1:-all}
 shift || true
@@ -10,6 +14,15 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=connector:sidecar:protos/gen:cli PYTHONUNBUFFERED=1
 rc=0
+if [[ $mode == rpc ]] && ls .gpu/whl/*.whl >/dev/null 2>&1; then
+  mkdir -p /tmp/site
+  if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/whl/*.whl; then
+    export PYTHONPATH=/tmp/site:$PWD/connector:$PWD/sidecar:$PWD/protos/gen:$PWD/cli
+  else
+    echo "the wheels in .gpu/whl do not fit this python: using its own grpcio and protobuf"
+  fi
+fi
 
 {
   date -u
@@ -31,6 +44,11 @@ fi
 
 if [[ $mode == bench || $mode == all ]]; then
   timeout 300 python3 bench/transfer.py --out "$OUT/transfer.json" "$@" 2>&1 | tee "$OUT/bench.txt" | tail -40
+  rc=$((rc | PIPESTATUS[0]))
+fi
+if [[ $mode == rpc ]]; then
+  timeout 420 python3 bench/sidecar_rpc.py --out "$OUT/sidecar_rpc.json" "$@" 2>&1 |
+    tee "$OUT/rpc.txt" | tail -32
   rc=$((rc | PIPESTATUS[0]))
 fi
 exit $rc
