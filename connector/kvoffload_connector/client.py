@@ -5,7 +5,8 @@ deadline or raises `PoolUnavailable`; callers treat that as a cache miss (or a
 dropped store) and carry on. After `register` the client keeps one channel and
 one `Session` stream open (the stream owns this client's pins and
 reservations: if this process dies the sidecar releases them). When the
-stream breaks, `ensure()` re-registers with the same arguments, at most once
+stream breaks, or the sidecar stays silent past a call's deadline (the client
+then drops the stream itself), `ensure()` re-registers with the same arguments, at most once
 per backoff period (doubling from `reconnect_min` to `reconnect_max`), on a
 fresh channel so gRPC's own reconnect backoff never delays recovery.
 """
