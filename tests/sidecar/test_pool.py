@@ -256,6 +256,24 @@ def test_detach_releases_pins_and_aborts_open_stores_after_the_grace(
     pool.check_invariants()
 
 
+def test_a_store_committed_within_the_grace_stays(make_pool, small_spec, clock):
+    """The scheduler's session may drop while a worker still writes its reservation: the
+    worker's commit inside the grace makes the blocks visible and the reap leaves them."""
+    pool = make_pool(clock=clock, detach_grace_s=2.0)
+    scheduler = pool.register(small_spec(), 1, 1 * MiB, "engine-0/scheduler")
+    ns = scheduler.namespace_id
+    pool.attach(scheduler.client_id)
+    res = pool.reserve_store(ns, scheduler.client_id, pack(1, 2))
+    pool.detach(scheduler.client_id)
+    clock.advance(1.0)
+    assert pool.commit_store(ns, res.store_id, 0) is True  # the worker, by store id
+    clock.advance(1.0)
+    assert pool.reap_idle_clients() == 1
+    assert hits(pool, scheduler, 1, 2) == 2
+    assert ns_stats(pool, scheduler).reserved_slots == 0
+    pool.check_invariants()
+
+
 def test_a_client_reattaching_within_the_grace_keeps_its_pins(make_pool, small_spec, clock):
     pool = make_pool(clock=clock, detach_grace_s=2.0)
     reg = pool.register(small_spec(), 1, 1 * MiB, "engine-0/rank-0")
