@@ -26,6 +26,8 @@
 #                   CUDA graphs on (FULL_AND_PIECEWISE): kvo-layer, offloading, simple
 #        graphs-ab  Llama-3-8B 0%-hit decode with CUDA graphs on, none and kvo-layer interleaved
 #        graphs-hot the hotpath cProfile and a profiled 0%-hit decode with CUDA graphs on
+#        graphs-mt  Llama-3-8B multi-turn with CUDA graphs on: kvo-layer, offloading
+#        graphs-hybrid  the Gemma-3-12B hybrid 32K pool hit with CUDA graphs on: kvo-layer, offloading
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
@@ -206,6 +208,15 @@ case $phase in
     drive llama3-8b-graphs-hot llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \
       --sections hotpath,decode --sizes 2000 --dec-reps 2 --config-budget-s ${CFG_BUDGET:-150} \
       --cuda-graphs --profile
+    ;;
+  graphs-mt)  # multi-turn with CUDA graphs on (FULL_AND_PIECEWISE)
+    drive llama3-8b-graphs-mt llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading}" \
+      --sections multiturn --sizes 2000 --config-budget-s ${CFG_BUDGET:-200} --cuda-graphs --profile
+    ;;
+  graphs-hybrid)  # the Gemma-3-12B hybrid 32K pool hit with CUDA graphs on
+    drive gemma3-12b-graphs gemma3-12b-hybrid $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading}" \
+      --sections ttft --sizes 32000 --reps 3 --config-budget-s ${CFG_BUDGET:-190} --gpu-blocks 14000 \
+      --fillers 2 --cuda-graphs
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \
