@@ -33,7 +33,14 @@ CLIENT_PATH = "connector/kvoffload_connector/client.py"
 
 def client_at(ref: str, workdir: Path) -> ModuleType:
     """`client.py` as of git `ref`, imported as its own module."""
-    source = subprocess.check_output(["git", "show", f"{ref}:{CLIENT_PATH}"], cwd=ROOT)
+    try:
+        source = subprocess.check_output(
+            ["git", "show", f"{ref}:{CLIENT_PATH}"], cwd=ROOT, stderr=subprocess.PIPE
+        )
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(
+            f"--ref {ref}: no {CLIENT_PATH} there ({e.stderr.decode().strip()})"
+        ) from None
     path = workdir / "client_at_ref.py"
     path.write_bytes(source)
     spec = importlib.util.spec_from_file_location("client_at_ref", path)

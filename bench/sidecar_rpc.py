@@ -548,7 +548,10 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sidecar_rpc.json")
     ns = parser.parse_args()
-    sizes = tuple(int(x) for x in ns.sizes.split(","))
+    try:
+        sizes = tuple(int(x) for x in ns.sizes.split(","))
+    except ValueError:
+        parser.error(f"--sizes: comma-separated integers, got {ns.sizes!r}")
     if not all(1 <= n <= max(SIZES) for n in sizes):
         parser.error(f"--sizes: each must be in 1..{max(SIZES)}")
     pool_dir = ns.pool_dir or Path(tempfile.mkdtemp(prefix="kvo-bench-pool-"))
