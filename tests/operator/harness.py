@@ -1,6 +1,10 @@
 """Run the real operator (kopf, our handlers, its HTTPS admission server) in-process against the
 kmock API emulator, and talk AdmissionReview v1 to it over real TLS.
 
+kopf runs on its own event loop in its own thread (kopf's documented embedding): kmock serves on
+the test's loop, and a kopf that is slow to stop (or never does) cannot hang the test loop's
+teardown; the test still fails when the operator does not stop in time.
+
 kmock fidelity limits (k8s-conventions.md §5): no validation/defaulting, PATCH is a dict merge,
 ``resourceVersion`` never changes, label selectors are ignored by LIST (the operator filters
 again itself). Tests therefore assert final state, not call counts.
@@ -15,6 +19,7 @@ import copy
 import json
 import socket
 import ssl
+import threading
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator
@@ -142,33 +147,51 @@ async def running_operator(kmock: Any, tmp_path: Path, **overrides: Any) -> Asyn
     memo = kopf.Memo(config=config, metrics=metrics, api=api)
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False  # kmock has no events resource worth asserting on
-    stop = asyncio.Event()
-    task = asyncio.create_task(
-        kopf.operator(
-            registry=registry,
-            settings=settings,
-            memo=memo,
-            clusterwide=True,
-            standalone=True,
-            stop_flag=stop,
-        )
-    )
+    stop = threading.Event()
+    failure: list[BaseException] = []
+
+    def run_kopf() -> None:
+        try:
+            asyncio.run(
+                kopf.operator(
+                    registry=registry,
+                    settings=settings,
+                    memo=memo,
+                    clusterwide=True,
+                    standalone=True,
+                    stop_flag=stop,
+                )
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failure.append(exc)
+
+    thread = threading.Thread(target=run_kopf, name="kopf-operator", daemon=True)
+    thread.start()
     try:
         if config.webhook_port:
-            await _wait_for_port(config.webhook_port, task)
+            await _wait_for_port(config.webhook_port, thread, failure)
         yield Running(config, metrics, tmp_path / "certs" / "ca.crt", api)
     finally:
         stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=15)
+        await asyncio.to_thread(thread.join, STOP_TIMEOUT_S)
+    if thread.is_alive():  # left behind as a daemon thread; the test loop stays clean
+        raise AssertionError(f"the operator did not stop within {STOP_TIMEOUT_S} s")
+    if failure and not isinstance(failure[0], asyncio.CancelledError):
+        raise failure[0]
 
 
-async def _wait_for_port(port: int, task: asyncio.Task[Any], timeout: float = 20.0) -> None:
+STOP_TIMEOUT_S = 30.0
+
+
+async def _wait_for_port(
+    port: int, thread: threading.Thread, failure: list[BaseException], timeout: float = 20.0
+) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while loop.time() < deadline:
-        if task.done():
-            task.result()
+        if not thread.is_alive():
+            if failure:
+                raise failure[0]
             raise AssertionError("the operator exited before serving")
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", port)
