@@ -40,6 +40,8 @@
 # blocks (measured: 12.82 GiB at 1 MiB a block; gemma3-12b: --gpu-blocks 14000).
 # Environment: E2E_CONFIGS (llama phase's configurations), POOL_GIB (sidecar pool, default 48; 32
 # for smoke), CPU_GIB (vLLM connectors' cpu_bytes_to_use in GiB, default 48).
+# SIZES: the graphs phase's TTFT prompt lengths (default 2000,10000,32000).
+# CLOCKS=1: sample the GPU's SM clock and power every 0.5 s into $OUT/clocks.csv.
 # ROUNDS, CFG_BUDGET: decode-ab's interleaved rounds (3) and seconds per configuration (75).
 # RPC_BENCH=1: first run bench/sidecar_rpc.py on this host (its own sidecar; JSON in $OUT).
 # BUDGET_S: wall seconds for everything after the unpack (default 540: a call is at most 600).
@@ -89,6 +91,10 @@ if [[ ${RPC_BENCH:-0} == 1 ]]; then
     --out "$OUT/sidecar_rpc_host.json" 2>&1 | tail -20
 fi
 
+if [[ ${CLOCKS:-0} == 1 ]]; then
+  timeout "$budget" nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv -lms 500 >"$OUT/clocks.csv" 2>&1 &
+fi
 pool_dir=/dev/shm/kvo-e2e
 rm -rf "$pool_dir" && mkdir -p "$pool_dir"
 pool_gib=${POOL_GIB:-$([[ $phase == smoke ]] && echo 32 || echo 48)}
@@ -197,7 +203,8 @@ case $phase in
       tail -3 "$OUT/tests_gpu.txt"
     fi
     drive llama3-8b-graphs llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading,simple}" \
-      --sections ttft --reps 3 --config-budget-s ${CFG_BUDGET:-110} --cuda-graphs --profile
+      --sections ttft --sizes ${SIZES:-2000,10000,32000} --reps 3 --config-budget-s ${CFG_BUDGET:-110} \
+      --cuda-graphs --profile
     ;;
   graphs-ab)
     drive llama3-8b-graphs-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \

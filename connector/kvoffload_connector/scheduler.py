@@ -209,14 +209,36 @@ class OffloadScheduler:
                 if not self._usable() and not self._may_wait_for_registration():
                     return 0, False
                 st.queued = True
-                self._lookup_queue.append(st)
                 self.stats.queried_tokens += request.num_tokens - num_computed_tokens
-            return None, False
+                if self._may_look_up_inline(req_id):
+                    self._look_up_inline(st)
+                else:
+                    self._lookup_queue.append(st)
+            if st.answer is None:
+                return None, False
         hit_end = min(st.answer.hit_chunks * self.chunk_tokens, cap)
         st.hit_end = hit_end
         if hit_end <= num_computed_tokens:
             return 0, False
         return hit_end - num_computed_tokens, self.cfg.load_mode is LoadMode.ASYNC
+
+    def _may_look_up_inline(self, req_id: str) -> bool:
+        """Only a request alone in the engine (no other unfinished request) asks inline: the
+        round trip then delays nobody, and a burst still batches (the second one queues)."""
+        return (
+            self.cfg.inline_lookup
+            and self._usable()
+            and not self._lookup_queue
+            and len(self._reqs) == 1
+            and req_id in self._reqs
+        )
+
+    def _look_up_inline(self, st: _Req) -> None:
+        """The lookup and its pins in this scheduling call (deadline: `lookup_timeout_ms`), so
+        a lone request's hit is scheduled now, not after two empty engine steps."""
+        self._lookups_in_flight += 1
+        self._lookup_rpc([(st.req_id, self._request_keys(st.request))])
+        self._drain()
 
     def _usable(self) -> bool:
         """Connected, and every rank has its pool mapped and device-registered."""

@@ -214,10 +214,20 @@ class SchedOut:
     preempted_req_ids: set[str] = field(default_factory=set)
 
 
-def make(mode="eager", world=1, groups=1, pool=None, nblocks=64, windows=None, load="async"):
+def make(
+    mode="eager", world=1, groups=1, pool=None, nblocks=64, windows=None, load="async", inline=False
+):
+    """A scheduler on a fake pool; lookups batch in the background unless `inline`."""
     fake = pool or FakePool()
     cfg = parse_extra_config(
-        {"chunk_size": CHUNK, "mode": mode, "register_wait_ms": 0, "load_mode": load}, BS
+        {
+            "chunk_size": CHUNK,
+            "mode": mode,
+            "register_wait_ms": 0,
+            "load_mode": load,
+            "inline_lookup": inline,
+        },
+        BS,
     )
     s = OffloadScheduler(
         cfg, block_size=BS, num_groups=groups, world_size=world, client=fake, windows=windows
@@ -292,6 +302,46 @@ def test_load_of_unaligned_start_uses_positions_inside_the_chunk():
     settle(s)
     assert all(b.ref_cnt == 1 for b in blocks[1:8])
     assert fake.pins == {}  # released after the load
+
+
+def test_a_lone_request_is_answered_and_pinned_in_the_call_that_first_sees_it():
+    s, fake, *_ = make(load="layered", inline=True)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert s.get_num_new_matched_tokens(req, 0) == (256, False)
+    assert fake.calls == ["lookup", "reserve_load_many"]
+    assert sum(len(p) for p in fake.pins.values()) == 4  # the hit is pinned until loaded
+    assert s.get_num_new_matched_tokens(req, 0) == (256, False)  # no second round trip
+    assert fake.calls == ["lookup", "reserve_load_many"]
+
+
+def test_with_another_request_in_the_engine_the_lookup_goes_to_the_background():
+    s, fake, *_ = make(inline=True)
+    running, new = Request("a", list(range(300))), Request("b", list(range(1000, 1300)))
+    commit_prompt(fake, new, 4)
+    assert s.get_num_new_matched_tokens(running, 0) == (0, False)  # alone: answered inline
+    assert s.get_num_new_matched_tokens(new, 0) == (None, False)  # company: queued
+    assert fake.calls.count("lookup") == 1
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert s.get_num_new_matched_tokens(new, 0) == (256, True)
+    s.request_finished(running, ([],))
+    s.request_finished(new, ([],))
+    alone = Request("c", list(range(300)))
+    assert s.get_num_new_matched_tokens(alone, 0) == (0, False)  # alone again: inline
+
+
+def test_an_inline_lookup_that_fails_is_a_miss_in_the_same_call():
+    s, fake, *_ = make(inline=True)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+
+    def lookup(queries, timeout_s=None):
+        raise PoolUnavailable("no answer within 200 ms")
+
+    fake.lookup = lookup  # type: ignore[method-assign]
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not s.has_pending_work()
 
 
 def test_layered_load_runs_the_request_in_the_same_step():
@@ -584,6 +634,8 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
         {"store_ctas": 0},
         {"store_ctas": 9},
         {"store_ctas": "two"},
+        {"inline_lookup": "sometimes"},
+        {"store_decode": 2},
     ],
 )
 def test_bad_config_names_the_key(bad):
