@@ -3,9 +3,10 @@
 Starts the sidecar as a subprocess, registers one namespace, commits 1,024 keys, then times
 Lookup, ReserveStore (each undone by an untimed AbortStore) and ReserveLoad (each undone by an
 untimed Release) with 1, 64 and 1,024 keys: as unary calls, inside one Session stream driven
-by a bare loop ("session"), and through the connector's own `PoolClient` ("client": its session
-object, deadlines and key packing included, in a second namespace). The target is judged on
-"client", what the connector pays.
+by a bare loop ("session"), and through the connector's own `PoolClient` (its session object,
+deadlines and key packing included, in a second namespace): on the gRPC Session stream
+("client") and on the sidecar's framed session socket ("framed", what the connector uses when
+the sidecar offers it). The target is judged on what the connector pays: "framed".
 
 The floor of the same transport is measured in the same run: an empty bytes-echo server (a
 grpc.aio subprocess on a Unix socket, no pool work, no protobuf) answers a request of the same
@@ -387,11 +388,12 @@ def _client_ops(client: PoolClient, committed: list[bytes], n: int) -> list[tupl
 
 
 def connector_client(
-    target: str, client_class: type[PoolClient] = PoolClient
+    target: str, client_class: type[PoolClient] = PoolClient, **options: Any
 ) -> tuple[PoolClient, list[bytes]]:
     """A registered `PoolClient` (the connector's) with max(SIZES) committed keys (the same
-    keys in the same namespace on every call: a second client finds them committed)."""
-    client = client_class(target.removeprefix("unix:"), "bench/client", rpc_timeout_s=5)
+    keys in the same namespace on every call: a second client finds them committed).
+    `options` go to the constructor (e.g. framed=False)."""
+    client = client_class(target.removeprefix("unix:"), "bench/client", rpc_timeout_s=5, **options)
     spec = build_spec(
         model="bench-client",
         dtype="bfloat16",
@@ -467,7 +469,12 @@ def run(
         pb.CommitStoreRequest(namespace_id=ns, store_id=res.store_id, rank=0), timeout=10
     )
     session = SessionCaller(stub, cid)
-    client, client_keys = connector_client(target)
+    clients = {  # the connector's client on the gRPC Session stream, then on the framed socket
+        "client": connector_client(target, framed=False),
+        "framed": connector_client(target, framed=True),
+    }
+    assert clients["framed"][0].transport == "framed", "the sidecar offered no framed socket"
+    client_keys = clients["client"][1]
     key_extra = len(client_keys[0]) - KEY_SIZE  # the client's keys carry the KV group too
     results = []
     for n in sizes:
@@ -478,13 +485,15 @@ def run(
             results.append(_row(op, mode, n, samples, floor_samples, sizes))
             if mode == "session":
                 session_sizes[op] = sizes
-        for op, fn in _client_ops(client, client_keys, n):
-            req_bytes, reply_bytes = session_sizes[op]
-            sizes = (req_bytes + n * key_extra, reply_bytes)  # same reply as the bare session
-            floor = echo.op("session", *sizes) if echo else None
-            samples, floor_samples = _time(calls, warmup, fn, floor)
-            results.append(_row(op, "client", n, samples, floor_samples, sizes))
-    client.close()
+        for mode, (client, keys) in clients.items():
+            for op, fn in _client_ops(client, keys, n):
+                req_bytes, reply_bytes = session_sizes[op]
+                sizes = (req_bytes + n * key_extra, reply_bytes)  # same reply as the bare session
+                floor = echo.op("session", *sizes) if echo else None
+                samples, floor_samples = _time(calls, warmup, fn, floor)
+                results.append(_row(op, mode, n, samples, floor_samples, sizes))
+    for client, _ in clients.values():
+        client.close()
     session.close()
     channel.close()
     if echo is not None and echo_channel is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 import grpc
 from kvoffload.v1 import pool_pb2, pool_pb2_grpc
 
+from kvoffload_connector.errors import PoolUnavailable
+from kvoffload_connector.framed import FramedSession
 from kvoffload_connector.keys import SpecFields, pack, unpack_slots
 
 log = logging.getLogger(__name__)
@@ -32,10 +35,6 @@ log = logging.getLogger(__name__)
 
 # Register runs once per (re)connection and never on a step: give a busy sidecar time.
 REGISTER_TIMEOUT_S = 5.0
-
-
-class PoolUnavailable(Exception):
-    """The sidecar did not answer (down, slow, or refused): a miss for the caller."""
 
 
 def _slots(packed: bytes) -> list[int]:
@@ -250,15 +249,18 @@ class PoolClient:
         rpc_timeout_s: float = 1.0,
         reconnect_min_s: float = 0.1,
         reconnect_max_s: float = 5.0,
+        framed: bool = True,
     ):
         self.socket_path = socket_path
+        self.framed = framed  # use the sidecar's framed socket for the session when offered
+        self.transport = ""  # "framed" or "grpc": what the live session runs on
         self.client_name = client_name
         self.rpc_timeout_s = rpc_timeout_s
         self.backoff = Backoff(reconnect_min_s, reconnect_max_s)
         self._lock = threading.RLock()
         self._channel: grpc.Channel | None = None
         self._stub: pool_pb2_grpc.KVPoolStub | None = None
-        self._session: _Session | None = None
+        self._session: _Session | FramedSession | None = None
         self._register_args: tuple[SpecFields, int, int] | None = None
         self.registration: RegisterResult | None = None
         self.key_size = 0
@@ -314,9 +316,7 @@ class PoolClient:
                 ),
                 timeout=max(self.rpc_timeout_s, REGISTER_TIMEOUT_S),
             )
-            self._session = _Session(
-                stub, resp.client_id, max(self.rpc_timeout_s, REGISTER_TIMEOUT_S)
-            )
+            self._session = self._open_session(stub, resp)
         except (grpc.RpcError, PoolUnavailable) as e:
             self._close_channel()
             self.registration = None
@@ -339,6 +339,27 @@ class PoolClient:
             generation=resp.pool_generation,
         )
         return self.registration
+
+    def _open_session(
+        self, stub: pool_pb2_grpc.KVPoolStub, resp: pool_pb2.RegisterResponse
+    ) -> _Session | FramedSession:
+        """The framed socket when the sidecar offers it (and `framed`), else the gRPC stream."""
+        timeout_s = max(self.rpc_timeout_s, REGISTER_TIMEOUT_S)
+        name = resp.session_socket
+        if self.framed and name:
+            if os.path.basename(name) != name or name in (".", ".."):
+                log.warning("kvoffload: ignoring session socket %r (not a file name)", name)
+            else:
+                path = os.path.join(os.path.dirname(self.socket_path), name)
+                try:
+                    session = FramedSession(path, resp.client_id, timeout_s)
+                    self.transport = "framed"
+                    return session
+                except PoolUnavailable as e:
+                    log.info("kvoffload: framed session unavailable (%s): using gRPC", e)
+        session = _Session(stub, resp.client_id, timeout_s)
+        self.transport = "grpc"
+        return session
 
     @property
     def connected(self) -> bool:

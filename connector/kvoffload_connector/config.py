@@ -63,6 +63,9 @@ class ConnectorConfig:
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:
     # nothing else is running for the wait to delay. With company, lookups batch in background.
     inline_lookup: bool = True
+    # Session calls on the sidecar's framed socket (no gRPC per call) when the sidecar offers
+    # it; false keeps them on the gRPC Session stream.
+    framed_session: bool = True
     # SMs a store's gather kernel may hold beside the model (1-8). 2 stores at ~93-95% of PCIe
     # (10x the rate a prefill makes KV) and kept 0%-hit decode within 0.5% of no offloading on
     # an H100, where 8 (96-98% of PCIe) cost 2-3% (docs/BENCHMARKS.md, session 4).
@@ -154,7 +157,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
                 raise ValueError(
                     f"kv_connector_extra_config['store_ctas'] must be at most 8, got {value!r}"
                 )
-        elif key in ("store_decode", "inline_lookup"):
+        elif key in ("store_decode", "inline_lookup", "framed_session"):
             fields[key] = _bool(key, value)
         elif key == "client_name":
             fields[key] = _str(key, value)

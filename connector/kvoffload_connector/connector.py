@@ -71,6 +71,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 rpc_timeout_s=cfg.rpc_timeout_ms / 1e3,
                 reconnect_min_s=cfg.reconnect_min_ms / 1e3,
                 reconnect_max_s=cfg.reconnect_max_ms / 1e3,
+                framed=cfg.framed_session,
             )
             self._scheduler = OffloadScheduler(
                 cfg,

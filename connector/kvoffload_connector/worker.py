@@ -70,6 +70,7 @@ class OffloadWorker:
             rpc_timeout_s=cfg.rpc_timeout_ms / 1e3,
             reconnect_min_s=cfg.reconnect_min_ms / 1e3,
             reconnect_max_s=cfg.reconnect_max_ms / 1e3,
+            framed=cfg.framed_session,
         )
         self._rpc = RpcThread(f"kvoffload-rank{rank}-rpc")
         self.layout: CanonicalLayout | None = None

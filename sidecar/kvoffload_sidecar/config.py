@@ -27,6 +27,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
 POOL_FILE_NAME = "pool-0.shm"  # the Pool's file name (see docs/ARCHITECTURE.md, Contract 1)
 MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL on Linux
+FRAMED_SUFFIX = ".session"  # the framed session socket sits beside the gRPC one (frames.py)
 NUMA_ROOT = Path("/sys/devices/system/node")
 PROC_MOUNTS = Path("/proc/mounts")
 
@@ -61,6 +62,8 @@ class SidecarConfig:
     """Seconds after which a client with no session and no call is reaped (pins released)."""
     detach_grace_s: float = 2.0
     """Seconds a client's pins and reservations outlive its last session (in-flight copies)."""
+    framed_sessions: bool = True
+    """Also serve the Session protocol without gRPC on `<socket>.session` (frames.py)."""
     log_level: str = "INFO"
     """Python logging level name."""
     drain_grace_s: float = 5.0
@@ -117,6 +120,10 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag(
         "--detach-grace",
         "seconds a client's pins and reservations outlive its last session (default 2; 0: none)",
+    ),
+    _Flag(
+        "--framed-sessions",
+        "serve the connector's Session calls without gRPC on SOCKET.session: true (default), false",
     ),
     _Flag("--log-level", "DEBUG, INFO (default), WARNING, ERROR"),
 )
@@ -230,6 +237,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "metrics_listen": _parse_host_port,
     "eviction": _parse_choice(EVICTION_POLICIES),
     "hugepages": _parse_bool,
+    "framed_sessions": _parse_bool,
     "numa_node": _parse_int(0),
     "max_namespaces": _parse_int(1),
     "client_timeout": _parse_seconds,
@@ -324,6 +332,18 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
             raise _error(flag["socket"], where, f"{str(sock)!r} exists and is not a socket")
         if _socket_is_live(sock):
             raise _error(flag["socket"], where, f"another process is serving on {str(sock)!r}")
+
+    if config.framed_sessions:
+        framed = sock.with_name(sock.name + FRAMED_SUFFIX)
+        if len(os.fsencode(framed)) > MAX_UNIX_PATH:
+            raise _error(
+                flag["socket"],
+                where,
+                f"{str(framed)!r} (the framed session socket beside it) is longer than "
+                f"{MAX_UNIX_PATH} bytes: shorten the path or set --framed-sessions false",
+            )
+        if framed.exists() and stat.S_ISSOCK(framed.lstat().st_mode) and _socket_is_live(framed):
+            raise _error(flag["socket"], where, f"another process is serving on {str(framed)!r}")
 
     if config.numa_node is not None and not (NUMA_ROOT / f"node{config.numa_node}").is_dir():
         raise _error(

@@ -34,6 +34,7 @@ from kvoffload_sidecar.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvoffload_sidecar.frames import FramedSessions, socket_path_for
 from kvoffload_sidecar.metrics import SidecarMetrics, package_version
 from kvoffload_sidecar.pool import Pool
 
@@ -88,6 +89,9 @@ def _safe_deserializer(message_type: Any) -> Callable[[bytes], Any]:
     return deserialize
 
 
+_parse_session_request = _safe_deserializer(pb.SessionRequest)
+
+
 def add_servicer(servicer: pb_grpc.KVPoolServicer, server: grpc.aio.Server) -> None:
     """Like the generated `add_KVPoolServicer_to_server`, with undecodable requests tolerated."""
     handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -137,13 +141,15 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             "commit_store": ("Session/CommitStore", self._commit_store),
             "abort_store": ("Session/AbortStore", self._abort_store),
         }
-        self.open_sessions = 0
+        self.open_sessions = 0  # gRPC Session streams and framed connections
+        self.session_socket_name = ""  # the framed socket's file name, told to registrants
 
     # -- handlers: one per method, shared by unary calls and the Session stream ------------------
 
     def _register(self, req: pb.RegisterRequest, _session: int, out: pb.RegisterResponse) -> None:
         spec, num_ranks, slot_bytes, name = convert.register_args(req)
         convert.registration_to_proto(self._pool.register(spec, num_ranks, slot_bytes, name), out)
+        out.session_socket = self.session_socket_name
 
     def _lookup(self, req: pb.LookupRequest, _session: int, out: pb.LookupResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)
@@ -260,29 +266,43 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             first = await context.read()
             if first is grpc.aio.EOF:
                 return
-            client_id, reply = self._attach(first)
+            client_id, reply = self.attach_session(first)
             await context.write(reply)  # client_id is set first: a failed write still detaches
             if not client_id:
                 return  # the error went back in-stream; the stream ends
-            calls, flush = self._session_calls, self._pool.flush_deferred
+            call, flush = self.session_call, self.flush_deferred
             while True:
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     return
-                await context.write(self._session_call(request, client_id, calls))
+                await context.write(call(request, client_id))
                 flush()  # bookkeeping the answer did not need (policy touches), after sending
         finally:
             self.open_sessions -= 1
-            if client_id:
-                try:
-                    self._pool.detach(client_id)
-                    log.debug("session of client %d ended: pins released", client_id)
-                except NotFound:
-                    pass  # already reaped or detached
-                except Exception:  # noqa: BLE001 - never let cleanup kill the server
-                    log.exception("detaching client %d failed", client_id)
+            self.end_session(client_id)
 
-    def _attach(self, first: pb.SessionRequest) -> tuple[int, pb.SessionResponse]:
+    # -- the session protocol, shared by the gRPC stream and the framed socket (frames.py) -------
+
+    def parse_session_request(self, data: bytes) -> Any:
+        """A SessionRequest, or `Malformed` (answered INVALID_ARGUMENT by `session_call`)."""
+        return _parse_session_request(data)
+
+    def flush_deferred(self) -> None:
+        self._pool.flush_deferred()
+
+    def end_session(self, client_id: int) -> None:
+        """The session's transport ended: its client detaches (pins kept for the grace)."""
+        if not client_id:
+            return
+        try:
+            self._pool.detach(client_id)
+            log.debug("session of client %d ended: pins released", client_id)
+        except NotFound:
+            pass  # already reaped or detached
+        except Exception:  # noqa: BLE001 - never let cleanup kill the server
+            log.exception("detaching client %d failed", client_id)
+
+    def attach_session(self, first: pb.SessionRequest) -> tuple[int, pb.SessionResponse]:
         """(attached client id, reply), or (0, error reply) when the first message is no attach."""
         reply = pb.SessionResponse(seq=getattr(first, "seq", 0))
         start = perf_counter()
@@ -305,13 +325,12 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         reply.attach.SetInParent()
         return client_id, reply
 
-    def _session_call(
-        self, request: pb.SessionRequest, client_id: int, calls: dict[str, tuple[str, Handler]]
-    ) -> pb.SessionResponse:
+    def session_call(self, request: pb.SessionRequest, client_id: int) -> pb.SessionResponse:
+        """One in-session call answered; errors come back as a `SessionError`, never raised."""
         malformed = type(request) is Malformed
         reply = pb.SessionResponse(seq=0 if malformed else request.seq)
         kind = None if malformed else request.WhichOneof("call")
-        entry = calls.get(kind) if kind else None
+        entry = self._session_calls.get(kind) if kind else None
         start = perf_counter()
         try:
             if malformed:
@@ -366,6 +385,7 @@ class SidecarServer:
     socket_target: str
     tcp_server: grpc.aio.Server | None = None
     tcp_port: int | None = None
+    frames: FramedSessions | None = None
     _stopped: bool = field(default=False, repr=False)
 
     async def set_serving(self, serving: bool) -> None:
@@ -380,6 +400,9 @@ class SidecarServer:
     async def start(self) -> None:
         """Start serving; health turns SERVING once the socket accepts calls."""
         await self.server.start()
+        if self.frames is not None:
+            await self.frames.start()
+            self.servicer.session_socket_name = self.frames.path.name
         if self.tcp_server is not None:
             await self.tcp_server.start()
         await self.set_serving(True)
@@ -400,6 +423,8 @@ class SidecarServer:
         while self.servicer.open_sessions and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
         stops = [self.server.stop(FINAL_GRACE_S)]
+        if self.frames is not None:
+            stops.append(self.frames.stop(FINAL_GRACE_S))
         if self.tcp_server is not None:
             stops.append(self.tcp_server.stop(FINAL_GRACE_S))
         await asyncio.gather(*stops)
@@ -424,6 +449,8 @@ def create_server(
     target = f"unix:{sock}"
     server.add_insecure_port(target)
     built = SidecarServer(server, pool, servicer, health_servicer, metrics, target)
+    if config.framed_sessions:
+        built.frames = FramedSessions(servicer, socket_path_for(sock), MAX_MESSAGE_BYTES)
     if config.listen:
         tcp = _new_server()
         add_servicer(StatsOnlyServicer(servicer), tcp)

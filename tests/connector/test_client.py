@@ -23,6 +23,12 @@ SPEC = build_spec(
 )
 
 
+@pytest.fixture(params=[True, False], ids=["framed", "grpc"])
+def framed(request) -> bool:
+    """Each client test runs on the framed session socket and on the gRPC Session stream."""
+    return request.param
+
+
 @pytest.fixture
 def sidecar():
     sc = SidecarProcess(pool_size="16Mi")
@@ -37,9 +43,10 @@ def keys(*ints: int) -> list[bytes]:
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_store_commit_lookup_pin_release(sidecar):
-    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2)
+def test_store_commit_lookup_pin_release(sidecar, framed):
+    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
     reg = c.register(SPEC, 1, 8192)
+    assert c.transport == ("framed" if framed else "grpc")
     assert reg.regions[0].slot_bytes == 8192 and reg.generation
     assert c.lookup([keys(1, 2, 3)]) == [0]
     res = c.reserve_store(keys(1, 2, 3))
@@ -59,8 +66,8 @@ def test_store_commit_lookup_pin_release(sidecar):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_reserve_load_many_pins_each_list_in_one_pipelined_round(sidecar):
-    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2)
+def test_reserve_load_many_pins_each_list_in_one_pipelined_round(sidecar, framed):
+    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
     reg = c.register(SPEC, 1, 8192)
     res = c.reserve_store(keys(1, 2, 3, 4))
     c.commit_store(reg.namespace_id, res.store_id, 0)
@@ -80,8 +87,8 @@ def test_reserve_load_many_pins_each_list_in_one_pipelined_round(sidecar):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_session_end_releases_pins(sidecar):
-    owner = PoolClient(sidecar.socket, "test/a")
+def test_session_end_releases_pins(sidecar, framed):
+    owner = PoolClient(sidecar.socket, "test/a", framed=framed)
     reg = owner.register(SPEC, 1, 8192)
     res = owner.reserve_store(keys(5))
     owner.commit_store(reg.namespace_id, res.store_id, 0)
@@ -96,9 +103,14 @@ def test_session_end_releases_pins(sidecar):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar):
+def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar, framed):
     c = PoolClient(
-        sidecar.socket, "test/w", rpc_timeout_s=1, reconnect_min_s=0.05, reconnect_max_s=0.2
+        sidecar.socket,
+        "test/w",
+        rpc_timeout_s=1,
+        reconnect_min_s=0.05,
+        reconnect_max_s=0.2,
+        framed=framed,
     )
     first = c.register(SPEC, 1, 8192)
     sidecar.kill()
@@ -122,10 +134,15 @@ def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sidecar):
+def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sidecar, framed):
     """The caller reads its own answers; the watchdog ends an exchange at its deadline."""
     c = PoolClient(
-        sidecar.socket, "test/w", rpc_timeout_s=0.3, reconnect_min_s=0.05, reconnect_max_s=0.2
+        sidecar.socket,
+        "test/w",
+        rpc_timeout_s=0.3,
+        reconnect_min_s=0.05,
+        reconnect_max_s=0.2,
+        framed=framed,
     )
     reg = c.register(SPEC, 1, 8192)
     res = c.reserve_store(keys(1))
@@ -152,8 +169,8 @@ def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sideca
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
-def test_calls_from_several_threads_each_get_their_own_answer(sidecar):
-    c = PoolClient(sidecar.socket, "test/w", rpc_timeout_s=5)
+def test_calls_from_several_threads_each_get_their_own_answer(sidecar, framed):
+    c = PoolClient(sidecar.socket, "test/w", rpc_timeout_s=5, framed=framed)
     reg = c.register(SPEC, 1, 8192)
     res = c.reserve_store(keys(*range(1, 9)))
     c.commit_store(reg.namespace_id, res.store_id, 0)

@@ -635,6 +635,7 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
         {"store_ctas": 9},
         {"store_ctas": "two"},
         {"inline_lookup": "sometimes"},
+        {"framed_session": "grpc"},
         {"store_decode": 2},
     ],
 )

@@ -385,6 +385,62 @@ class Session:
         self._responses.cancel()
 
 
+class FramedSession:
+    """The Session protocol on the sidecar's framed socket, written here from the contract
+    (4-byte little-endian length + message), independent of the connector's client."""
+
+    def __init__(self, path: Path | str, timeout: float = 10.0) -> None:
+        import socket
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self._seq = 0
+
+    def send_raw(self, payload: bytes, length: int | None = None) -> None:
+        size = len(payload) if length is None else length
+        self.sock.sendall(struct.pack("<I", size) + payload)
+
+    def read(self) -> pb.SessionResponse | None:
+        """The next answer; None when the sidecar closed the connection."""
+        header = self._exactly(4)
+        if header is None:
+            return None
+        body = self._exactly(struct.unpack("<I", header)[0])
+        assert body is not None, "connection closed inside a frame"
+        return pb.SessionResponse.FromString(body)
+
+    def _exactly(self, n: int) -> bytes | None:
+        data = b""
+        while len(data) < n:
+            try:
+                chunk = self.sock.recv(n - len(data))
+            except ConnectionResetError:  # closed by the peer with our bytes still unread
+                chunk = b""
+            if not chunk:
+                assert not data, "connection closed inside a frame"
+                return None
+            data += chunk
+        return data
+
+    def send(self, **call: Any) -> pb.SessionResponse:
+        self._seq += 1
+        self.send_raw(pb.SessionRequest(seq=self._seq, **call).SerializeToString())
+        resp = self.read()
+        assert resp is not None, "the sidecar closed the framed session"
+        assert resp.seq == self._seq, (resp.seq, self._seq)
+        return resp
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def cancel(self) -> None:
+        """Like a dropped connection: half a frame, then gone."""
+        with contextlib.suppress(OSError):
+            self.sock.sendall(struct.pack("<I", 100) + b"\x08")
+        self.sock.close()
+
+
 # -- client actions as separate processes ----------------------------------------------------
 
 

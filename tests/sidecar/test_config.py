@@ -219,6 +219,38 @@ def test_live_socket_is_refused_and_stale_one_accepted(tmp_path: Path) -> None:
     assert check_environment(_config(tmp_path), mounts_text=TMPFS_MOUNTS.format(dir=tmp_path)) == []
 
 
+def test_the_framed_socket_path_must_fit_too_or_be_turned_off(tmp_path: Path) -> None:
+    """`<socket>.session` is 8 bytes longer than the socket: a path that fits only without
+    the suffix is refused with the way out named."""
+    fits_alone = tmp_path / ("x" * (107 - len(os.fsencode(tmp_path)) - 3))
+    mounts = TMPFS_MOUNTS.format(dir=tmp_path)
+    with pytest.raises(ConfigError, match="--socket .*session.* --framed-sessions false"):
+        check_environment(_config(tmp_path, socket=fits_alone), mounts_text=mounts)
+    assert (
+        check_environment(
+            _config(tmp_path, socket=fits_alone, framed_sessions=False), mounts_text=mounts
+        )
+        == []
+    )
+    parsed = parse_config(
+        [
+            "--pool-size",
+            "1Gi",
+            "--pool-dir",
+            str(tmp_path),
+            "--socket",
+            "s",
+            "--framed-sessions",
+            "no",
+        ],
+        environ={},
+    )
+    assert parsed.framed_sessions is False
+    assert parse_config(
+        ["--pool-size", "1", "--pool-dir", "d", "--socket", "s"], {}
+    ).framed_sessions
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -1,7 +1,8 @@
 """Fuzz: >= 10,000 random and malformed calls against a real server; it stays up and consistent.
 
 Requests mix valid ids (so deep paths are reached: stores, commits, pins, evictions) with random
-bytes, wrong key lengths, unknown or zero ids, huge counts and random oneofs in Session streams.
+bytes, wrong key lengths, unknown or zero ids, huge counts and random oneofs in sessions (gRPC
+Session streams and the framed session socket), plus garbage and cut frames on the latter.
 Every answer must be OK or one of the documented codes, never UNKNOWN or INTERNAL, and the live
 Pool's invariants must hold afterwards (the server runs in-process for that check).
 """
@@ -16,7 +17,16 @@ from typing import Any
 import grpc
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
-from procs import Client, ServerThread, Session, server_config, socket_dir, spec, wait_ready
+from procs import (
+    Client,
+    FramedSession,
+    ServerThread,
+    Session,
+    server_config,
+    socket_dir,
+    spec,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
 
@@ -231,7 +241,8 @@ def test_fuzz_server_stays_up_and_consistent(server: ServerThread) -> None:
                 )
                 calls += 1
             if rng.random() < 0.04:
-                calls += _fuzz_session(client, fuzz, codes)
+                framed = server.config.socket.with_name(server.config.socket.name + ".session")
+                calls += _fuzz_session(client, fuzz, codes, framed)
                 continue
             method, request = fuzz.request()
             try:
@@ -263,10 +274,13 @@ def test_fuzz_server_stays_up_and_consistent(server: ServerThread) -> None:
         assert after.lookup() == []
 
 
-def _fuzz_session(client: Client, fuzz: Fuzzer, codes: dict[str, int]) -> int:
-    """One Session stream of random messages; returns the number of messages sent."""
+def _fuzz_session(client: Client, fuzz: Fuzzer, codes: dict[str, int], framed: Path) -> int:
+    """One session of random messages, on a gRPC Session stream or (half the time) on the
+    framed session socket; returns the number of messages sent."""
     rng = fuzz.rng
-    session = Session(client)
+    session: Session | FramedSession = (
+        FramedSession(framed) if rng.random() < 0.5 else Session(client)
+    )
     sent = 0
     try:
         if rng.random() < 0.8 and fuzz.pairs:
@@ -335,3 +349,42 @@ def test_undecodable_bytes_do_not_hurt_the_server(server: ServerThread) -> None:
     server.pool.check_invariants()
     with Client(server.target) as client:
         assert client.stats().pool_bytes == 16 << 20
+
+
+def test_garbage_frames_do_not_hurt_the_server(server: ServerThread) -> None:
+    """Random bytes, random lengths and cut frames on the framed socket: every answer is a
+    documented error, a bad length closes that connection only, the Pool stays consistent."""
+    rng = random.Random(SEED + 2)
+    framed = server.config.socket.with_name(server.config.socket.name + ".session")
+    with Client(server.target, timeout=20) as client:
+        wait_ready(client)
+        client.register(spec("tiny-llama"), slot_bytes=64 << 10)
+        answers = 0
+        for _ in range(200):
+            session = FramedSession(framed)
+            if rng.random() < 0.7:  # a fresh client: an ended session forgets its client at once
+                client.register(spec("tiny-llama"), slot_bytes=64 << 10)
+                attach = session.send(attach=pb.AttachRequest(client_id=client.client_id))
+                _check_session(attach, {})
+            for _ in range(rng.randint(1, 10)):
+                roll = rng.random()
+                if roll < 0.1:
+                    session.cancel()  # cut inside a frame
+                    break
+                try:
+                    if roll < 0.2:  # a length above the limit: the server closes the connection
+                        session.send_raw(b"", length=rng.randint(33 << 20, (1 << 32) - 1))
+                        assert session.read() is None
+                        break
+                    session.send_raw(rng.randbytes(rng.randint(0, 300)))
+                    resp = session.read()
+                except (BrokenPipeError, ConnectionResetError):
+                    break  # closed by the server after refusing a first frame that was no attach
+                if resp is None:
+                    break
+                _check_session(resp, {})
+                answers += 1
+            session.close()
+        assert answers > 100
+        server.pool.check_invariants()
+        client.register(spec("tiny-llama"), slot_bytes=64 << 10)  # still serving
