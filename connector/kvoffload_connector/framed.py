@@ -4,8 +4,8 @@ Same protocol and contract as the gRPC `Session` stream (`client._Session`): att
 answers in order, one exchange at a time; the connection owns this client's pins. Each
 message is a 4-byte little-endian length and a serialized `SessionRequest` / `SessionResponse`
 (kvoffload.v1, see `RegisterResponse.session_socket`). A blocking socket with a timeout per
-exchange enforces deadlines, so no watchdog thread is needed: a sidecar silent past a
-deadline is treated as gone (the connection is closed, so a late answer can never be read
+exchange enforces deadlines (no watchdog: a thread blocked in poll() only notices a hang-up
+between calls, as gRPC's done callback does): a sidecar silent past a deadline is treated as gone (the connection is closed, so a late answer can never be read
 as the next call's), the caller gets `PoolUnavailable`, and `PoolClient.ensure()` registers
 again. Measured against the gRPC stream in docs/BENCHMARKS.md ("Sidecar RPC").
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
+import select
 import socket
 import struct
 import threading
@@ -25,8 +27,12 @@ from kvoffload.v1 import pool_pb2
 
 from kvoffload_connector.errors import PoolUnavailable
 
+log = logging.getLogger(__name__)
+
 HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = 32 << 20  # the sidecar's message limit
+_HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR  # peer closed (Linux)
+_WATCH_MS = 500  # the watcher re-checks `close()` this often; a hang-up wakes it at once
 
 
 class FramedSession:
@@ -51,6 +57,29 @@ class FramedSession:
         if reply.WhichOneof("result") == "error":
             self.close()
             raise PoolUnavailable(f"attach refused: {reply.error.message}")
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="kvoffload-framed-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Notice the sidecar closing the connection between calls (it died or restarted), as
+        gRPC's done callback does for the stream: `alive` turns False at once, so callers
+        re-register before their next call instead of learning it from a failed one. Polls
+        for hang-up only (never reads), so it cannot race an exchange for the answers."""
+        poller = select.poll()
+        try:
+            poller.register(self._sock.fileno(), _HANGUP)
+        except (OSError, ValueError):
+            return
+        while self.alive and not self._closed.is_set():
+            try:
+                events = poller.poll(_WATCH_MS)
+            except OSError:
+                return
+            if any(ev & _HANGUP for _, ev in events):
+                if self.alive and not self._closed.is_set():
+                    log.info("kvoffload: the sidecar closed the framed session")
+                self.alive = False
+                return
 
     # -- transport ------------------------------------------------------------------
     @staticmethod
@@ -169,4 +198,7 @@ class FramedSession:
         ]
 
     def close(self) -> None:
+        closed = getattr(self, "_closed", None)
+        if closed is not None:
+            closed.set()
         self._fail()

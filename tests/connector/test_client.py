@@ -134,6 +134,27 @@ def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar, framed):
 
 @pytest.mark.process
 @pytest.mark.timeout(60)
+def test_a_dead_sidecar_is_noticed_without_a_call(sidecar, framed):
+    """A worker may make no call for a long time (stores of a stale pool generation fail
+    locally): the client must still see the session end, so `ensure()` re-registers."""
+    c = PoolClient(sidecar.socket, "test/w", reconnect_min_s=0.05, framed=framed)
+    c.register(SPEC, 1, 8192)
+    assert c.connected
+    sidecar.kill()
+    deadline = time.monotonic() + 5
+    while c.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not c.connected
+    sidecar.start()
+    deadline = time.monotonic() + 10
+    while not c.ensure() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert c.connected and c.registrations == 2
+    c.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
 def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sidecar, framed):
     """The caller reads its own answers; the watchdog ends an exchange at its deadline."""
     c = PoolClient(
