@@ -4,10 +4,11 @@ Same protocol and contract as the gRPC `Session` stream (`client._Session`): att
 answers in order, one exchange at a time; the connection owns this client's pins. Each
 message is a 4-byte little-endian length and a serialized `SessionRequest` / `SessionResponse`
 (kvoffload.v1, see `RegisterResponse.session_socket`). A blocking socket with a timeout per
-exchange enforces deadlines (no watchdog: a thread blocked in poll() only notices a hang-up
-between calls, as gRPC's done callback does): a sidecar silent past a deadline is treated as gone (the connection is closed, so a late answer can never be read
-as the next call's), the caller gets `PoolUnavailable`, and `PoolClient.ensure()` registers
-again. Measured against the gRPC stream in docs/BENCHMARKS.md ("Sidecar RPC").
+exchange enforces deadlines (no watchdog; a thread blocked in poll() only notices a hang-up
+between calls, as gRPC's done callback does). A sidecar silent past a deadline is treated as
+gone: the connection is closed (so a late answer can never be read as the next call's), the
+caller gets `PoolUnavailable`, and `PoolClient.ensure()` registers again. Measured against the
+gRPC stream in docs/BENCHMARKS.md ("Sidecar RPC").
 """
 
 from __future__ import annotations

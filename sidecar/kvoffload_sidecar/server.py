@@ -399,10 +399,10 @@ class SidecarServer:
 
     async def start(self) -> None:
         """Start serving; health turns SERVING once the socket accepts calls."""
-        await self.server.start()
-        if self.frames is not None:
+        if self.frames is not None:  # before gRPC: every Register answer names it
             await self.frames.start()
             self.servicer.session_socket_name = self.frames.path.name
+        await self.server.start()
         if self.tcp_server is not None:
             await self.tcp_server.start()
         await self.set_serving(True)
