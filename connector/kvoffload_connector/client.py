@@ -428,10 +428,15 @@ class PoolClient:
         return r.pin_id, _slots(r.slots)
 
     def reserve_load_many(
-        self, key_lists: Sequence[Sequence[bytes]]
+        self,
+        key_lists: Sequence[Sequence[bytes]],
+        *,
+        count_lookup: bool = False,
+        timeout_s: float | None = None,
     ) -> list[tuple[int, list[int]] | None]:
         """`reserve_load` for each key list, pipelined on the session: (pin id or 0, slots)
-        per list, None where that call failed (a miss)."""
+        per list, None where that call failed (a miss). `count_lookup`: the sidecar also counts
+        each as a lookup (a lookup and its pin in one round trip)."""
         ns, cid = self._ns()
         session = self._session
         if session is None or not session.alive:
@@ -439,13 +444,17 @@ class PoolClient:
         calls = [
             {
                 "reserve_load": pool_pb2.ReserveLoadRequest(
-                    namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
+                    namespace_id=ns,
+                    client_id=cid,
+                    keys=pack(keys, self.key_size),
+                    count_lookup=count_lookup,
                 )
             }
             for keys in key_lists
         ]
         out: list[tuple[int, list[int]] | None] = []
-        for r in session.call_many(self.rpc_timeout_s, calls):
+        deadline = self.rpc_timeout_s if timeout_s is None else timeout_s
+        for r in session.call_many(deadline, calls):
             if isinstance(r, PoolUnavailable):
                 out.append(None)
             else:

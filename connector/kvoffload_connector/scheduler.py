@@ -290,8 +290,10 @@ class OffloadScheduler:
         return max(0, first_token // self.chunk_tokens - 1)
 
     def _lookup_rpc(self, batch: list[tuple[str, list[list[PoolKey]]]]) -> None:
-        """Background: one Lookup for the whole batch, then pin every hit in one pipelined
-        round of ReserveLoads (one round trip for the batch, not one per request and group).
+        """Background (or inline for a lone request): the batch's hits, pinned. Full attention
+        only: one pipelined round of ReserveLoads that also count as lookups (`_pin_prefixes`).
+        With sliding-window groups: one Lookup for the whole batch, then every hit pinned in
+        one pipelined round of ReserveLoads.
 
         Full-attention groups need the whole prefix (prefix queries). A sliding-window group
         needs only the window before the hit's end, and keeps only that in the pool, so its
@@ -305,6 +307,12 @@ class OffloadScheduler:
             if not self.client.connected:
                 raise PoolUnavailable("not connected")
             generation = self.client.registration.generation if self.client.registration else ""
+            if not self.sliding:  # full attention only: look up and pin in one round trip
+                answers = self._pin_prefixes(batch, generation)
+                self._results.append(("lookup_seconds", time.perf_counter() - t0))
+                self._results.append(("lookup", answers))
+                self._answered.set()
+                return
             queries: list[list[PoolKey]] = []
             for _, per_group in batch:
                 for g, keys in enumerate(per_group):
@@ -332,6 +340,33 @@ class OffloadScheduler:
             answers += [(req_id, None) for req_id, _ in batch if req_id not in done]
         self._results.append(("lookup", answers))
         self._answered.set()
+
+    def _pin_prefixes(
+        self, batch: list[tuple[str, list[list[PoolKey]]]], generation: str
+    ) -> list[tuple[str, _Answer | None]]:
+        """Full-attention groups only: pin each request's longest committed prefix in every
+        group in one pipelined round (the sidecar counts each as a lookup too); the hit is the
+        shortest group's prefix. Half the round trips of a Lookup then a pin, and no eviction
+        can fall between them. Raises PoolUnavailable when the round fails as a whole."""
+        wanted = [keys for _, per_group in batch for keys in per_group]
+        got = iter(
+            self.client.reserve_load_many(
+                wanted, count_lookup=True, timeout_s=self.cfg.lookup_timeout_ms / 1e3
+            )
+        )
+        answers: list[tuple[str, _Answer | None]] = []
+        for req_id, per_group in batch:
+            res = [next(got) for _ in per_group]
+            pins = [r[0] for r in res if r is not None and r[0]]
+            hit = 0 if any(r is None for r in res) else min(len(r[1]) for r in res)  # type: ignore[index]
+            if hit <= 0:  # a miss (or a failed call): give back what was pinned
+                if pins:
+                    self._release_now(pins)
+                answers.append((req_id, None))
+                continue
+            slots: list[list[int | None]] = [list(r[1][:hit]) for r in res]  # type: ignore[index]
+            answers.append((req_id, _Answer(hit, pins, slots, generation)))
+        return answers
 
     def _hybrid_hit(self, full: int, present: dict[int, list[int]]) -> int:
         """Longest hit <= `full` chunks whose window is present in every sliding group."""

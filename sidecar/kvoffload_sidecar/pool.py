@@ -559,8 +559,11 @@ class Pool:
             ns.last_used = self._clock()
             return hits
 
-    def reserve_load(self, namespace_id: str, client_id: int, keys: bytes) -> LoadPin:
-        """Pin the longest committed prefix of `keys` for reading until `release`."""
+    def reserve_load(
+        self, namespace_id: str, client_id: int, keys: bytes, *, count_lookup: bool = False
+    ) -> LoadPin:
+        """Pin the longest committed prefix of `keys` for reading until `release`;
+        `count_lookup`: also count it as a lookup of `keys` (a lookup and pin in one call)."""
         with self._lock:
             self._check_serving()
             ns = self._namespace(namespace_id)
@@ -568,6 +571,12 @@ class Pool:
             key_list = split_keys(keys, ns.spec.key_size)
             pin_id = self._next_pin
             record = ns.index.pin_prefix(pin_id, client.client_id, key_list)
+            if count_lookup:
+                n = len(record.slots) if record is not None else 0
+                ns.counters.lookups += 1
+                ns.counters.hit_blocks += n
+                ns.counters.miss_blocks += n < len(key_list)
+                ns.last_used = self._clock()
             if record is None:
                 return LoadPin(0, ())
             self._next_pin += 1

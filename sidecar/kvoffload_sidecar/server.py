@@ -159,7 +159,8 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         self, req: pb.ReserveLoadRequest, session: int, out: pb.ReserveLoadResponse
     ) -> None:
         ns = convert.require_namespace(req.namespace_id)
-        pin = self._pool.reserve_load(ns, _client(req.client_id, session), req.keys)
+        client = _client(req.client_id, session)
+        pin = self._pool.reserve_load(ns, client, req.keys, count_lookup=req.count_lookup)
         convert.load_pin_to_proto(pin, out)
 
     def _release(self, req: pb.ReleaseRequest, session: int, out: pb.ReleaseResponse) -> None:

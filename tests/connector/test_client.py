@@ -80,8 +80,14 @@ def test_reserve_load_many_pins_each_list_in_one_pipelined_round(sidecar, framed
     assert got[3] is None  # a refused call fails alone (INVALID_ARGUMENT in-stream)...
     assert got[4] is not None and got[4][1] == [slot[4]]  # ...and the calls after it still answer
     assert sidecar.stats().namespaces[0].pinned_slots == 4
+    assert sidecar.stats().namespaces[0].lookups == 0  # plain pins are no lookups
     c.release([g[0] for g in got if g and g[0]])
     assert sidecar.stats().namespaces[0].pinned_slots == 0
+    # The connector's lookup-and-pin round: the sidecar counts each list as a lookup too.
+    both = c.reserve_load_many([keys(1, 2, 9), keys(9)], count_lookup=True)
+    ns = sidecar.stats().namespaces[0]
+    assert (ns.lookups, ns.hit_blocks, ns.miss_blocks) == (2, 2, 2)
+    c.release([g[0] for g in both if g and g[0]])
     c.close()
 
 

@@ -77,13 +77,16 @@ class FakePool:
             if k not in self.committed:
                 break
             slots.append(self.committed[k])
-        pin = len(self.pins) + 1
+        if not slots:  # the sidecar's contract: nothing pinned, pin id 0
+            return 0, []
+        pin = max(self.pins, default=0) + 1
         self.pins[pin] = slots
         return pin, slots
 
-    def reserve_load_many(self, key_lists):
-        """One pipelined round: the real client's contract (a pin per list, None if it failed)."""
-        self._check("reserve_load_many")
+    def reserve_load_many(self, key_lists, *, count_lookup=False, timeout_s=None):
+        """One pipelined round: the real client's contract (a pin per list, None if it failed).
+        Recorded as "lookup_pin" when the sidecar would count it as a lookup too."""
+        self._check("lookup_pin" if count_lookup else "reserve_load_many")
         return [self._pin(keys) for keys in key_lists]
 
     def release(self, pins):
@@ -265,14 +268,15 @@ def test_lookup_answers_none_then_batches_all_waiting_requests_in_one_rpc():
     # In flight: every waiting request gets None, nothing was sent yet.
     assert [s.get_num_new_matched_tokens(r, 0) for r in reqs] == [(None, False)] * 3
     assert fake.calls == []
-    s.build_connector_meta(SchedOut({}))  # end of the step: one batched lookup
+    s.build_connector_meta(SchedOut({}))  # end of the step: one batched lookup-and-pin round
     settle(s)
-    assert fake.calls.count("lookup") == 1
+    assert fake.calls == ["lookup_pin"]
     assert s.get_num_new_matched_tokens(reqs[0], 0) == (256, True)  # 4 chunks, async load
     assert s.get_num_new_matched_tokens(reqs[1], 0) == (0, False)
+    assert [len(p) for p in fake.pins.values()] == [4]  # misses hold no pins
     # Asking again is side-effect free: same answer, no new RPC.
     assert s.get_num_new_matched_tokens(reqs[0], 0) == (256, True)
-    assert fake.calls.count("lookup") == 1
+    assert fake.calls == ["lookup_pin"]
 
 
 def test_n_minus_1_rule_caps_a_full_prompt_hit():
@@ -309,10 +313,10 @@ def test_a_lone_request_is_answered_and_pinned_in_the_call_that_first_sees_it():
     req = Request("r", list(range(300)))
     commit_prompt(fake, req, 4)
     assert s.get_num_new_matched_tokens(req, 0) == (256, False)
-    assert fake.calls == ["lookup", "reserve_load_many"]
+    assert fake.calls == ["lookup_pin"]  # one round trip: looked up and pinned
     assert sum(len(p) for p in fake.pins.values()) == 4  # the hit is pinned until loaded
     assert s.get_num_new_matched_tokens(req, 0) == (256, False)  # no second round trip
-    assert fake.calls == ["lookup", "reserve_load_many"]
+    assert fake.calls == ["lookup_pin"]
 
 
 def test_with_another_request_in_the_engine_the_lookup_goes_to_the_background():
@@ -321,7 +325,7 @@ def test_with_another_request_in_the_engine_the_lookup_goes_to_the_background():
     commit_prompt(fake, new, 4)
     assert s.get_num_new_matched_tokens(running, 0) == (0, False)  # alone: answered inline
     assert s.get_num_new_matched_tokens(new, 0) == (None, False)  # company: queued
-    assert fake.calls.count("lookup") == 1
+    assert fake.calls == ["lookup_pin"]
     s.build_connector_meta(SchedOut({}))
     settle(s)
     assert s.get_num_new_matched_tokens(new, 0) == (256, True)
@@ -336,10 +340,10 @@ def test_an_inline_lookup_that_fails_is_a_miss_in_the_same_call():
     req = Request("r", list(range(300)))
     commit_prompt(fake, req, 4)
 
-    def lookup(queries, timeout_s=None):
+    def no_answer(*args, **kwargs):
         raise PoolUnavailable("no answer within 200 ms")
 
-    fake.lookup = lookup  # type: ignore[method-assign]
+    fake.lookup = fake.reserve_load_many = no_answer  # type: ignore[method-assign]
     assert s.get_num_new_matched_tokens(req, 0) == (0, False)
     assert not s.has_pending_work()
 
@@ -554,6 +558,9 @@ def test_hybrid_groups_hit_is_the_shortest_group_prefix():
     t0, t1 = job.transfers
     assert (t0.group, len(t0.gpu_blocks)) == (0, 4)
     assert (t1.group, len(t1.gpu_blocks)) == (1, 3)  # the null block is not loaded
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+    settle(s)
+    assert fake.pins == {}  # the longer group's pins (4 chunks for a 2-chunk hit) go back too
 
 
 def test_eager_skips_what_the_gpu_prefix_cache_already_held():

@@ -106,6 +106,23 @@ def test_lookup_returns_longest_committed_prefix(pool, reg):
     pool.check_invariants()
 
 
+def test_a_pin_that_counts_as_a_lookup_counts_like_one(pool, reg):
+    """ReserveLoad with count_lookup (the connector's lookup-and-pin in one round trip)
+    counts lookups, hits and misses exactly as Lookup does for the same keys."""
+    store(pool, reg, 1, 2, 3)
+    pool.attach(reg.client_id)
+    plain = pool.reserve_load(reg.namespace_id, reg.client_id, pack(1, 2))
+    assert (ns_stats(pool, reg).lookups, ns_stats(pool, reg).hit_blocks) == (0, 0)
+    hit = pool.reserve_load(reg.namespace_id, reg.client_id, pack(1, 2, 3, 4), count_lookup=True)
+    miss = pool.reserve_load(reg.namespace_id, reg.client_id, pack(4, 1), count_lookup=True)
+    assert len(hit.slots) == 3 and miss.pin_id == 0
+    ns = ns_stats(pool, reg)
+    assert (ns.lookups, ns.hit_blocks, ns.miss_blocks) == (2, 3, 2)
+    assert ns.loaded_blocks == 2 + 3
+    pool.release(reg.namespace_id, reg.client_id, [plain.pin_id, hit.pin_id])
+    pool.check_invariants()
+
+
 def test_store_is_visible_only_after_every_rank_committed(make_pool, small_spec, policy):
     pool = make_pool(eviction=policy)
     reg = pool.register(small_spec(tp_size=2), 2, 1 * MiB, "sched")

@@ -114,14 +114,16 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveLoadRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "keys")
+    __slots__ = ("namespace_id", "client_id", "keys", "count_lookup")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_id: int
     keys: bytes
-    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    count_lookup: bool
+    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., count_lookup: _Optional[bool] = ...) -> None: ...
 
 class ReserveLoadResponse(_message.Message):
     __slots__ = ("pin_id", "slots")
