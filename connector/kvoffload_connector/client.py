@@ -14,7 +14,6 @@ fresh channel so gRPC's own reconnect backoff never delays recovery.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import queue
@@ -29,6 +28,7 @@ from kvoffload.v1 import pool_pb2, pool_pb2_grpc
 from kvoffload_connector.errors import PoolUnavailable
 from kvoffload_connector.framed import FramedSession
 from kvoffload_connector.keys import SpecFields, pack, unpack_slots
+from kvoffload_connector.session import OrderedSession
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +90,17 @@ class Backoff:
         self._next = 0.0
 
 
-class _Session:
+class _Session(OrderedSession):
     """One bidirectional `Session` stream, read by the calling thread itself.
 
     One exchange (a call, or a pipelined batch of calls) holds the stream at a time and its
     caller reads the answers straight off the stream: no reader thread hands them over, which
     saves a thread wake-up per call (8-19 µs at p50, 17-28 µs at p99 on a 2-core VM,
-    `bench/client_ab.py`). The sidecar answers a session in order, so
-    serialising exchanges costs no latency. A watchdog thread enforces deadlines: an exchange
-    that outlives its deadline cancels the stream (a sidecar silent for a whole deadline is
-    treated as gone: the caller gets `PoolUnavailable` and `ensure()` re-registers; the
-    sidecar holds the ended session's pins and reservations for its detach grace, so copies
-    still in flight cannot race a new owner of those slots).
+    `bench/client_ab.py`). A watchdog thread enforces deadlines: an exchange that outlives its
+    deadline cancels the stream (a sidecar silent for a whole deadline is treated as gone: the
+    caller gets `PoolUnavailable` and `ensure()` re-registers; the sidecar holds the ended
+    session's pins and reservations for its detach grace, so copies still in flight cannot
+    race a new owner of those slots).
     """
 
     # The watchdog wakes every quarter of the shortest deadline seen (at least every 5 ms), so
@@ -111,10 +110,8 @@ class _Session:
     _IDLE_S = 1.0  # no call for this long: the watchdog sleeps until the next one
 
     def __init__(self, stub: pool_pb2_grpc.KVPoolStub, client_id: int, attach_timeout_s: float):
+        super().__init__()
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._turn = threading.Lock()  # the exchange in flight owns the stream
-        self._seq = itertools.count(1)
-        self.alive = True
         self._closing = False
         self._expired = False
         self._deadline = 0.0  # monotonic deadline of the exchange in flight; 0.0: none
@@ -131,8 +128,8 @@ class _Session:
             target=self._watch, name="kvoffload-session-watchdog", daemon=True
         )
         self._watchdog.start()
-        with self._exchange(attach_timeout_s):
-            attached = self._answer(0, attach_timeout_s)
+        with self._exchange(attach_timeout_s) as deadline:
+            attached = self._answer(0, deadline, attach_timeout_s)
         if attached.WhichOneof("result") == "error":
             self.close()
             raise PoolUnavailable(f"attach refused: {attached.error.message}")
@@ -163,28 +160,26 @@ class _Session:
             self._retick.clear()
 
     @contextlib.contextmanager
-    def _exchange(self, timeout_s: float) -> Iterator[None]:
-        """Hold the stream for one exchange, its deadline armed in the watchdog."""
-        timeout_s = max(0.0, timeout_s)
-        deadline = time.monotonic() + timeout_s  # waiting for the turn counts against it
-        if not self._turn.acquire(timeout=timeout_s):
-            raise PoolUnavailable(f"session busy past {timeout_s * 1e3:.0f} ms")
-        try:
-            if not self.alive:
-                raise PoolUnavailable("session closed")
-            self._deadline, self._last_call = deadline, time.monotonic()
-            if timeout_s < 4 * self._tick_s:
-                self._tick_s = max(self._MIN_TICK_S, timeout_s / 4)
-                self._retick.set()
-            if not self._wake.is_set():
-                self._wake.set()
-            yield
-        finally:
-            self._deadline = 0.0
-            self._turn.release()
+    def _exchange(self, timeout_s: float) -> Iterator[float]:
+        """The base exchange, with its deadline armed in the watchdog."""
+        with super()._exchange(timeout_s) as deadline:
+            try:
+                self._deadline, self._last_call = deadline, time.monotonic()
+                if timeout_s < 4 * self._tick_s:
+                    self._tick_s = max(self._MIN_TICK_S, timeout_s / 4)
+                    self._retick.set()
+                if not self._wake.is_set():
+                    self._wake.set()
+                yield deadline
+            finally:
+                self._deadline = 0.0
 
-    def _answer(self, seq: int, timeout_s: float) -> pool_pb2.SessionResponse:
-        """The answer to `seq`, read off the stream (an earlier seq's late answer is skipped)."""
+    def _send(self, requests: list[pool_pb2.SessionRequest], deadline: float, timeout_s: float):
+        for request in requests:
+            self._requests.put(request)
+
+    def _answer(self, seq: int, deadline: float, timeout_s: float) -> pool_pb2.SessionResponse:
+        """The answer to `seq`, read off the stream (the watchdog enforces the deadline)."""
         while True:
             try:
                 resp = next(self._responses)
@@ -198,35 +193,6 @@ class _Session:
             if resp.seq > seq:  # answers come in order: the stream is not what we think
                 self.close()
                 raise PoolUnavailable(f"answer {resp.seq} arrived before {seq}")
-
-    def _send(self, call: dict) -> int:
-        seq = next(self._seq)
-        self._requests.put(pool_pb2.SessionRequest(seq=seq, **call))
-        return seq
-
-    # -- calls ----------------------------------------------------------------------
-    def call(self, timeout_s: float, **call) -> pool_pb2.SessionResponse:
-        with self._exchange(timeout_s):
-            resp = self._answer(self._send(call), timeout_s)
-        if resp.WhichOneof("result") == "error":
-            raise PoolUnavailable(f"sidecar error {resp.error.code}: {resp.error.message}")
-        return resp
-
-    def call_many(
-        self, timeout_s: float, calls: Sequence[dict]
-    ) -> list[pool_pb2.SessionResponse | PoolUnavailable]:
-        """Pipelined: every call goes out before the first answer is read (one round trip for
-        the lot, the sidecar answers in order). Per call its response or its error; a stream
-        that ends or stays silent past the deadline raises for all."""
-        with self._exchange(timeout_s):
-            seqs = [self._send(call) for call in calls]
-            answers = [self._answer(seq, timeout_s) for seq in seqs]
-        return [
-            PoolUnavailable(f"sidecar error {r.error.code}: {r.error.message}")
-            if r.WhichOneof("result") == "error"
-            else r
-            for r in answers
-        ]
 
     def close(self) -> None:
         self._closing = True

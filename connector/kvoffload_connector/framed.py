@@ -14,19 +14,18 @@ gRPC stream in docs/BENCHMARKS.md ("Sidecar RPC").
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import select
 import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
 
 from google.protobuf.message import DecodeError
 from kvoffload.v1 import pool_pb2
 
 from kvoffload_connector.errors import PoolUnavailable
+from kvoffload_connector.session import OrderedSession
 
 log = logging.getLogger(__name__)
 
@@ -36,15 +35,13 @@ _HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR  # peer closed (Lin
 _WATCH_MS = 500  # the watcher re-checks `close()` this often; a hang-up wakes it at once
 
 
-class FramedSession:
+class FramedSession(OrderedSession):
     """One framed connection to the sidecar, attached to `client_id`."""
 
     def __init__(self, path: str, client_id: int, attach_timeout_s: float):
+        super().__init__()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._turn = threading.Lock()  # the exchange in flight owns the connection
-        self._seq = itertools.count(1)
         self._buf = bytearray()  # bytes read past the last answer (none, answers come in order)
-        self.alive = True
         try:
             self._sock.settimeout(attach_timeout_s)
             self._sock.connect(path)
@@ -53,7 +50,7 @@ class FramedSession:
             raise PoolUnavailable(f"connect {path}: {e}") from None
         attach = pool_pb2.SessionRequest(seq=0, attach=pool_pb2.AttachRequest(client_id=client_id))
         with self._exchange(attach_timeout_s) as deadline:
-            self._send_all(self._frame(attach), deadline, attach_timeout_s)
+            self._send([attach], deadline, attach_timeout_s)
             reply = self._answer(0, deadline, attach_timeout_s)
         if reply.WhichOneof("result") == "error":
             self.close()
@@ -83,24 +80,12 @@ class FramedSession:
                 return
 
     # -- transport ------------------------------------------------------------------
-    @staticmethod
-    def _frame(message: pool_pb2.SessionRequest) -> bytes:
-        data = message.SerializeToString()
-        return HEADER.pack(len(data)) + data
-
-    @contextlib.contextmanager
-    def _exchange(self, timeout_s: float) -> Iterator[float]:
-        """Hold the connection for one exchange; yields its monotonic deadline."""
-        timeout_s = max(0.0, timeout_s)
-        deadline = time.monotonic() + timeout_s  # waiting for the turn counts against it
-        if not self._turn.acquire(timeout=timeout_s):
-            raise PoolUnavailable(f"session busy past {timeout_s * 1e3:.0f} ms")
-        try:
-            if not self.alive:
-                raise PoolUnavailable("session closed")
-            yield deadline
-        finally:
-            self._turn.release()
+    def _send(self, requests: list[pool_pb2.SessionRequest], deadline: float, timeout_s: float):
+        """Every request in one write (a pipelined batch is one syscall)."""
+        data = b"".join(
+            HEADER.pack(len(body)) + body for body in (r.SerializeToString() for r in requests)
+        )
+        self._send_all(data, deadline, timeout_s)
 
     def _left(self, deadline: float, timeout_s: float) -> float:
         left = deadline - time.monotonic()
@@ -165,38 +150,6 @@ class FramedSession:
         self.alive = False
         with contextlib.suppress(OSError):
             self._sock.close()
-
-    # -- calls ----------------------------------------------------------------------
-    def call(self, timeout_s: float, **call) -> pool_pb2.SessionResponse:
-        with self._exchange(timeout_s) as deadline:
-            seq = next(self._seq)
-            request = self._frame(pool_pb2.SessionRequest(seq=seq, **call))
-            self._send_all(request, deadline, timeout_s)
-            resp = self._answer(seq, deadline, timeout_s)
-        if resp.WhichOneof("result") == "error":
-            raise PoolUnavailable(f"sidecar error {resp.error.code}: {resp.error.message}")
-        return resp
-
-    def call_many(
-        self, timeout_s: float, calls: Sequence[dict]
-    ) -> list[pool_pb2.SessionResponse | PoolUnavailable]:
-        """Pipelined: every call goes out in one write before the first answer is read. Per
-        call its response or its error; a connection that ends or stays silent past the
-        deadline raises for all."""
-        with self._exchange(timeout_s) as deadline:
-            seqs = [next(self._seq) for _ in calls]
-            data = b"".join(
-                self._frame(pool_pb2.SessionRequest(seq=seq, **call))
-                for seq, call in zip(seqs, calls, strict=True)
-            )
-            self._send_all(data, deadline, timeout_s)
-            answers = [self._answer(seq, deadline, timeout_s) for seq in seqs]
-        return [
-            PoolUnavailable(f"sidecar error {r.error.code}: {r.error.message}")
-            if r.WhichOneof("result") == "error"
-            else r
-            for r in answers
-        ]
 
     def close(self) -> None:
         closed = getattr(self, "_closed", None)
