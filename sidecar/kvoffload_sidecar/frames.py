@@ -38,7 +38,7 @@ def socket_path_for(grpc_socket: Path) -> Path:
 
 
 class FrameTooLarge(Exception):
-    pass
+    """A frame announced more bytes than a message may have: the connection is closed."""
 
 
 async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
