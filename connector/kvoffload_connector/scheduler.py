@@ -292,8 +292,8 @@ class OffloadScheduler:
     def _lookup_rpc(self, batch: list[tuple[str, list[list[PoolKey]]]]) -> None:
         """Background (or inline for a lone request): the batch's hits, pinned. Full attention
         only: one pipelined round of ReserveLoads that also count as lookups (`_pin_prefixes`).
-        With sliding-window groups: one Lookup for the whole batch, then every hit pinned in
-        one pipelined round of ReserveLoads.
+        With sliding-window groups: one Lookup for the whole batch (two for partial hits,
+        `_hybrid_hits`), then every hit pinned in one pipelined round of ReserveLoads.
 
         Full-attention groups need the whole prefix (prefix queries). A sliding-window group
         needs only the window before the hit's end, and keeps only that in the pool, so its
@@ -313,26 +313,8 @@ class OffloadScheduler:
                 self._results.append(("lookup", answers))
                 self._answered.set()
                 return
-            queries: list[list[PoolKey]] = []
-            for _, per_group in batch:
-                for g, keys in enumerate(per_group):
-                    if self.windows[g]:
-                        queries.extend([k] for k in keys)
-                    else:
-                        queries.append(keys)
-            counts = self.client.lookup(queries, timeout_s=self.cfg.lookup_timeout_ms / 1e3)
+            hits = self._hybrid_hits(batch)
             self._results.append(("lookup_seconds", time.perf_counter() - t0))
-            hits, at = [], 0
-            for _, per_group in batch:
-                full, present = len(per_group[0]), {}
-                for g, keys in enumerate(per_group):
-                    if self.windows[g]:
-                        present[g] = counts[at : at + len(keys)]
-                        at += len(keys)
-                    else:
-                        full = min(full, counts[at])
-                        at += 1
-                hits.append(self._hybrid_hit(full, present))
             answers = self._pin_all(batch, hits, generation)
         except PoolUnavailable as e:
             log.debug("kvoffload: lookup failed (miss): %s", e)
@@ -367,6 +349,57 @@ class OffloadScheduler:
             slots: list[list[int | None]] = [list(r[1][:hit]) for r in res]  # type: ignore[index]
             answers.append((req_id, _Answer(hit, pins, slots, generation)))
         return answers
+
+    def _hybrid_hits(self, batch: list[tuple[str, list[list[PoolKey]]]]) -> list[int]:
+        """Per request, the longest hit whose window is present in every sliding group.
+
+        Round 1 asks the full groups' prefixes and, per sliding group, only the window before
+        the longest possible hit (~window/chunk keys, not one per chunk of the prompt: 2,500
+        presence queries cost 4.7 ms at p50 on a 2-core VM, 85 cost 0.25). A request whose
+        full prefix is the whole ask and whose windows are there is done; any other with a
+        full-group hit asks again, for every chunk up to that hit (round 2), and the hit is
+        the longest there whose windows are present, exactly as with one big ask."""
+        timeout_s = self.cfg.lookup_timeout_ms / 1e3
+        queries: list[list[PoolKey]] = []
+        for _, per_group in batch:
+            for g, keys in enumerate(per_group):
+                if self.windows[g]:
+                    queries.extend([k] for k in keys[self.window_start(g, len(keys)) :])
+                else:
+                    queries.append(keys)
+        counts = iter(self.client.lookup(queries, timeout_s=timeout_s))
+        hits: list[int] = []
+        again: list[tuple[int, int]] = []  # (position in batch, full-group hit)
+        for i, (_, per_group) in enumerate(batch):
+            limit = len(per_group[0])
+            full, whole_window = limit, True
+            for g, keys in enumerate(per_group):
+                if self.windows[g]:
+                    asked = len(keys) - self.window_start(g, len(keys))
+                    flags = [next(counts) for _ in range(asked)]  # consume them all
+                    whole_window = whole_window and all(flags)
+                else:
+                    full = min(full, next(counts))
+            hits.append(full if full == limit and whole_window else 0)
+            if full > 0 and not hits[-1]:
+                again.append((i, full))
+        if again:
+            queries = [
+                [k]
+                for i, full in again
+                for g, keys in enumerate(batch[i][1])
+                if self.windows[g]
+                for k in keys[:full]
+            ]
+            flags = iter(self.client.lookup(queries, timeout_s=timeout_s))
+            for i, full in again:
+                present = {
+                    g: [next(flags) for _ in range(full)]
+                    for g in range(len(batch[i][1]))
+                    if self.windows[g]
+                }
+                hits[i] = self._hybrid_hit(full, present)
+        return hits
 
     def _hybrid_hit(self, full: int, present: dict[int, list[int]]) -> int:
         """Longest hit <= `full` chunks whose window is present in every sliding group."""

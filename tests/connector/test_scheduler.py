@@ -43,6 +43,7 @@ class FakePool:
         self.next_slot = 0
         self.present: set[bytes] = set()
         self.aborted: list[int] = []
+        self.queried: list[int] = []  # queries per Lookup call
 
     # the PoolClient surface the scheduler uses
     @property
@@ -59,6 +60,7 @@ class FakePool:
 
     def lookup(self, queries, timeout_s=None):
         self._check("lookup")
+        self.queried.append(len(queries))
         out = []
         for q in queries:
             n = 0
@@ -611,6 +613,31 @@ def test_sliding_window_hit_shrinks_to_a_present_window_or_misses():
     fake.committed[make_key(req.block_hashes[7], 1)] = 203  # chunk 3 only: no window complete
     assert ask(s, req) == (0, False)
     assert not fake.pins
+
+
+def test_a_sliding_full_hit_asks_only_the_window_in_one_lookup():
+    """16 chunks hit in the full group: the sliding group is asked for the 2 chunks of its
+    window before the hit, not all 16 (one presence query per chunk is what costs)."""
+    s, fake, *_ = make(groups=2, windows=[0, 64])
+    req = Request("r", list(range(1040)))  # 16 chunks of 64 tokens, then a partial block
+    commit_prompt(fake, req, 16, group=0)
+    for c in (14, 15):
+        fake.committed[make_key(req.block_hashes[(c + 1) * 2 - 1], 1)] = 200 + c
+    assert ask(s, req) == (1024, True)
+    assert fake.queried == [1 + 2]
+
+
+def test_a_sliding_hit_below_the_full_prefix_is_found_in_a_second_lookup():
+    """Multi-turn shape: the full group holds 16 chunks, but the sliding group holds only an
+    earlier turn's window (chunks 6-7): the hit is that turn's 8 chunks, as a single big ask
+    would find, with a second Lookup for presence up to the full prefix."""
+    s, fake, *_ = make(groups=2, windows=[0, 64])
+    req = Request("r", list(range(1040)))
+    commit_prompt(fake, req, 16, group=0)
+    for c in (6, 7):
+        fake.committed[make_key(req.block_hashes[(c + 1) * 2 - 1], 1)] = 200 + c
+    assert ask(s, req) == (512, True)
+    assert fake.queried == [1 + 2, 16]
 
 
 def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
