@@ -105,11 +105,31 @@ def metrics(llm) -> dict[str, float]:
     return out
 
 
+def settle_pool(socket: str, quiet_s: float = 0.5, max_s: float = 10.0) -> None:
+    """Wait until the sidecar's committed slots stop changing for `quiet_s` (the last stores'
+    commits, sent by each rank after its copy, have landed), at most `max_s`. A commit that is
+    lost stays lost: the count settles lower and the hit assertions still fail."""
+    from kvoffload_connector.client import PoolClient
+
+    client = PoolClient(socket, "test/settle", rpc_timeout_s=2)
+    try:
+        last, since, end = -1, time.monotonic(), time.monotonic() + max_s
+        while time.monotonic() < end:
+            committed = sum(ns.committed_slots for ns in client.stats().namespaces)
+            if committed != last:
+                last, since = committed, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
 def scenario_reset(args: argparse.Namespace) -> dict:
     llm = make_llm(args)
     batch = prompts(args.seed, 3, args.prompt_len)
     first = run(llm, batch, args.max_tokens)
-    time.sleep(0.5)  # let the last stores commit
+    settle_pool(args.socket)  # let the last stores commit
     llm.reset_prefix_cache()
     second = run(llm, batch, args.max_tokens)
     other = run(llm, prompts(args.seed + 100, 1, args.prompt_len), args.max_tokens)
