@@ -41,6 +41,7 @@
 # Environment: E2E_CONFIGS (llama phase's configurations), POOL_GIB (sidecar pool, default 48; 32
 # for smoke), CPU_GIB (vLLM connectors' cpu_bytes_to_use in GiB, default 48).
 # SIZES: the graphs phase's TTFT prompt lengths (default 2000,10000,32000).
+# E2E_EXTRA: more bench/e2e_gpu.py flags for graphs-hybrid (e.g. --profile).
 # CLOCKS=1: sample the GPU's SM clock and power every 0.5 s into $OUT/clocks.csv.
 # ROUNDS, CFG_BUDGET: decode-ab's interleaved rounds (3) and seconds per configuration (75).
 # RPC_BENCH=1: first run bench/sidecar_rpc.py on this host (its own sidecar; JSON in $OUT).
@@ -223,7 +224,7 @@ case $phase in
   graphs-hybrid)  # the Gemma-3-12B hybrid 32K pool hit with CUDA graphs on
     drive gemma3-12b-graphs gemma3-12b-hybrid $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading}" \
       --sections ttft --sizes 32000 --reps 3 --config-budget-s ${CFG_BUDGET:-190} --gpu-blocks 14000 \
-      --fillers 2 --cuda-graphs
+      --fillers 2 --cuda-graphs ${E2E_EXTRA:-}
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \

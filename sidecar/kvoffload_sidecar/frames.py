@@ -7,6 +7,11 @@ the same rules as the `Session` stream, each framed as a 4-byte little-endian le
 serialized message: attach first, answers in order, and the connection owns the client's pins
 (released, after the detach grace, when it closes). Registration, stats and health stay on gRPC.
 
+Each connection is served by its own thread doing blocking reads and writes: a connection is one
+engine rank or scheduler (a handful per pod), and a thread woken by its socket answers about
+70 µs sooner than an asyncio stream handler (the event loop's reader callbacks, futures and
+write buffering; docs/BENCHMARKS.md, "Sidecar RPC"). The pool serialises calls with its own lock.
+
 Bad input gets what the gRPC stream gives it: a frame that does not parse is answered with an
 INVALID_ARGUMENT `SessionError` (seq 0); a length above the gRPC message limit, or a connection
 that ends inside a frame, closes that connection only.
@@ -17,7 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import struct
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<I")
+_BACKLOG = 64
 
 
 def socket_path_for(grpc_socket: Path) -> Path:
@@ -41,18 +50,43 @@ class FrameTooLarge(Exception):
     """A frame announced more bytes than a message may have: the connection is closed."""
 
 
-async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes | None:
-    """One frame's payload; None at a clean end of the connection (between frames)."""
-    try:
-        header = await reader.readexactly(HEADER.size)
-    except asyncio.IncompleteReadError as e:
-        if e.partial:
-            raise
-        return None
-    (size,) = HEADER.unpack(header)
-    if size > max_bytes:
-        raise FrameTooLarge(f"frame of {size} bytes is above the {max_bytes}-byte limit")
-    return await reader.readexactly(size)
+class CutFrame(Exception):
+    """The connection ended inside a frame: the client went away mid-request."""
+
+
+class FrameReader:
+    """Whole frames off a blocking socket, into one reused buffer (no copy per `recv`)."""
+
+    def __init__(self, conn: socket.socket, max_bytes: int) -> None:
+        self._conn = conn
+        self._max = max_bytes
+        self._buf = bytearray(1 << 16)
+
+    def _fill(self, view: memoryview, at_boundary: bool) -> bool:
+        """Fill `view` completely; False on a clean end before its first byte at a boundary."""
+        got, n = 0, len(view)
+        while got < n:
+            k = self._conn.recv_into(view[got:])
+            if not k:
+                if got == 0 and at_boundary:
+                    return False
+                raise CutFrame(f"connection ended {got} bytes into a {n}-byte read")
+            got += k
+        return True
+
+    def next(self) -> bytes | None:
+        """One frame's payload; None when the peer closed between frames."""
+        header = memoryview(self._buf)[: HEADER.size]
+        if not self._fill(header, at_boundary=True):
+            return None
+        (size,) = HEADER.unpack(header)
+        if size > self._max:
+            raise FrameTooLarge(f"frame of {size} bytes is above the {self._max}-byte limit")
+        if size > len(self._buf):
+            self._buf = bytearray(size)
+        body = memoryview(self._buf)[:size]
+        self._fill(body, at_boundary=False)
+        return bytes(body)
 
 
 def frame(message: bytes) -> bytes:
@@ -66,58 +100,100 @@ class FramedSessions:
     servicer: PoolServicer
     path: Path
     max_frame_bytes: int
-    server: asyncio.AbstractServer | None = None
-    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    _listener: socket.socket | None = None
+    _conns: dict[socket.socket, threading.Thread] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stopping: bool = False
 
     async def start(self) -> None:
         remove_stale_socket(self.path)
-        self.server = await asyncio.start_unix_server(
-            self._serve, path=str(self.path), limit=1 << 20
-        )
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(str(self.path))
+            listener.listen(_BACKLOG)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        threading.Thread(
+            target=self._accept_forever,
+            args=(listener,),
+            name="kvoffload-framed-accept",
+            daemon=True,
+        ).start()
         log.info("framed sessions on %s", self.path)
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, close every connection (their sessions detach), unlink the socket."""
-        if self.server is None:
+        listener = self._listener
+        if listener is None:
             return
-        self.server.close()
-        for writer in list(self._writers):
-            writer.close()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.server.wait_closed(), grace_s)
+        self._listener = None
+        with self._lock:
+            self._stopping = True
+            conns = dict(self._conns)
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv(): the session ends
+        await asyncio.to_thread(_join_all, list(conns.values()), grace_s)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        self.server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept_forever(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # stop() shut the listener
+            thread = threading.Thread(
+                target=self._serve, args=(conn,), name="kvoffload-framed-session", daemon=True
+            )
+            with self._lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
         servicer = self.servicer
         parse = servicer.parse_session_request
+        reader = FrameReader(conn, self.max_frame_bytes)
         client_id = 0
-        self._writers.add(writer)
-        servicer.open_sessions += 1
+        servicer.session_opened()
         try:
-            first = await read_frame(reader, self.max_frame_bytes)
+            first = reader.next()
             if first is None:
                 return
             client_id, reply = servicer.attach_session(parse(first))
-            writer.write(frame(reply.SerializeToString()))
-            await writer.drain()
+            conn.sendall(frame(reply.SerializeToString()))
             if not client_id:
                 return  # the error went back as a SessionError; the connection ends
             call, flush = servicer.session_call, servicer.flush_deferred
             while True:
-                payload = await read_frame(reader, self.max_frame_bytes)
+                payload = reader.next()
                 if payload is None:
                     return
-                writer.write(frame(call(parse(payload), client_id).SerializeToString()))
-                await writer.drain()
+                conn.sendall(frame(call(parse(payload), client_id).SerializeToString()))
                 flush()  # bookkeeping the answer did not need, after sending
         except FrameTooLarge as e:
             log.warning("framed session of client %d closed: %s", client_id, e)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away mid-frame: same as a dropped stream
+        except (CutFrame, OSError):
+            pass  # the client went away mid-frame, or stop() shut us: same as a dropped stream
+        except Exception:  # noqa: BLE001 - a bug here must end one session, not the sidecar
+            log.exception("framed session of client %d failed", client_id)
         finally:
-            self._writers.discard(writer)
-            servicer.open_sessions -= 1
+            with self._lock:
+                self._conns.pop(conn, None)
+            servicer.session_closed()
             servicer.end_session(client_id)
-            writer.close()
+            conn.close()
+
+
+def _join_all(threads: list[threading.Thread], grace_s: float) -> None:
+    deadline = time.monotonic() + grace_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))

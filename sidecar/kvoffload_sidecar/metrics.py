@@ -205,7 +205,7 @@ class MethodLatency:
 
 
 class LatencyRecorder:
-    """Bounded ring of recent call durations per method (append is O(1), no lock on the hot path).
+    """Bounded ring of recent call durations per method (an O(1) append and a counted lock).
 
     `deque.append` with a maxlen is atomic under the GIL, so the asyncio loop and a scrape thread
     may touch it concurrently; `snapshot` copies before sorting.
@@ -215,7 +215,7 @@ class LatencyRecorder:
         self._window = window
         self._recent: dict[str, deque[float]] = {}
         self._counts: dict[str, int] = {}
-        self._lock = threading.Lock()  # only for creating a method's ring
+        self._lock = threading.Lock()  # creating a method's ring; its count
 
     def ring(self, method: str) -> deque[float]:
         ring = self._recent.get(method)
@@ -227,7 +227,8 @@ class LatencyRecorder:
 
     def observe(self, method: str, seconds: float) -> None:
         self.ring(method).append(seconds)
-        self._counts[method] += 1
+        with self._lock:  # framed sessions observe from their own threads
+            self._counts[method] += 1
 
     def snapshot(self) -> tuple[MethodLatency, ...]:
         result = []

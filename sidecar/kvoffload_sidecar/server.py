@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -142,6 +143,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             "abort_store": ("Session/AbortStore", self._abort_store),
         }
         self.open_sessions = 0  # gRPC Session streams and framed connections
+        self._sessions_lock = threading.Lock()  # framed connections open and close in threads
         self.session_socket_name = ""  # the framed socket's file name, told to registrants
 
     # -- handlers: one per method, shared by unary calls and the Session stream ------------------
@@ -262,7 +264,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         """attach first, then calls answered in order; `pool.detach` however the stream ends."""
         del request_iterator  # read with context.read(), so the handler is a plain coroutine
         client_id = 0
-        self.open_sessions += 1
+        self.session_opened()
         try:
             first = await context.read()
             if first is grpc.aio.EOF:
@@ -279,7 +281,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
                 await context.write(call(request, client_id))
                 flush()  # bookkeeping the answer did not need (policy touches), after sending
         finally:
-            self.open_sessions -= 1
+            self.session_closed()
             self.end_session(client_id)
 
     # -- the session protocol, shared by the gRPC stream and the framed socket (frames.py) -------
@@ -290,6 +292,14 @@ class PoolServicer(pb_grpc.KVPoolServicer):
 
     def flush_deferred(self) -> None:
         self._pool.flush_deferred()
+
+    def session_opened(self) -> None:
+        with self._sessions_lock:
+            self.open_sessions += 1
+
+    def session_closed(self) -> None:
+        with self._sessions_lock:
+            self.open_sessions -= 1
 
     def end_session(self, client_id: int) -> None:
         """The session's transport ended: its client detaches (pins kept for the grace)."""
