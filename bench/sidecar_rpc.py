@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -30,9 +31,11 @@ import platform
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -124,8 +127,38 @@ def _echo_reply(req: bytes) -> bytes:
     return req[4 : 4 + n] if n <= len(req) - 4 else bytes(n)
 
 
-def _serve_echo(address: str, ready: Any) -> None:
-    """Subprocess: a grpc.aio server (like the sidecar's) with a unary and a stream echo."""
+def _serve_framed_echo(path: str) -> None:
+    """Thread: the framed socket's floor, served like the sidecar's (a blocking thread per
+    connection reading a 4-byte little-endian length and the frame, answering one frame)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen()
+
+    def exactly(conn: socket.socket, n: int) -> bytes:
+        data = bytearray()
+        while len(data) < n:
+            chunk = conn.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("closed")
+            data += chunk
+        return bytes(data)
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(ConnectionError, OSError):
+            while True:
+                size = int.from_bytes(exactly(conn, 4), "little")
+                reply = _echo_reply(exactly(conn, size))
+                conn.sendall(len(reply).to_bytes(4, "little") + reply)
+
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _serve_echo(address: str, framed_path: str, ready: Any) -> None:
+    """Subprocess: a grpc.aio server (like the sidecar's) with a unary and a stream echo, and
+    the framed echo (like the sidecar's framed socket) in a thread."""
+    threading.Thread(target=_serve_framed_echo, args=(framed_path,), daemon=True).start()
 
     async def serve() -> None:
         async def unary(req: bytes, _ctx: Any) -> bytes:
@@ -159,17 +192,24 @@ def _serve_echo(address: str, ready: Any) -> None:
 
 
 @contextmanager
-def echo_server() -> Iterator[str]:
+def echo_server() -> Iterator[tuple[str, str]]:
+    """(gRPC echo target, framed echo socket path) served by one subprocess."""
     work = Path(tempfile.mkdtemp(prefix="kvo-floor-", dir="/tmp"))
     target = f"unix:{work / 'echo.sock'}"
+    framed = str(work / "echo.session")
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    proc = ctx.Process(target=_serve_echo, args=(target, ready), daemon=True)
+    proc = ctx.Process(target=_serve_echo, args=(target, framed, ready), daemon=True)
     proc.start()
     try:
         if not ready.wait(30):
             raise SystemExit("echo server did not start")
-        yield target
+        deadline = time.monotonic() + 30
+        while not os.path.exists(framed):
+            if time.monotonic() > deadline:
+                raise SystemExit("framed echo did not start")
+            time.sleep(0.01)
+        yield target, framed
     finally:
         proc.kill()
         proc.join(5)
@@ -207,6 +247,38 @@ class EchoCaller:
         self._q.put(None)
         for _ in self._responses:
             pass
+
+
+class FramedEchoCaller:
+    """Echo calls on the framed echo socket, sent and read like the connector's FramedSession
+    (one write per request, a blocking read of the answer)."""
+
+    def __init__(self, path: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+
+    def op(self, request_bytes: int, reply_bytes: int) -> Callable[[], None]:
+        payload = reply_bytes.to_bytes(4, "little") + bytes(max(0, request_bytes - 4))
+        message = len(payload).to_bytes(4, "little") + payload
+        sock = self._sock
+
+        def exactly(n: int) -> None:
+            got = 0
+            while got < n:
+                chunk = sock.recv(n - got)
+                if not chunk:
+                    raise SystemExit("framed echo closed")
+                got += len(chunk)
+
+        def call() -> None:
+            sock.sendall(message)
+            header = sock.recv(4, socket.MSG_WAITALL)
+            exactly(int.from_bytes(header, "little"))
+
+        return call
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 class SessionCaller:
@@ -437,13 +509,14 @@ def run(
     target: str,
     calls: int,
     warmup: int,
-    echo_target: str | None = None,
+    echo_targets: tuple[str, str] | None = None,
     sizes: tuple[int, ...] = SIZES,
 ) -> list[dict[str, Any]]:
     channel = grpc.insecure_channel(target)
     stub = pb_grpc.KVPoolStub(channel)
-    echo_channel = grpc.insecure_channel(echo_target) if echo_target else None
+    echo_channel = grpc.insecure_channel(echo_targets[0]) if echo_targets else None
     echo = EchoCaller(echo_channel) if echo_channel else None
+    framed_echo = FramedEchoCaller(echo_targets[1]) if echo_targets else None
     spec = pb.NamespaceSpec(
         model="bench",
         dtype="bfloat16",
@@ -489,7 +562,10 @@ def run(
             for op, fn in _client_ops(client, keys, n):
                 req_bytes, reply_bytes = session_sizes[op]
                 sizes = (req_bytes + n * key_extra, reply_bytes)  # same reply as the bare session
-                floor = echo.op("session", *sizes) if echo else None
+                if mode == "framed":  # each transport against its own floor
+                    floor = framed_echo.op(*sizes) if framed_echo else None
+                else:
+                    floor = echo.op("session", *sizes) if echo else None
                 samples, floor_samples = _time(calls, warmup, fn, floor)
                 results.append(_row(op, mode, n, samples, floor_samples, sizes))
     for client, _ in clients.values():
@@ -499,6 +575,8 @@ def run(
     if echo is not None and echo_channel is not None:
         echo.close()
         echo_channel.close()
+    if framed_echo is not None:
+        framed_echo.close()
     return results
 
 
@@ -530,7 +608,9 @@ def _table(results: list[dict[str, Any]]) -> str:
     if floor:
         lines.append(
             "floor: empty bytes echo (grpc.aio subprocess, Unix socket, same request and reply "
-            "sizes), one call after each sidecar call; +: sidecar minus floor; x: ratio"
+            "sizes; the framed rows: a framed echo served by a thread per connection, like the "
+            "sidecar's framed socket), one call after each sidecar call; +: sidecar minus floor; "
+            "x: ratio"
         )
     return "\n".join(lines)
 
@@ -570,8 +650,8 @@ def main() -> None:
             if ns.no_floor:
                 results = run(target, ns.calls, ns.warmup, sizes=sizes)
             else:
-                with echo_server() as echo_target:
-                    results = run(target, ns.calls, ns.warmup, echo_target, sizes)
+                with echo_server() as echo_targets:
+                    results = run(target, ns.calls, ns.warmup, echo_targets, sizes)
     finally:
         shutil.rmtree(pool_dir, ignore_errors=True)
     print(_table(results))
@@ -588,7 +668,8 @@ def main() -> None:
         "floor": None
         if ns.no_floor
         else "empty bytes echo: grpc.aio subprocess on a Unix socket, same request and reply "
-        "sizes, no protobuf; one echo call after each sidecar call",
+        "sizes, no protobuf; for the framed rows a framed echo (a blocking thread per "
+        "connection) in the same subprocess; one echo call after each sidecar call",
         "calls": ns.calls,
         "warmup": ns.warmup,
         "key_size": KEY_SIZE,
