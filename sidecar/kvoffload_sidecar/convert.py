@@ -12,6 +12,7 @@ from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from kvoffload.v1 import pool_pb2 as pb
 
 from kvoffload_sidecar.errors import InvalidArgument
@@ -122,6 +123,8 @@ assert array("I").itemsize == 4, "the wire's slot numbers are 4-byte uint32s"
 def u32_le(values: Sequence[int]) -> bytes:
     """Slot numbers as the wire packs them, 4-byte little-endian uint32s: one C pass (a
     repeated uint32 field costs a varint conversion per value on both sides)."""
+    if isinstance(values, np.ndarray):
+        return values.astype("<u4").tobytes()
     packed = array("I", values)
     if _BIG_ENDIAN:
         packed.byteswap()

@@ -27,15 +27,14 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import compress
-from operator import eq
 
 import numpy as np
 
 from kvoffload_sidecar import allocator
 from kvoffload_sidecar.allocator import as_slot_array
 from kvoffload_sidecar.errors import InvalidArgument, NotFound
-from kvoffload_sidecar.keys import PoolKey
+from kvoffload_sidecar.keymap import new_keymap
+from kvoffload_sidecar.keys import PoolKey, split_keys
 
 __all__ = ["PinRecord", "SlotIndex", "SlotState", "StoreRecord"]
 
@@ -61,8 +60,10 @@ class StoreRecord:
     store_id: int
     client_id: int
     slots: Slots  # key order; an intp array for batches above VECTOR_MIN
-    keys: list[PoolKey]  # the slots' keys, same order
+    keys: list[PoolKey] | None  # the slots' keys, same order; None until needed when `packed`
     committed_ranks: int = 0  # bitmask of ranks that committed
+    packed: bytes = b""  # the keys as the request packed them, cut on first use (after the
+    # answer went out: commit, abort or a check)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,8 @@ class PinRecord:
 
     pin_id: int
     client_id: int
-    slots: tuple[int, ...]  # key order (a slot repeats when its key did)
+    slots: tuple[int, ...] | np.ndarray  # key order (a slot repeats when its key did); the
+    # same array as `array` for batches above VECTOR_MIN
     array: np.ndarray | None = None  # `slots` as intp, for batches above VECTOR_MIN
     distinct: bool = True  # no slot repeats in `array` (one fancy-index update is exact)
 
@@ -86,13 +88,24 @@ class _Counts:
 class SlotIndex:
     """The slot table of one namespace; every method assumes the pool's lock is held."""
 
-    def __init__(self, slot_count: int, num_ranks: int) -> None:
+    def __init__(
+        self,
+        slot_count: int,
+        num_ranks: int,
+        key_size: int | None = None,
+        *,
+        native: bool | None = None,
+    ) -> None:
+        """`key_size`: bytes per key (the packed calls need it; None takes keys of any size);
+        `native`: the key map's kind (default: native when built and key_size is set,
+        keymap.py)."""
         if slot_count < 1 or num_ranks < 1:
             raise ValueError(f"slot_count and num_ranks must be >= 1: {slot_count}, {num_ranks}")
         self.slot_count = slot_count
         self.num_ranks = num_ranks
+        self.key_size = key_size
         self._all_ranks = (1 << num_ranks) - 1
-        self._slot_of: dict[PoolKey, int] = {}
+        self._slot_of = new_keymap(key_size, native=native)
         self._state = bytearray()  # SlotState per slot (Python scalar access: fast)
         self._pins = array("I")  # live pins per slot
         self._views()
@@ -212,26 +225,27 @@ class SlotIndex:
             raise ValueError(f"slot {low} out of range 0..{self.slot_count - 1}")
         self._ensure(int(arr.max()))
         slot_of = self._slot_of
-        if not keys_free and not slot_of.keys().isdisjoint(keys):
+        if not keys_free and any(map(slot_of.__contains__, keys)):
             raise ValueError("a key of the batch is already in use")
         used = self._state_v[arr]
         if used.any():
             raise ValueError(f"slot {int(arr[used.argmax()])} is already in use")
         self._state_v[arr] = _RESERVED
         slot_list: list[int] = arr.tolist()
-        slot_of.update(zip(keys, slot_list, strict=True))
+        _consume(map(slot_of.__setitem__, keys, slot_list))
         self.counts.reserved += n
         return slot_list
 
-    def reserve_if_new(self, keys: Sequence[PoolKey], slots: np.ndarray) -> list[int] | None:
-        """`reserve_many` for a batch expected to be all new keys, none repeated: one dict pass
-        (`setdefault`) both checks and inserts. None, with nothing changed, when a key is
-        already in the index or repeats in the batch; the caller then takes the general path.
-        A fresh slot is free, so no key already in the index maps to it: a key was new exactly
-        when `setdefault` returned its own fresh slot."""
-        n = len(keys)
-        if n != len(slots) or not n:
-            raise ValueError(f"{n} keys for {len(slots)} slots")
+    def reserve_new_packed(self, packed: bytes, slots: np.ndarray) -> bool:
+        """`reserve_many` for a request's packed keys, expected to be all new and distinct: one
+        key-map pass both checks and inserts (no key objects). False, with nothing changed,
+        when a key is already in the index or repeats; the caller then takes the general
+        path. The slots must be free (fresh from the allocator)."""
+        n, rest = divmod(len(packed), self.key_size)
+        if rest or n != len(slots) or not n:
+            raise ValueError(
+                f"{len(packed)} bytes of {self.key_size}-byte keys for {len(slots)} slots"
+            )
         low = int(slots.min())
         if low < 0:
             raise ValueError(f"slot {low} out of range 0..{self.slot_count - 1}")
@@ -239,15 +253,11 @@ class SlotIndex:
         used = self._state_v[slots]
         if used.any():
             raise ValueError(f"slot {int(slots[used.argmax()])} is already in use")
-        slot_of = self._slot_of
-        slot_list: list[int] = slots.tolist()
-        found = list(map(slot_of.setdefault, keys, slot_list))
-        if found != slot_list:  # some key was there or repeats: take out what we put in
-            _consume(map(slot_of.__delitem__, compress(keys, map(eq, found, slot_list))))
-            return None
+        if not self._slot_of.insert_new(packed, slots.astype(np.int64, copy=False)):
+            return False
         self._state_v[slots] = _RESERVED
         self.counts.reserved += n
-        return slot_list
+        return True
 
     def _reserve_few(self, keys: Sequence[PoolKey], slots: Sequence[int]) -> list[int]:
         """`reserve_many` for a short list: plain loops."""
@@ -259,14 +269,14 @@ class SlotIndex:
             raise ValueError(f"slot {min(slots)} out of range 0..{self.slot_count - 1}")
         self._ensure(max(slots))
         slot_of, state = self._slot_of, self._state
-        if not slot_of.keys().isdisjoint(keys):
+        if any(map(slot_of.__contains__, keys)):
             raise ValueError("a key of the batch is already in use")
         for slot in slots:
             if state[slot]:
                 raise ValueError(f"slot {slot} is already in use")
         for slot in slots:
             state[slot] = _RESERVED
-        slot_of.update(zip(keys, slots, strict=True))
+        _consume(map(slot_of.__setitem__, keys, slots))
         self.counts.reserved += len(slots)
         return list(slots)
 
@@ -284,6 +294,21 @@ class SlotIndex:
         record = StoreRecord(store_id, client_id, slots, keys if type(keys) is list else list(keys))
         self.stores[store_id] = record
         return record
+
+    def open_store_packed(
+        self, store_id: int, client_id: int, slots: np.ndarray, packed: bytes
+    ) -> StoreRecord:
+        """`open_store` for slots reserved by `reserve_new_packed`: the keys stay packed until a
+        commit, an abort or a check needs them."""
+        record = StoreRecord(store_id, client_id, slots, None, packed=packed)
+        self.stores[store_id] = record
+        return record
+
+    def _keys_of(self, record: StoreRecord) -> list[PoolKey]:
+        if record.keys is None:
+            record.keys = split_keys(record.packed, self.key_size, max_keys=len(record.packed))
+            record.packed = b""
+        return record.keys
 
     def commit_rank(self, store_id: int, rank: int) -> list[PoolKey] | None:
         """Record `rank`'s commit. Returns the keys that just became visible when this was the
@@ -311,7 +336,7 @@ class SlotIndex:
         self._recent_done[store_id] = None
         if len(self._recent_done) > _RECENT_STORES:
             self._recent_done.popitem(last=False)
-        return record.keys
+        return self._keys_of(record)
 
     def abort_store(self, store_id: int) -> Slots:
         """Free every slot of an open store; returns them, in key order (NotFound when not
@@ -319,7 +344,7 @@ class SlotIndex:
         record = self.stores.pop(store_id, None)
         if record is None:
             raise NotFound(f"unknown store id {store_id} (never reserved, committed or aborted)")
-        self._free_many(record.slots, record.keys)
+        self._free_many(record.slots, self._keys_of(record))
         self.counts.reserved -= len(record.slots)
         return record.slots
 
@@ -390,9 +415,26 @@ class SlotIndex:
         slots, arr = self._committed_prefix(keys, expect_all=True)
         return self._pin(pin_id, client_id, slots, arr) if slots else None
 
-    def _pin(
-        self, pin_id: int, client_id: int, slots: list[int], arr: np.ndarray | None
-    ) -> PinRecord:
+    def committed_prefix_packed(self, packed: bytes) -> np.ndarray:
+        """Slots (int64) of the longest committed prefix of a request's packed keys: one pass
+        of the key map over the request (no key objects), then one state check."""
+        arr = np.frombuffer(self._slot_of.prefix(packed), np.int64)
+        if self.counts.reserved and len(arr):  # else every mapped key is committed
+            hidden = self._state_v[arr] != _COMMITTED
+            if hidden.any():
+                arr = arr[: int(hidden.argmax())]
+        return arr
+
+    def pin_prefix_packed(self, pin_id: int, client_id: int, packed: bytes) -> PinRecord | None:
+        """`pin_prefix` for a request's packed keys; None (no record) when the prefix is empty."""
+        arr = self.committed_prefix_packed(packed)
+        if not len(arr):
+            return None
+        if len(arr) <= allocator.VECTOR_MIN:
+            return self._pin(pin_id, client_id, arr.tolist(), None)
+        return self._pin(pin_id, client_id, arr, arr)
+
+    def _pin(self, pin_id: int, client_id: int, slots: Slots, arr: np.ndarray | None) -> PinRecord:
         pins = self._pins
         if len(slots) <= allocator.VECTOR_MIN:
             newly = 0
@@ -415,7 +457,7 @@ class SlotIndex:
             else:  # a repeated key pins its slot once per occurrence, as the loop does
                 np.add.at(pins, arr, 1)
                 newly = len(np.unique(arr[before == 0]))
-            record = PinRecord(pin_id, client_id, tuple(slots), arr, distinct)
+            record = PinRecord(pin_id, client_id, arr, arr.astype(np.intp, copy=False), distinct)
         self.counts.pinned += newly
         self.pin_records[pin_id] = record
         return record
@@ -460,7 +502,7 @@ class SlotIndex:
         assert len(slot_of) == len(used), (
             f"key->slot has {len(slot_of)} entries for {len(used)} used slots"
         )
-        mapped = set(slot_of.values())
+        mapped = {slot for _, slot in slot_of.items()}
         assert len(mapped) == len(slot_of), "two keys map to one slot"
         stray = mapped - used
         assert not stray, f"key maps to free slot {min(stray, default=0)}"
@@ -471,7 +513,7 @@ class SlotIndex:
             for slot in record.slots:
                 expected[slot] += 1
             if record.array is not None:
-                assert record.array.tolist() == list(record.slots), (
+                assert record.array.tolist() == _as_list(record.slots), (
                     f"pin {record.pin_id}: slot array differs from its slots"
                 )
                 ordered = sorted(record.slots)
@@ -488,7 +530,7 @@ class SlotIndex:
             assert record.committed_ranks != self._all_ranks, (
                 f"store {record.store_id} fully committed but still open"
             )
-            assert [slot_of.get(k) for k in record.keys] == _as_list(record.slots), (
+            assert [slot_of.get(k) for k in self._keys_of(record)] == _as_list(record.slots), (
                 f"store {record.store_id}: its keys do not map to its slots"
             )
         committed = len(used) - len(reserved)

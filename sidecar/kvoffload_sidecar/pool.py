@@ -39,6 +39,7 @@ from kvoffload_sidecar.keys import (
     NamespaceId,
     NamespaceSpec,
     PoolKey,
+    check_packed,
     derive_namespace,
     split_keys,
 )
@@ -113,7 +114,7 @@ class LoadPin:
     """Pinned slots of the longest committed prefix; pin_id 0 and no slots when nothing hit."""
 
     pin_id: int
-    slots: tuple[int, ...]
+    slots: Sequence[int]  # a tuple, or an int array for batches above VECTOR_MIN
 
 
 class StoreDecision(enum.IntEnum):
@@ -131,7 +132,7 @@ _NEW, _PRESENT, _NO_SPACE = StoreDecision.NEW, StoreDecision.PRESENT, StoreDecis
 class StoreReservation:
     store_id: int  # 0 when no key is NEW
     decisions: tuple[StoreDecision, ...]  # per key, in key order
-    slots: tuple[int, ...]  # one per NEW key, in key order
+    slots: Sequence[int]  # one per NEW key, in key order (an int array for large batches)
 
 
 @dataclass(frozen=True)
@@ -207,7 +208,7 @@ class _Namespace:
     last_used: float
     clients: set[int] = field(default_factory=set)
     counters: _Counters = field(default_factory=_Counters)
-    touches: list[Sequence[PoolKey]] = field(default_factory=list)  # deferred, in call order
+    touches: list[bytes] = field(default_factory=list)  # deferred, packed keys, in call order
     touched: int = 0  # keys in `touches`
 
     @property
@@ -434,7 +435,7 @@ class Pool:
             slot_bytes_per_rank=slot_bytes_per_rank,
             partition=partition,
             regions=regions,
-            index=SlotIndex(slot_count, num_ranks),
+            index=SlotIndex(slot_count, num_ranks, spec.key_size),
             free=FreeSlots(slot_count),
             policy=make_policy(self.settings.eviction, slot_count),
             last_used=now,
@@ -539,23 +540,18 @@ class Pool:
         """Per query (packed keys): length of the longest committed prefix. Touches the hits."""
         with self._lock:
             ns = self._namespace(namespace_id)
-            key_lists = self._split_queries(ns, queries)
+            checked = self._check_queries(ns, queries)
             counters, index = ns.counters, ns.index
             hits: list[int] = []
-            for keys in key_lists:
-                slots = index.committed_prefix(keys)
-                n = len(slots)
+            for packed, n_keys in checked:
+                n = len(index.committed_prefix_packed(packed))
                 hits.append(n)
                 if n:
-                    hit = keys[:n] if n < len(keys) else keys
-                    if n < DEFER_TOUCH_MIN and not ns.touches:
-                        ns.policy.touch(hit)  # a few keys: at once, cheaper than queueing
-                    else:
-                        self._touch(ns, hit)
+                    self._touch_packed(ns, packed, n)
                 counters.hit_blocks += n
-                if n < len(keys):
+                if n < n_keys:
                     counters.miss_blocks += 1
-            counters.lookups += len(key_lists)
+            counters.lookups += len(checked)
             ns.last_used = self._clock()
             return hits
 
@@ -568,25 +564,21 @@ class Pool:
             self._check_serving()
             ns = self._namespace(namespace_id)
             client = self._owned_client(ns, client_id)
-            key_list = split_keys(keys, ns.spec.key_size)
+            packed, n_keys = check_packed(keys, ns.spec.key_size)
             pin_id = self._next_pin
-            record = ns.index.pin_prefix(pin_id, client.client_id, key_list)
+            record = ns.index.pin_prefix_packed(pin_id, client.client_id, packed)
             if count_lookup:
                 n = len(record.slots) if record is not None else 0
                 ns.counters.lookups += 1
                 ns.counters.hit_blocks += n
-                ns.counters.miss_blocks += n < len(key_list)
+                ns.counters.miss_blocks += n < n_keys
                 ns.last_used = self._clock()
             if record is None:
                 return LoadPin(0, ())
             self._next_pin += 1
             client.pins.add(pin_id)
             n = len(record.slots)
-            hit = key_list[:n] if n < len(key_list) else key_list
-            if n < DEFER_TOUCH_MIN and not ns.touches:
-                ns.policy.touch(hit)  # a few keys: at once, cheaper than queueing
-            else:
-                self._touch(ns, hit)
+            self._touch_packed(ns, packed, n)
             ns.counters.loaded_blocks += n
             return LoadPin(pin_id, record.slots)
 
@@ -622,31 +614,34 @@ class Pool:
             self._check_serving()
             ns = self._namespace(namespace_id)
             client = self._owned_client(ns, client_id)
-            key_list = split_keys(keys, ns.spec.key_size)
+            packed, n_keys = check_packed(keys, ns.spec.key_size)
             index, free = ns.index, ns.free
-            slots, slot_list = self._reserve_new(ns, key_list)
-            if slot_list is not None:  # the usual store: every key new, distinct, slots free
-                stored = fresh = key_list
-                unique = True
+            new_slots = self._reserve_new(ns, packed, n_keys)
+            if new_slots is not None:  # the usual store: every key new, distinct, slots free
+                store_id = self._next_store
+                self._next_store += 1
+                index.open_store_packed(store_id, client.client_id, new_slots, packed)
+                client.stores.add(store_id)
+                return StoreReservation(store_id, (_NEW,) * n_keys, new_slots)
+            key_list = split_keys(packed, ns.spec.key_size)
+            found = index.slots_of(key_list)
+            missing = found.count(None)
+            if not missing:
+                return StoreReservation(0, (_PRESENT,) * len(key_list), ())
+            if missing == len(found):
+                fresh = key_list
             else:
-                found = index.slots_of(key_list)
-                missing = found.count(None)
-                if not missing:
-                    return StoreReservation(0, (_PRESENT,) * len(key_list), ())
-                if missing == len(found):
-                    fresh = key_list
-                else:
-                    fresh = list(compress(key_list, map(is_, found, repeat(None))))
-                unique = len(set(fresh)) == len(fresh)
-                if not unique:
-                    fresh = list(dict.fromkeys(fresh))  # first occurrences, in key order
-                shortfall = len(fresh) - free.available()
-                if shortfall > 0:
-                    self._evict(ns, shortfall, self._protected(index, key_list))
-                # Eviction only removes keys: `fresh` is still exactly the keys not in the index.
-                slots = free.allocate_many(len(fresh))
-                stored = fresh if len(slots) == len(fresh) else fresh[: len(slots)]
-                slot_list = index.reserve_many(stored, slots, keys_free=True)
+                fresh = list(compress(key_list, map(is_, found, repeat(None))))
+            unique = len(set(fresh)) == len(fresh)
+            if not unique:
+                fresh = list(dict.fromkeys(fresh))  # first occurrences, in key order
+            shortfall = len(fresh) - free.available()
+            if shortfall > 0:
+                self._evict(ns, shortfall, self._protected(index, key_list))
+            # Eviction only removes keys: `fresh` is still exactly the keys not in the index.
+            slots = free.allocate_many(len(fresh))
+            stored = fresh if len(slots) == len(fresh) else fresh[: len(slots)]
+            slot_list = index.reserve_many(stored, slots, keys_free=True)
             decisions = _store_decisions(key_list, stored, fresh[len(slots) :], unique)
             store_id = 0
             if slot_list:
@@ -657,24 +652,21 @@ class Pool:
             return StoreReservation(store_id, decisions, tuple(slot_list))
 
     @staticmethod
-    def _reserve_new(
-        ns: _Namespace, keys: list[PoolKey]
-    ) -> tuple[np.ndarray | list[int], list[int] | None]:
+    def _reserve_new(ns: _Namespace, packed: bytes, n: int) -> np.ndarray | None:
         """The fast path of `reserve_store` for a large batch of keys that are all new and fit
-        in the free slots: allocate, then insert and check in one index pass. (slots, slot
-        list) when that worked, else ([], None) with nothing changed (a key is known or
+        in the free slots: allocate, then insert and check in one key-map pass over the packed
+        request. The slots when that worked, else None with nothing changed (a key is known or
         repeats, the batch is small, or eviction is needed): the caller takes the general
         path."""
-        n, free = len(keys), ns.free
+        free = ns.free
         if n <= allocator.VECTOR_MIN or n > free.available():
-            return [], None
+            return None
         mark = free.mark()
         slots = free.allocate_many(n)
-        slot_list = ns.index.reserve_if_new(keys, slots)  # type: ignore[arg-type]
-        if slot_list is None:
+        if not ns.index.reserve_new_packed(packed, slots):
             free.rewind(mark)
-            return [], None
-        return slots, slot_list
+            return None
+        return slots
 
     @staticmethod
     def _protected(index: SlotIndex, request: Sequence[PoolKey]) -> Container[PoolKey]:
@@ -842,11 +834,17 @@ class Pool:
 
     # -- helpers (lock held) ------------------------------------------------------------------
 
-    def _touch(self, ns: _Namespace, keys: Sequence[PoolKey]) -> None:
-        """`policy.touch(keys)`, deferred until `flush_deferred` or the next policy use (callers
-        touch a few keys at once instead, cheaper than queueing, when nothing is queued)."""
-        ns.touches.append(keys)
-        ns.touched += len(keys)
+    def _touch_packed(self, ns: _Namespace, packed: bytes, n: int) -> None:
+        """`policy.touch` of the first n packed keys, deferred (still packed: cutting them into
+        keys waits too) until `flush_deferred` or the next policy use; a few keys are touched
+        at once instead, cheaper than queueing, when nothing is queued."""
+        ks = ns.spec.key_size
+        hit = packed if n * ks == len(packed) else packed[: n * ks]
+        if n < DEFER_TOUCH_MIN and not ns.touches:
+            ns.policy.touch(split_keys(hit, ks))
+            return
+        ns.touches.append(hit)
+        ns.touched += n
         self._deferred = True
         if ns.touched > MAX_DEFERRED_TOUCHES:
             self._apply_touches(ns)
@@ -854,9 +852,9 @@ class Pool:
     @staticmethod
     def _apply_touches(ns: _Namespace) -> None:
         if ns.touches:
-            touch = ns.policy.touch
-            for keys in ns.touches:
-                touch(keys)
+            touch, ks = ns.policy.touch, ns.spec.key_size
+            for packed in ns.touches:
+                touch(split_keys(packed, ks, max_keys=len(packed)))
             ns.touches.clear()
             ns.touched = 0
 
@@ -893,19 +891,20 @@ class Pool:
             raise InvalidArgument(f"{what} must be an unsigned 64-bit integer, got {value!r}")
 
     @staticmethod
-    def _split_queries(ns: _Namespace, queries: Iterable[bytes]) -> list[list[PoolKey]]:
+    def _check_queries(ns: _Namespace, queries: Iterable[bytes]) -> list[tuple[bytes, int]]:
+        """(packed keys, key count) per query, every one checked before any is looked up."""
         if isinstance(queries, (bytes, str)):
             raise InvalidArgument("queries must be a sequence of packed key lists")
-        out: list[list[PoolKey]] = []
+        out: list[tuple[bytes, int]] = []
         total = 0
         for q in queries:
             if len(out) >= MAX_KEYS_PER_CALL:
                 raise InvalidArgument(f"more than {MAX_KEYS_PER_CALL} queries in one lookup")
-            keys = split_keys(q, ns.spec.key_size)
-            total += len(keys)
+            packed, n = check_packed(q, ns.spec.key_size)
+            total += n
             if total > MAX_KEYS_PER_CALL:
                 raise InvalidArgument(f"more than {MAX_KEYS_PER_CALL} keys in one lookup")
-            out.append(keys)
+            out.append((packed, n))
         return out
 
 

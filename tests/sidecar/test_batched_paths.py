@@ -13,7 +13,7 @@ import struct
 
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
-from kvoffload_sidecar import allocator, convert
+from kvoffload_sidecar import allocator, convert, keymap
 from kvoffload_sidecar import pool as pool_module
 from kvoffload_sidecar.allocator import FreeSlots
 from kvoffload_sidecar.index import SlotIndex, SlotState
@@ -110,7 +110,7 @@ def test_pin_prefix_pins_the_committed_prefix_only(vector_min):
     index.commit_rank(1, 0)
     assert index.pin_prefix(5, 1, [key_bytes(2), key_bytes(0)]) is None  # reserved: invisible
     record = index.pin_prefix(6, 1, [key_bytes(0), key_bytes(1), key_bytes(2), key_bytes(0)])
-    assert record is not None and record.slots == (3, 2)
+    assert record is not None and list(record.slots) == [3, 2]
     assert (index.pin_count(3), index.pin_count(2), index.counts.pinned) == (1, 1, 2)
     index.check(free_slots=set(range(4, 8)))
 
@@ -290,29 +290,40 @@ def test_random_histories_match_the_key_by_key_rules(make_pool, small_spec, name
 def test_numpy_and_loop_paths_give_identical_answers(make_pool, small_spec, tmp_path, name):
     """The same seeded history of 2..80-key calls (repeats, partial hits, eviction, pins of
     repeated keys) against a pool whose index and allocator take the numpy paths from 2 slots
-    up and one that loops over every batch: every answer and every counter is the same."""
-    pools = {}
-    for vector_min in (1, 1 << 30):
-        (tmp_path / str(vector_min)).mkdir()
-        pools[vector_min] = make_pool(
-            eviction=name, pool_dir=tmp_path / str(vector_min), prefault=False
-        )
-    regs = {v: p.register(small_spec(), 1, 64 << 10, "t") for v, p in pools.items()}  # 128 slots
+    up, one that loops over every batch, and (where it is built) one whose key map is the
+    native one: every answer and every counter is the same."""
+    kinds = [(1, False), (1 << 30, False)] + ([(1, True)] if keymap.NativeKeyMap else [])
+    pools, regs = {}, {}
+    for vector_min, native in kinds:
+        where = tmp_path / f"{vector_min}-{native}"
+        where.mkdir()
+        pools[vector_min, native] = pool = make_pool(eviction=name, pool_dir=where, prefault=False)
+        with pytest.MonkeyPatch.context() as mp:  # the key map's kind is chosen at register
+            mp.setenv("KVOFFLOAD_NATIVE_INDEX", "1" if native else "0")
+            regs[vector_min, native] = pool.register(small_spec(), 1, 64 << 10, "t")  # 128 slots
     rng = random.Random(20261123)
     stores: list[int] = []
     pins: list[int] = []
 
+    def normal(answer):  # noqa: ANN001, ANN202 - slots may be a tuple or an int array
+        if isinstance(answer, LoadPin):
+            return ("pin", answer.pin_id, tuple(map(int, answer.slots)))
+        if isinstance(answer, StoreReservation):
+            return ("store", answer.store_id, answer.decisions, tuple(map(int, answer.slots)))
+        return answer
+
     def both(call):  # noqa: ANN001, ANN202 - call(pool, namespace, client) on each pool
-        answers = []
-        for vector_min, pool in pools.items():
+        answers, raws = [], []
+        for (vector_min, native), pool in pools.items():
             allocator.VECTOR_MIN = vector_min
-            reg = regs[vector_min]
+            reg = regs[vector_min, native]
             try:
-                answers.append(call(pool, reg.namespace_id, reg.client_id))
+                raws.append(call(pool, reg.namespace_id, reg.client_id))
             except Exception as exc:  # noqa: BLE001 - compared like answers
-                answers.append((type(exc), str(exc)))
-        assert answers[0] == answers[1]
-        return answers[0]
+                raws.append((type(exc), str(exc)))
+            answers.append(normal(raws[-1]))
+        assert all(a == answers[0] for a in answers), answers
+        return raws[0]
 
     default = allocator.VECTOR_MIN
     try:
@@ -349,7 +360,7 @@ def test_numpy_and_loop_paths_give_identical_answers(make_pool, small_spec, tmp_
             if step % 25 == 0:
                 both(lambda p, ns, cid: (p.check_invariants(), p.stats().namespaces))
         both(lambda p, ns, cid: (p.check_invariants(), p.stats().namespaces))
-        stats = pools[1].stats().namespaces[0]
+        stats = pools[1, False].stats().namespaces[0]
         assert stats.evicted_blocks > 500 and stats.loaded_blocks > 1000, stats
     finally:
         allocator.VECTOR_MIN = default

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from kvoffload_sidecar import keymap
 from kvoffload_sidecar.allocator import FreeSlots
 from kvoffload_sidecar.errors import InvalidArgument, NotFound
 from kvoffload_sidecar.index import SlotIndex, SlotState
@@ -30,6 +31,10 @@ def test_free_slots_are_gated_by_the_prefault_frontier():
         free.release(3)
 
 
+NATIVE = [False, True] if keymap.NativeKeyMap is not None else [False]
+
+
+@pytest.mark.parametrize("native", NATIVE, ids=lambda n: "native" if n else "dict")
 @pytest.mark.parametrize(
     "batch",
     [
@@ -38,20 +43,24 @@ def test_free_slots_are_gated_by_the_prefault_frontier():
         [k(1), k(2), k(1), k(2)],  # nothing new at all
     ],
 )
-def test_reserve_if_new_refuses_known_or_repeated_keys_and_changes_nothing(batch):
+def test_reserve_new_packed_refuses_known_or_repeated_keys_and_changes_nothing(batch, native):
     import numpy as np
 
-    index = SlotIndex(slot_count=16, num_ranks=1)
+    index = SlotIndex(slot_count=16, num_ranks=1, key_size=8, native=native)
     index.reserve_many([k(1), k(2)], [0, 1])
     index.open_store(1, client_id=1, slots=[0, 1], keys=[k(1), k(2)])
-    before = (dict(index._slot_of), bytes(index._state), index.counts.reserved)
-    assert index.reserve_if_new(batch, np.arange(4, 8)) is None
-    assert (dict(index._slot_of), bytes(index._state), index.counts.reserved) == before
+    before = (dict(index._slot_of.items()), bytes(index._state), index.counts.reserved)
+    assert index.reserve_new_packed(b"".join(batch), np.arange(4, 8)) is False
+    assert (dict(index._slot_of.items()), bytes(index._state), index.counts.reserved) == before
     index.check(free_slots=set(range(2, 16)))
     fresh = [k(20), k(21), k(22), k(23)]
-    assert index.reserve_if_new(fresh, np.arange(4, 8)) == [4, 5, 6, 7]
+    assert index.reserve_new_packed(b"".join(fresh), np.arange(4, 8)) is True
     assert [index.find(x) for x in fresh] == [4, 5, 6, 7]
     assert index.state(5) == SlotState.RESERVED and index.counts.reserved == 6
+    index.open_store_packed(2, client_id=1, slots=np.arange(4, 8), packed=b"".join(fresh))
+    index.check(free_slots=set(range(2, 4)) | set(range(8, 16)))
+    assert index.commit_rank(2, 0) == fresh  # the packed keys are cut when the commit needs them
+    assert list(index.committed_prefix_packed(b"".join([k(20), k(21), k(9), k(22)]))) == [4, 5]
 
 
 def test_slot_lifecycle_and_counts():
