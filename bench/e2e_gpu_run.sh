@@ -87,6 +87,8 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBU
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+bash bench/build_native.sh | tee -a "$OUT/env.txt"  # the sidecar's C key map for this python
+
 if [[ ${RPC_BENCH:-0} == 1 ]]; then
   timeout 120 python3 bench/sidecar_rpc.py --calls 2000 --pool-dir /dev/shm \
     --out "$OUT/sidecar_rpc_host.json" 2>&1 | tail -20

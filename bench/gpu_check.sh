@@ -47,6 +47,7 @@ if [[ $mode == bench || $mode == all ]]; then
   rc=$((rc | PIPESTATUS[0]))
 fi
 if [[ $mode == rpc ]]; then
+  bash bench/build_native.sh  # the sidecar's C key map for this python (else the dict serves)
   timeout 420 python3 bench/sidecar_rpc.py --out "$OUT/sidecar_rpc.json" "$@" 2>&1 |
     tee "$OUT/rpc.txt" | tail -32
   rc=$((rc | PIPESTATUS[0]))
