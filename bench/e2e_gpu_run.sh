@@ -40,7 +40,7 @@
 # blocks (measured: 12.82 GiB at 1 MiB a block; gemma3-12b: --gpu-blocks 14000).
 # Environment: E2E_CONFIGS (llama phase's configurations), POOL_GIB (sidecar pool, default 48; 32
 # for smoke), CPU_GIB (vLLM connectors' cpu_bytes_to_use in GiB, default 48).
-# SIZES: the graphs phase's TTFT prompt lengths (default 2000,10000,32000).
+# SIZES, REPS: the graphs phase's TTFT prompt lengths (default 2000,10000,32000) and repeats (3).
 # E2E_EXTRA: more bench/e2e_gpu.py flags for graphs-hybrid (e.g. --profile).
 # CLOCKS=1: sample the GPU's SM clock and power every 0.5 s into $OUT/clocks.csv.
 # ROUNDS, CFG_BUDGET: decode-ab's interleaved rounds (3) and seconds per configuration (75).
@@ -206,7 +206,7 @@ case $phase in
       tail -3 "$OUT/tests_gpu.txt"
     fi
     drive llama3-8b-graphs llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading,simple}" \
-      --sections ttft --sizes ${SIZES:-2000,10000,32000} --reps 3 --config-budget-s ${CFG_BUDGET:-110} \
+      --sections ttft --sizes ${SIZES:-2000,10000,32000} --reps ${REPS:-3} --config-budget-s ${CFG_BUDGET:-110} \
       --cuda-graphs --profile
     ;;
   graphs-ab)
