@@ -109,7 +109,8 @@ NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
     NamespaceMetric(
         "kvoffload_loaded_blocks",
         "counter",
-        "Slots pinned for loading.",
+        "Slots pinned for loading (the connector pins a request's whole hit prefix, chunks "
+        "its GPU still holds included, and copies only the rest).",
         (NAMESPACE_LABEL,),
         _one("loaded_blocks"),
     ),
@@ -130,7 +131,8 @@ NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
     NamespaceMetric(
         "kvoffload_loaded_bytes",
         "counter",
-        "Bytes of slots pinned for loading (all ranks).",
+        "Bytes of slots pinned for loading, all ranks (whole hit prefixes: more than the "
+        "bytes copied when the GPU still holds part of a prefix).",
         (NAMESPACE_LABEL,),
         _one("loaded_bytes"),
     ),
