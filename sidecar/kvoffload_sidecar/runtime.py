@@ -13,6 +13,7 @@ import signal
 
 from kvoffload_sidecar.config import SidecarConfig
 from kvoffload_sidecar.errors import PoolError
+from kvoffload_sidecar.keymap import native_enabled
 from kvoffload_sidecar.metrics import MetricsHttpServer
 from kvoffload_sidecar.pool import Pool, PoolSettings
 from kvoffload_sidecar.server import SidecarServer, create_server
@@ -62,7 +63,12 @@ async def serve(config: SidecarConfig, pool: Pool, *, stop: asyncio.Event | None
             host = config.metrics_listen.rpartition(":")[0]
             log.info("metrics on http://%s:%d/metrics", host, http.port)
         extra = f", health+Stats on TCP port {sidecar.tcp_port}" if config.listen else ""
-        log.info("serving KVPool on %s%s", sidecar.socket_target, extra)
+        log.info(
+            "serving KVPool on %s%s (key index: %s)",
+            sidecar.socket_target,
+            extra,
+            "native" if native_enabled() else "dict",
+        )
         reaper = asyncio.create_task(reap_forever(pool, config.reap_interval_s))
         await stop.wait()
         log.info(
