@@ -253,7 +253,7 @@ class SlotIndex:
         used = self._state_v[slots]
         if used.any():
             raise ValueError(f"slot {int(slots[used.argmax()])} is already in use")
-        if not self._slot_of.insert_new(packed, slots.astype(np.int64, copy=False)):
+        if not self._slot_of.insert_new(packed, np.ascontiguousarray(slots, dtype=np.int64)):
             return False
         self._state_v[slots] = _RESERVED
         self.counts.reserved += n
