@@ -209,6 +209,17 @@ static int packed_arg(KeyMap *m, Py_buffer *buf, Py_ssize_t *n) {
     return 0;
 }
 
+/* The bucket of a key argument into *i (-1 when absent: another size is never a member);
+   -1 with an exception set when the argument is no bytes. */
+static int bucket_of(KeyMap *m, PyObject *key, Py_ssize_t *i) {
+    const unsigned char *k;
+    int ok = key_arg(m, key, &k);
+    if (ok < 0)
+        return -1;
+    *i = ok ? find(m, k, tag_of(m, k)) : -1;
+    return 0;
+}
+
 static PyObject *int64_bytes(Py_ssize_t n, int64_t **data) {
     PyObject *out = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     if (out)
@@ -246,19 +257,16 @@ static void KeyMap_dealloc(KeyMap *self) {
 static Py_ssize_t KeyMap_len(KeyMap *self) { return self->len; }
 
 static int KeyMap_contains(KeyMap *self, PyObject *key) {
-    const unsigned char *k;
-    int ok = key_arg(self, key, &k);
-    if (ok <= 0)
-        return ok;
-    return find(self, k, tag_of(self, k)) >= 0;
+    Py_ssize_t i;
+    if (bucket_of(self, key, &i) < 0)
+        return -1;
+    return i >= 0;
 }
 
 static PyObject *KeyMap_subscript(KeyMap *self, PyObject *key) {
-    const unsigned char *k;
-    int ok = key_arg(self, key, &k);
-    if (ok < 0)
+    Py_ssize_t i;
+    if (bucket_of(self, key, &i) < 0)
         return NULL;
-    Py_ssize_t i = ok ? find(self, k, tag_of(self, k)) : -1;
     if (i < 0) {
         PyErr_SetObject(PyExc_KeyError, key);
         return NULL;
@@ -306,11 +314,9 @@ static PyObject *KeyMap_get(KeyMap *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "get(key, default=None)");
         return NULL;
     }
-    const unsigned char *k;
-    int ok = key_arg(self, args[0], &k);
-    if (ok < 0)
+    Py_ssize_t i;
+    if (bucket_of(self, args[0], &i) < 0)
         return NULL;
-    Py_ssize_t i = ok ? find(self, k, tag_of(self, k)) : -1;
     if (i >= 0)
         return PyLong_FromLongLong(VAL(self, i));
     PyObject *dflt = nargs == 2 ? args[1] : Py_None;
@@ -323,11 +329,9 @@ static PyObject *KeyMap_pop(KeyMap *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_TypeError, "pop(key, default)");
         return NULL;
     }
-    const unsigned char *k;
-    int ok = key_arg(self, args[0], &k);
-    if (ok < 0)
+    Py_ssize_t i;
+    if (bucket_of(self, args[0], &i) < 0)
         return NULL;
-    Py_ssize_t i = ok ? find(self, k, tag_of(self, k)) : -1;
     if (i < 0) {
         Py_INCREF(args[1]);
         return args[1];
