@@ -105,24 +105,36 @@ def metrics(llm) -> dict[str, float]:
     return out
 
 
-def settle_pool(socket: str, quiet_s: float = 0.5, max_s: float = 10.0) -> None:
-    """Wait until the sidecar's committed slots stop changing for `quiet_s` (the last stores'
-    commits, sent by each rank after its copy, have landed), at most `max_s`. A commit that is
-    lost stays lost: the count settles lower and the hit assertions still fail."""
+def settle_pool(socket: str, quiet_s: float = 0.5, max_s: float = 20.0) -> None:
+    """Wait until no store reservation is open (every rank's commit of the last stores, sent
+    from its RPC thread after the copy, has landed) and the committed count has not moved for
+    `quiet_s`; at most `max_s`. On a loaded 2-core box a TP=2 worker's commit can trail the
+    other rank's by more than a fixed pause. A commit that is lost stays lost: its slots stay
+    reserved, the wait ends at `max_s`, and the hit assertions still fail."""
     from kvoffload_connector.client import PoolClient
 
     client = PoolClient(socket, "test/settle", rpc_timeout_s=2)
+    start = time.monotonic()
+    last, since, end, most_reserved = -1, start, start + max_s, 0
     try:
-        last, since, end = -1, time.monotonic(), time.monotonic() + max_s
         while time.monotonic() < end:
-            committed = sum(ns.committed_slots for ns in client.stats().namespaces)
-            if committed != last:
+            namespaces = client.stats().namespaces
+            committed = sum(ns.committed_slots for ns in namespaces)
+            reserved = sum(ns.reserved_slots for ns in namespaces)
+            most_reserved = max(most_reserved, reserved)
+            if committed != last or reserved:
                 last, since = committed, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
-                return
+                break
             time.sleep(0.05)
     finally:
         client.close()
+        print(
+            f"settle_pool: {time.monotonic() - start:.2f} s, {last} committed, "
+            f"up to {most_reserved} reserved while waiting",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def scenario_reset(args: argparse.Namespace) -> dict:
