@@ -4,13 +4,15 @@ Mechanics only: no eviction choice (that is the policy's) and no free list (the 
 Per-slot state lives in compact arrays (state: a bytearray, pin count: array('I'); 5 bytes a
 slot, with numpy views of the same memory for batch operations) that grow with the highest slot
 ever used, so a large, mostly empty pool costs almost nothing;
-only live keys are dict entries. There is no slot -> key table: a reserved slot's key is in its
-store record (which commit and abort read), and eviction goes from keys (the policy's) to slots.
+only live keys are in the key map (keymap.py: C, or a dict). There is no slot -> key table: a
+reserved slot's key is in its store record (which commit and abort read), and eviction goes
+from keys (the policy's) to slots.
 
-The pool calls the batched forms (`committed_prefix`, `pin_prefix`, `reserve_many`, `evict_many`)
-once per request: key -> slot is one whole-list pass over the dict (`map(dict.get)`,
-`dict.update`), and every per-slot check and update is one numpy fancy-index operation on the
-batch's slot array instead of a Python loop; everything is checked before anything changes.
+The pool calls the batched forms once per request: the packed ones (`committed_prefix_packed`,
+`pin_prefix_packed`, `reserve_new_packed`) answer from the request's bytes in one key-map pass;
+`reserve_many` and `evict_many` take key lists. Every per-slot check and update is one numpy
+fancy-index operation on the batch's slot array instead of a Python loop; everything is
+checked before anything changes.
 Batches of at most `VECTOR_MIN` slots keep the Python loops, cheaper than numpy's per-call
 overhead there (see docs/BENCHMARKS.md, "Sidecar index" and "Sidecar RPC").
 
@@ -129,43 +131,6 @@ class SlotIndex:
     def slots_of(self, keys: Sequence[PoolKey]) -> list[int | None]:
         """Per key, its slot (reserved or committed) or None; one C-level pass."""
         return list(map(self._slot_of.get, keys))
-
-    def committed_prefix(self, keys: Sequence[PoolKey]) -> list[int]:
-        """Slots of the longest prefix of `keys` that is committed (visible)."""
-        return self._committed_prefix(keys)[0]
-
-    def _committed_prefix(
-        self, keys: Sequence[PoolKey], expect_all: bool = False
-    ) -> tuple[list[int], np.ndarray | None]:
-        """(`committed_prefix(keys)`, the same slots as an intp array when one was built).
-        `expect_all`: every key is likely in the index (a load of a looked-up prefix): try a
-        `__getitem__` pass first, which skips the scan for a missing key when it succeeds."""
-        slots: list[int | None] | None = None
-        if expect_all and len(keys) > allocator.VECTOR_MIN:
-            try:
-                slots = list(map(self._slot_of.__getitem__, keys))
-            except KeyError:
-                slots = None
-        if slots is None:
-            slots = list(map(self._slot_of.get, keys))
-            if None in slots:  # cheaper than catching index()'s ValueError when all are found
-                del slots[slots.index(None) :]
-        if not self.counts.reserved or not slots:  # else every mapped key is committed
-            return slots, None  # type: ignore[return-value]
-        state = self._state_v
-        if len(slots) <= allocator.VECTOR_MIN:
-            for i, slot in enumerate(slots):
-                if self._state[slot] != _COMMITTED:
-                    del slots[i:]
-                    break
-            return slots, None  # type: ignore[return-value]
-        arr = as_slot_array(slots)  # type: ignore[arg-type]
-        hidden = state[arr] != _COMMITTED
-        if hidden.any():
-            cut = int(hidden.argmax())
-            del slots[cut:]
-            arr = arr[:cut]
-        return slots, arr  # type: ignore[return-value]
 
     def is_pinned_key(self, key: object) -> bool:
         slot = self._slot_of.get(key)  # type: ignore[call-overload]
@@ -409,12 +374,6 @@ class SlotIndex:
                 raise ValueError(f"slot {int(arr[hidden.argmax()])} is not committed")
         return self._pin(pin_id, client_id, slots, arr)
 
-    def pin_prefix(self, pin_id: int, client_id: int, keys: Sequence[PoolKey]) -> PinRecord | None:
-        """`pin` the slots of `committed_prefix(keys)` in one pass; None (no record) when the
-        prefix is empty."""
-        slots, arr = self._committed_prefix(keys, expect_all=True)
-        return self._pin(pin_id, client_id, slots, arr) if slots else None
-
     def committed_prefix_packed(self, packed: bytes) -> np.ndarray:
         """Slots (int64) of the longest committed prefix of a request's packed keys: one pass
         of the key map over the request (no key objects), then one state check."""
@@ -426,7 +385,8 @@ class SlotIndex:
         return arr
 
     def pin_prefix_packed(self, pin_id: int, client_id: int, packed: bytes) -> PinRecord | None:
-        """`pin_prefix` for a request's packed keys; None (no record) when the prefix is empty."""
+        """`pin` the slots of `committed_prefix_packed(packed)` in one pass; None (no record)
+        when the prefix is empty."""
         arr = self.committed_prefix_packed(packed)
         if not len(arr):
             return None

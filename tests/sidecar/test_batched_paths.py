@@ -103,13 +103,15 @@ def test_reserve_many_and_evict_many_refuse_used_keys_or_slots_and_change_nothin
 
 
 def test_pin_prefix_pins_the_committed_prefix_only(vector_min):
-    index = SlotIndex(slot_count=8, num_ranks=1)
+    index = SlotIndex(slot_count=8, num_ranks=1, key_size=8)
     index.reserve_many([key_bytes(i) for i in range(4)], [3, 2, 1, 0])
     index.open_store(1, 1, [3, 2], [key_bytes(0), key_bytes(1)])  # these become visible
     index.open_store(2, 1, [1, 0], [key_bytes(2), key_bytes(3)])  # these stay reserved
     index.commit_rank(1, 0)
-    assert index.pin_prefix(5, 1, [key_bytes(2), key_bytes(0)]) is None  # reserved: invisible
-    record = index.pin_prefix(6, 1, [key_bytes(0), key_bytes(1), key_bytes(2), key_bytes(0)])
+    assert index.pin_prefix_packed(5, 1, key_bytes(2) + key_bytes(0)) is None  # reserved: invisible
+    record = index.pin_prefix_packed(
+        6, 1, key_bytes(0) + key_bytes(1) + key_bytes(2) + key_bytes(0)
+    )
     assert record is not None and list(record.slots) == [3, 2]
     assert (index.pin_count(3), index.pin_count(2), index.counts.pinned) == (1, 1, 2)
     index.check(free_slots=set(range(4, 8)))

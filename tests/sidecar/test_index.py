@@ -64,16 +64,16 @@ def test_reserve_new_packed_refuses_known_or_repeated_keys_and_changes_nothing(b
 
 
 def test_slot_lifecycle_and_counts():
-    index = SlotIndex(slot_count=8, num_ranks=2)
+    index = SlotIndex(slot_count=8, num_ranks=2, key_size=8)
     index.reserve(k(1), 0)
     index.reserve(k(2), 1)
     index.open_store(7, client_id=1, slots=[0, 1], keys=[k(1), k(2)])
     assert index.state(0) == SlotState.RESERVED and index.find(k(1)) == 0
-    assert index.committed_prefix([k(1), k(2)]) == []  # reserved is invisible
+    assert list(index.committed_prefix_packed(k(1) + k(2))) == []  # reserved is invisible
     assert index.commit_rank(7, 1) is None  # rank 0 still missing
     assert index.commit_rank(7, 0) == [k(1), k(2)]
     assert index.commit_rank(7, 0) == []  # a repeat of a completed store
-    assert index.committed_prefix([k(1), k(2), k(3)]) == [0, 1]
+    assert list(index.committed_prefix_packed(k(1) + k(2) + k(3))) == [0, 1]
     index.pin(1, client_id=1, slots=[0])
     index.pin(2, client_id=2, slots=[0, 1])
     assert (index.pin_count(0), index.counts.pinned) == (2, 2)
