@@ -77,12 +77,12 @@ static inline Py_ssize_t find(const KeyMap *m, const unsigned char *k, uint64_t 
     }
 }
 
-/* Slot of each of n packed keys (or -1) into out; stops at the first absent key when
-   `stop_at_miss`, returning how many were found. Tags of a group are computed and their buckets
-   prefetched before any is probed: the misses of a large map overlap instead of queueing. */
+/* Slots of the longest prefix of the n packed keys that is in the map, into out; returns its
+   length. Tags of a group are computed and their buckets prefetched before any is probed: the
+   misses of a large map overlap instead of queueing. */
 #define GROUP 16
-static Py_ssize_t find_many(const KeyMap *m, const unsigned char *keys, Py_ssize_t n,
-                            int64_t *out, int stop_at_miss) {
+static Py_ssize_t prefix_slots(const KeyMap *m, const unsigned char *keys, Py_ssize_t n,
+                               int64_t *out) {
     uint64_t tags[GROUP];
     Py_ssize_t ks = m->key_size;
     for (Py_ssize_t base = 0; base < n; base += GROUP) {
@@ -93,9 +93,9 @@ static Py_ssize_t find_many(const KeyMap *m, const unsigned char *keys, Py_ssize
         }
         for (Py_ssize_t j = 0; j < g; j++) {
             Py_ssize_t i = find(m, keys + (base + j) * ks, tags[j]);
-            if (i < 0 && stop_at_miss)
+            if (i < 0)
                 return base + j;
-            out[base + j] = i < 0 ? -1 : VAL(m, i);
+            out[base + j] = VAL(m, i);
         }
     }
     return n;
@@ -373,24 +373,9 @@ static PyObject *KeyMap_prefix(KeyMap *self, PyObject *arg) {
     PyObject *out = NULL;
     int64_t *data;
     if (packed_arg(self, &buf, &n) == 0 && (out = int64_bytes(n, &data)) != NULL) {
-        hit = find_many(self, buf.buf, n, data, 1);
+        hit = prefix_slots(self, buf.buf, n, data);
         if (hit < n)
             _PyBytes_Resize(&out, hit * (Py_ssize_t)sizeof(int64_t));
-    }
-    PyBuffer_Release(&buf);
-    return out;
-}
-
-static PyObject *KeyMap_get_packed(KeyMap *self, PyObject *arg) {
-    /* Per packed key its slot, or -1 when absent (int64 bytes). */
-    Py_buffer buf;
-    if (PyObject_GetBuffer(arg, &buf, PyBUF_SIMPLE) < 0)
-        return NULL;
-    Py_ssize_t n;
-    PyObject *out = NULL;
-    int64_t *data;
-    if (packed_arg(self, &buf, &n) == 0 && (out = int64_bytes(n, &data)) != NULL) {
-        find_many(self, buf.buf, n, data, 0);
     }
     PyBuffer_Release(&buf);
     return out;
@@ -450,8 +435,6 @@ static PyMethodDef KeyMap_methods[] = {
     {"items", (PyCFunction)KeyMap_items, METH_NOARGS, "list of (key, slot) pairs"},
     {"prefix", (PyCFunction)KeyMap_prefix, METH_O,
      "prefix(packed) -> int64 bytes: slots of the longest prefix of keys in the map"},
-    {"get_packed", (PyCFunction)KeyMap_get_packed, METH_O,
-     "get_packed(packed) -> int64 bytes: per key its slot or -1"},
     {"insert_new", (PyCFunction)(void (*)(void))KeyMap_insert_new, METH_FASTCALL,
      "insert_new(packed, int64 slots) -> bool: all keys new and distinct, else no change"},
     {NULL, NULL, 0, NULL},

@@ -1,12 +1,11 @@
 """The index's key -> slot map: native (`_keymap.c`) when it was built, else a dict.
 
 Both answer the same calls: the mapping ones the index's general paths use (`get`, `[]`, `in`,
-`del`, `len`, `items`, `pop`) and three batch calls on a request's packed keys, which the pool's
+`del`, `len`, `items`, `pop`) and two batch calls on a request's packed keys, which the pool's
 hot paths use so that a 1,024-key lookup, pin or store never cuts the request into 1,024 bytes
 objects before answering (docs/BENCHMARKS.md, "Sidecar index"):
 
 - `prefix(packed)`: the slots of the longest prefix of keys in the map, as int64 bytes;
-- `get_packed(packed)`: per key its slot or -1, as int64 bytes;
 - `insert_new(packed, slots)`: map each key to its slot (int64 bytes) when none is in the map
   and none repeats, True; else no change, False.
 
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import os
 from array import array
-from itertools import repeat
 from typing import Any, Protocol
 
 from kvoffload_sidecar.keys import PoolKey, split_keys
@@ -40,7 +38,6 @@ class KeyMapLike(Protocol):
     def items(self) -> Any: ...
     def pop(self, key: PoolKey, default: Any, /) -> Any: ...
     def prefix(self, packed: bytes) -> bytes: ...
-    def get_packed(self, packed: bytes) -> bytes: ...
     def insert_new(self, packed: bytes, slots: Any) -> bool: ...
 
 
@@ -65,10 +62,6 @@ class DictKeyMap(dict):
             del slots[slots.index(None) :]
         return array("q", slots).tobytes()
 
-    def get_packed(self, packed: bytes) -> bytes:
-        keys = self._split(packed)
-        return array("q", map(self.get, keys, repeat(-1, len(keys)))).tobytes()
-
     def insert_new(self, packed: bytes, slots: Any) -> bool:
         keys = self._split(packed)
         values = array("q", bytes(slots)).tolist()
@@ -92,7 +85,9 @@ def new_keymap(key_size: int | None, *, native: bool | None = None) -> KeyMapLik
     if native is None:
         native = key_size is not None and native_enabled()
     if native:
-        if NativeKeyMap is None or key_size is None:
+        if key_size is None:
+            raise ValueError("the native key map needs a key_size")
+        if NativeKeyMap is None:
             raise RuntimeError("the native key map (kvoffload_sidecar._keymap) is not built")
         return NativeKeyMap(key_size, int.from_bytes(os.urandom(8), "little"))
     return DictKeyMap(key_size)
