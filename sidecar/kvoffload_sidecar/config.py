@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvoffload_sidecar.keymap import native_enabled
 from kvoffload_sidecar.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
@@ -349,6 +350,10 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
         raise _error(
             flag["numa_node"], where, f"node {config.numa_node} does not exist under {NUMA_ROOT}"
         )
+    try:
+        native_enabled()  # read again for every namespace: a bad value must stop start-up
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return warnings
 
 

@@ -9,7 +9,8 @@ objects before answering (docs/BENCHMARKS.md, "Sidecar index"):
 - `insert_new(packed, slots)`: map each key to its slot (int64 bytes) when none is in the map
   and none repeats, True; else no change, False.
 
-`KVOFFLOAD_NATIVE_INDEX=0` forces the dict (a comparison, or a suspect native build).
+`KVOFFLOAD_NATIVE_INDEX=0` forces the dict (a comparison, or a suspect native build); the
+sidecar refuses to start on any value other than 1/0, true/false, yes/no, on/off.
 """
 
 from __future__ import annotations
@@ -73,9 +74,20 @@ class DictKeyMap(dict):
         return True
 
 
+NATIVE_ENV = "KVOFFLOAD_NATIVE_INDEX"
+_OFF, _ON = {"0", "false", "no", "off"}, {"", "1", "true", "yes", "on"}
+
+
 def native_enabled() -> bool:
-    """Whether new maps are native: built, and not turned off by KVOFFLOAD_NATIVE_INDEX=0."""
-    return NativeKeyMap is not None and os.environ.get("KVOFFLOAD_NATIVE_INDEX", "1") != "0"
+    """Whether new maps are native: built, and not turned off by KVOFFLOAD_NATIVE_INDEX=0
+    (or false/no/off). ValueError naming the variable for any other value."""
+    raw = os.environ.get(NATIVE_ENV, "1")
+    value = raw.strip().lower()
+    if value in _OFF:
+        return False
+    if value not in _ON:
+        raise ValueError(f"{NATIVE_ENV} must be 1 or 0 (or true/false, on/off), got {raw!r}")
+    return NativeKeyMap is not None
 
 
 def new_keymap(key_size: int | None, *, native: bool | None = None) -> KeyMapLike:

@@ -197,6 +197,14 @@ def test_environment_check_rejects(tmp_path: Path, make, expected: str) -> None:
         check_environment(make(tmp_path), mounts_text=TMPFS_MOUNTS.format(dir=tmp_path))
 
 
+def test_environment_check_rejects_a_bad_native_index_switch(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_INDEX", "maybe")
+    with pytest.raises(ConfigError, match="KVOFFLOAD_NATIVE_INDEX must be 1 or 0.*'maybe'"):
+        check_environment(_config(tmp_path), mounts_text=TMPFS_MOUNTS.format(dir=tmp_path))
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_INDEX", "Off")
+    assert check_environment(_config(tmp_path), mounts_text=TMPFS_MOUNTS.format(dir=tmp_path)) == []
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_environment_check_rejects_read_only_dir(tmp_path: Path) -> None:
     ro = tmp_path / "ro"

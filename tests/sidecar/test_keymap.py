@@ -139,8 +139,13 @@ def test_the_dict_fallback_takes_keys_of_any_size_without_packed_calls() -> None
 
 
 def test_kvoffload_native_index_0_turns_the_native_map_off(monkeypatch) -> None:
+    for off in ("0", "false", "OFF", " no "):
+        monkeypatch.setenv("KVOFFLOAD_NATIVE_INDEX", off)
+        assert not keymap.native_enabled(), off
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_INDEX", "2")
+    with pytest.raises(ValueError, match="KVOFFLOAD_NATIVE_INDEX must be 1 or 0"):
+        keymap.native_enabled()
     monkeypatch.setenv("KVOFFLOAD_NATIVE_INDEX", "0")
-    assert not keymap.native_enabled()
     assert isinstance(new_keymap(32), DictKeyMap)
     with pytest.raises(ValueError, match="key_size"):
         new_keymap(None, native=True)  # the native map has fixed-size keys
