@@ -58,7 +58,7 @@ def build(kind, pools, chunk_blocks=4, slot_count=40, **kw):
     return setup, layout, pools(layout.slot_bytes, slot_count)
 
 
-def small_engine(layout, pool, blocks_per_piece=3, dma_streams=1):
+def small_engine(layout, pool, blocks_per_piece=3, dma_streams=1, batch_copies=True):
     """Staging pieces of a few blocks and a ring of 2: many pieces, ring reuse in every job."""
     from kvoffload_connector.transfer.cuda import CudaEngine
 
@@ -70,6 +70,7 @@ def small_engine(layout, pool, blocks_per_piece=3, dma_streams=1):
         piece_bytes=blocks_per_piece * gbb,
         ring=2,
         dma_streams=dma_streams,
+        batch_copies=batch_copies,
     )
 
 
@@ -84,6 +85,28 @@ def test_round_trip_every_kind_and_dtype(kind, dtype, pools):
             round_trip(setup, layout, pool, engine, rng, max_blocks=12)
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["LBHNC", "BLHNC"])
+def test_batched_and_per_run_dma_write_the_same_pool_bytes(kind, pools):
+    """The same jobs through one cuMemcpyBatchAsync per piece and through one cuMemcpyAsync
+    per run: identical pool bytes after the stores, bit-exact loads from both."""
+    setup, layout, pool = build(kind, pools, groups=2, heads=3, dtype="bfloat16")
+    batched = small_engine(layout, pool, blocks_per_piece=5)
+    per_run = small_engine(layout, pool, blocks_per_piece=5, batch_copies=False)
+    try:
+        assert batched._batch is not None, "this driver has no cuMemcpyBatchAsync"
+        assert per_run._batch is None
+        for seed in range(3):
+            snaps = []
+            for engine in (batched, per_run):
+                pool.tensor.fill_(POISON)
+                round_trip(setup, layout, pool, engine, random.Random(seed), max_blocks=16)
+                snaps.append(pool.tensor.clone())
+            assert torch.equal(*snaps)
+    finally:
+        batched.shutdown()
+        per_run.shutdown()
 
 
 @pytest.mark.parametrize("kind", KIND_NAMES)

@@ -27,17 +27,22 @@ side: 16 MiB stores 0.3-0.4 GB/s faster at 16-32 KiB pages, loads alike).
 
 - LOAD by layer (``submit_layered``, for a request that runs in the same step): no staging.
   One copy kernel per layer, in forward order, reads that layer's bytes of every block straight
-  from the pool through its UVA mapping (SM copies reach ~51 GB/s at any page size with 32 CTAs,
-  DESIGN.md) on the load kernel stream, and records that layer's event; ``wait_layer`` makes the
-  compute stream wait for it on the GPU (the host never waits). Layer L's attention runs while
-  layers L+1.. still cross PCIe, so the step costs about max(load, compute), not their sum.
+  from the pool through its UVA mapping on the load kernel stream with ``layer_ctas`` (8) CTAs,
+  and records that layer's event; ``wait_layer`` makes the compute stream wait for it on the GPU
+  (the host never waits). Layer L's attention runs while layers L+1.. still cross PCIe, so the
+  step costs about max(load, compute), not their sum. Why 8 CTAs (``bench/overlap.py``, H100,
+  a 1.22 GiB load beside 32 layers of Llama-3-8B GEMMs): alone, 4-32 CTAs all load at 47-50
+  GB/s; beside a 4,096-token forward the copy CTAs take SMs from the GEMMs, and the forward
+  grew by 16 ms with 32 CTAs, 9 with 16, 7 with 8 and 11 with 4 (2 CTAs starve the copy).
 
 Host path (what stands between ``submit()`` and the first DMA): validation against per-layout
 limits read once (``BatchValidator``), one sort and the piece cuts (``JobPlan``), then piece 0 is
-queued before the DMA runs of the other pieces are built. Nothing is allocated or created per
-job: the compute-stream and hand-over events are re-recorded, the timing events come from a
-per-pipe free list, the block ids go through persistent pinned and device buffers
-(``_BlockIds``), and the compute stream's driver handle is cached per stream.
+queued before the DMA runs of the other pieces are built. A piece's DMA runs go to the driver in
+one ``cuMemcpyBatchAsync`` (``batch_copy.py``; a ``cuMemcpyAsync`` per run where the driver has
+no batch call), so a job's host time no longer grows by ~10 µs per slot run. Nothing is
+allocated or created per job: the compute-stream and hand-over events are re-recorded, the
+timing events come from a per-pipe free list, the block ids go through persistent pinned and
+device buffers (``_BlockIds``), and the compute stream's driver handle is cached per stream.
 
 Completion: a pair of timing events per job (start, end), the end queried by ``poll`` (never
 blocks); the pair returns to its pipe's free list once the job is reported. Jobs of one direction
@@ -56,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvoffload_connector.transfer.batch_copy import BatchCopy, CopyRuns
 from kvoffload_connector.transfer.engine import (
     BatchValidator,
     Direction,
@@ -126,6 +132,7 @@ class _Pipe:
         self.dmas = [torch.cuda.Stream(device, priority=priority) for _ in range(dmas)]
         self.kernel_h = drv.CUstream(self.kernel.cuda_stream)
         self.dma_h = [drv.CUstream(d.cuda_stream) for d in self.dmas]
+        self.dma_raw = [d.cuda_stream for d in self.dmas]  # for the ctypes batch call
         flags = _NO_TIMING
         self.filled = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
         self.free = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
@@ -272,9 +279,10 @@ class CudaEngine:
         ring: int = 2,
         store_ctas: int = 8,
         load_ctas: int = 16,
-        layer_ctas: int = 32,
+        layer_ctas: int = 8,
         dma_streams: int = 1,
         edge_bytes: int = 16 << 20,
+        batch_copies: bool = True,
     ) -> None:
         import torch
 
@@ -317,6 +325,8 @@ class CudaEngine:
         from cuda.bindings import driver
 
         self._driver = driver
+        # a piece's DMA runs in one driver call where the driver has it (batch_copy.py)
+        self._batch = BatchCopy.load(device.index) if batch_copies else None
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
         self._done: dict[int, JobResult] = {}
@@ -380,26 +390,28 @@ class CudaEngine:
         if self.trace is not None:
             self.trace = [("submit", time.perf_counter())]
         nbytes = self._validate(self._pool.slot_count, direction, batches)
-
-        def enqueue() -> _Job:
-            self._mark("locked")
-            store = direction is Direction.STORE
-            # sorted and cut up front; DMA runs of piece 0 first, the rest while it copies
-            plan = JobPlan(
-                batches,
-                self._block_bytes,
-                self._pool.slot_bytes,
-                self._capacity,
-                self._pool.piece_bytes,
-                head=self._edge_bytes if store else 0,
-                tail=0 if store else self._edge_bytes,
-            )
-            self._mark("planned")
-            return self._enqueue(job_id, direction, plan, nbytes)
-
         with self._lock:
-            if self._admit(job_id, enqueue, self._refusal()):
+            enqueue = lambda: self._plan_and_enqueue(job_id, direction, batches, nbytes)  # noqa: E731
+            if self._admit(job_id, enqueue):
                 self._mark("enqueued")
+
+    def _plan_and_enqueue(
+        self, job_id: int, direction: Direction, batches: Sequence[TransferBatch], nbytes: int
+    ) -> _Job:
+        self._mark("locked")
+        store = direction is Direction.STORE
+        # sorted and cut up front; DMA runs of piece 0 first, the rest while it copies
+        plan = JobPlan(
+            batches,
+            self._block_bytes,
+            self._pool.slot_bytes,
+            self._capacity,
+            self._pool.piece_bytes,
+            head=self._edge_bytes if store else 0,
+            tail=0 if store else self._edge_bytes,
+        )
+        self._mark("planned")
+        return self._enqueue(job_id, direction, plan, nbytes)
 
     def submit_layered(self, job_id: int, batches: Sequence[TransferBatch]) -> None:
         """A LOAD by layer for this step's forward (see the module docstring). Call
@@ -408,7 +420,7 @@ class CudaEngine:
         nothing for the forward to wait for: the caller reports the blocks as load errors)."""
         nbytes = self._validate(self._pool.slot_count, Direction.LOAD, batches)
         with self._lock:
-            refusal = self._refusal() or (None if self._stages else "no layer map")
+            refusal = None if self._stages else "no layer map"
             if self._admit(job_id, lambda: self._enqueue_layered(job_id, batches, nbytes), refusal):
                 self._layered = True
 
@@ -418,14 +430,15 @@ class CudaEngine:
             return None
         return self._pool.error or "pool not registered with CUDA (yet)"
 
-    def _admit(self, job_id: int, enqueue: Callable[[], _Job], refusal: str | None) -> bool:
+    def _admit(self, job_id: int, enqueue: Callable[[], _Job], refusal: str | None = None) -> bool:
         """Under the lock: raise for a shut-down engine or a job id still in use; otherwise
-        queue the job, or record it failed (``refusal``, or an error while enqueuing). True
-        when queued."""
+        queue the job, or record it failed (an unregistered pool, ``refusal``, or an error
+        while enqueuing). True when queued."""
         if self._closed:
             raise RuntimeError("engine is shut down")
         if job_id in self._jobs or job_id in self._done:
             raise ValueError(f"job id {job_id} is still in flight or unreported")
+        refusal = self._refusal() or refusal
         if refusal is not None:
             self._done[job_id] = JobResult(job_id, False, 0, 0.0, refusal)
             return False
@@ -559,29 +572,22 @@ class CudaEngine:
                 d.wait_event(start)
         self._mark("started")
         base = self._pool.base_ptr
-        memcpy = drv.cuMemcpyAsync
         for i in range(len(plan)):
             p = plan.piece(i)
             k = pipe.take()
             buf = pipe.buf_ptrs[k]
-            dstream = pipe.dma_h[k % len(pipe.dma_h)]
-            runs = p.runs.tolist()
+            d = k % len(pipe.dma_h)
+            dstream = pipe.dma_h[d]
             if store:
                 _ok(wait(kstream, pipe.free[k], 0), "cuStreamWaitEvent")
                 self._copy_kernel(p, ids_ptr(i), buf, kstream, True, self._store_ctas)
                 _ok(record(pipe.filled[k], kstream), "cuEventRecord")
                 _ok(wait(dstream, pipe.filled[k], 0), "cuStreamWaitEvent")
-                for pool_off, stg_off, n in runs:
-                    err = memcpy(base + pool_off, buf + stg_off, n, dstream)[0]
-                    if int(err):  # inline: this loop is most of submit()'s driver calls
-                        raise RuntimeError(f"cuMemcpyAsync d2h failed: {err!r}")
+                self._dma(p.runs, base, buf, True, dstream, pipe.dma_raw[d])
                 _ok(record(pipe.free[k], dstream), "cuEventRecord")
             else:
                 _ok(wait(dstream, pipe.free[k], 0), "cuStreamWaitEvent")
-                for pool_off, stg_off, n in runs:
-                    err = memcpy(buf + stg_off, base + pool_off, n, dstream)[0]
-                    if int(err):
-                        raise RuntimeError(f"cuMemcpyAsync h2d failed: {err!r}")
+                self._dma(p.runs, base, buf, False, dstream, pipe.dma_raw[d])
                 _ok(record(pipe.filled[k], dstream), "cuEventRecord")
                 _ok(wait(kstream, pipe.filled[k], 0), "cuStreamWaitEvent")
                 self._copy_kernel(p, ids_ptr(i), buf, kstream, False, self._load_ctas)
@@ -596,6 +602,23 @@ class CudaEngine:
             _ok(record(ev, other), "cuEventRecord")
             _ok(wait(tail, ev, 0), "cuStreamWaitEvent")
         end.record(pipe.dmas[0] if store else pipe.kernel)
+
+    def _dma(
+        self, runs: np.ndarray, base: int, buf: int, to_pool: bool, stream: Any, raw: int
+    ) -> None:
+        """A piece's DMA runs (pool offset, staging offset, bytes) between the pool at ``base``
+        and the staging buffer ``buf``: one batch call, or one cuMemcpyAsync per run."""
+        if self._batch is not None and len(runs) > 1:
+            self._batch(CopyRuns.of(runs, base, buf, to_pool), to_pool, raw)
+            return
+        memcpy = self._driver.cuMemcpyAsync
+        for pool_off, stg_off, n in runs.tolist():
+            dst, src = (
+                (base + pool_off, buf + stg_off) if to_pool else (buf + stg_off, base + pool_off)
+            )
+            err = memcpy(dst, src, n, stream)[0]
+            if int(err):
+                raise RuntimeError(f"cuMemcpyAsync failed: {err!r}")
 
     def _enqueue_layered(self, job_id: int, batches: Sequence[TransferBatch], nbytes: int) -> _Job:
         pipe = self._pipes[Direction.LOAD]  # lends its timing events
