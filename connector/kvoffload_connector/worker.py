@@ -242,6 +242,8 @@ class OffloadWorker:
                 log.warning("kvoffload: load job %d rejected: %s", job.job_id, e)
                 self._jobs.pop(job.job_id, None)
                 self._fail_load(job.job_id, job.req_id, blocks, job.layered)
+        if self._layered_step:
+            self.engine.start_layered()  # every layered load of the step, layer by layer
         self._wait_whole_step = self._layered_step and self._may_replay_full_graph(meta)
         if self._wait_whole_step:
             self.engine.wait_all_layers()

@@ -428,26 +428,38 @@ def test_layered_load_stages_follow_the_forward_and_cover_every_region_once(kind
 
 def test_cuda_engine_admission_refuses_fails_or_queues_a_job():
     """CudaEngine's one admission path for staged and layered jobs (checked here without a GPU:
-    the enqueue step is a stand-in): a live id raises, a refusal or an enqueue error becomes a
-    failed JobResult, anything else is queued."""
+    the enqueue step is a stand-in): a live id (in flight, unreported or queued for the step's
+    layered start) raises, a refusal (the caller's, or the pool not yet registered) or an
+    enqueue error becomes a failed JobResult, anything else is queued."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
     from kvoffload_connector.transfer.cuda import CudaEngine
 
+    pool_refusal: list[str | None] = [None]
     fake = SimpleNamespace(
         _closed=False,
         _jobs={},
         _done={},
+        _step_loads=[],
         _device=None,
         _torch=SimpleNamespace(cuda=SimpleNamespace(device=lambda _d: nullcontext())),
+        _refusal=lambda: pool_refusal[0],
     )
+    fake._check_id = CudaEngine._check_id.__get__(fake)
     admit = CudaEngine._admit.__get__(fake)
     assert admit(1, lambda: "job-1", None) and fake._jobs == {1: "job-1"}
     with pytest.raises(ValueError, match="still in flight"):
         admit(1, lambda: "again", None)
-    assert not admit(2, lambda: "never", "pool not registered with CUDA (yet)")
-    assert fake._done[2].error == "pool not registered with CUDA (yet)" and not fake._done[2].ok
+    assert not admit(2, lambda: "never", "no layer map")
+    assert fake._done[2].error == "no layer map" and not fake._done[2].ok
+    pool_refusal[0] = "pool not registered with CUDA (yet)"
+    assert not admit(5, lambda: "never", None)
+    assert fake._done[5].error == "pool not registered with CUDA (yet)"
+    pool_refusal[0] = None
+    fake._step_loads.append((6, (), 0))
+    with pytest.raises(ValueError, match="still in flight"):
+        admit(6, lambda: "queued already", None)
 
     def broken():
         raise RuntimeError("cuMemcpyAsync h2d failed")
@@ -457,3 +469,44 @@ def test_cuda_engine_admission_refuses_fails_or_queues_a_job():
     fake._closed = True
     with pytest.raises(RuntimeError, match="shut down"):
         admit(4, lambda: "late", None)
+
+
+def test_cuda_engine_layered_start_fails_every_queued_job_on_an_enqueue_error():
+    """The step's layered loads start as one sequence: queued jobs become in-flight jobs, or
+    all of them failed JobResults if enqueuing raised (none left half-tracked); the queue is
+    empty afterwards either way, and starting an empty queue does nothing."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from kvoffload_connector.transfer.cuda import CudaEngine
+
+    def enqueue_ok(queued):
+        return [SimpleNamespace(job_id=j) for j, _, _ in queued]
+
+    def enqueue_broken(queued):
+        raise RuntimeError("cuLaunchKernel failed")
+
+    fake = SimpleNamespace(
+        _jobs={},
+        _done={},
+        _step_loads=[(7, (), 10), (8, (), 20)],
+        _device=None,
+        _torch=SimpleNamespace(cuda=SimpleNamespace(device=lambda _d: nullcontext())),
+        _enqueue_layered=enqueue_ok,
+    )
+    start = CudaEngine._start_layered.__get__(fake)
+    start()
+    assert sorted(fake._jobs) == [7, 8] and fake._step_loads == [] and fake._done == {}
+    start()  # nothing queued: nothing happens
+    assert sorted(fake._jobs) == [7, 8]
+    fake._jobs.clear()
+    fake._step_loads = [(9, (), 1), (10, (), 2)]
+    fake._enqueue_layered = enqueue_broken
+    start()
+    assert fake._jobs == {} and fake._step_loads == []
+    assert [
+        (j, r.ok, "cuLaunchKernel failed" in r.error) for j, r in sorted(fake._done.items())
+    ] == [
+        (9, False, True),
+        (10, False, True),
+    ]

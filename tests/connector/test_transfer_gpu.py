@@ -122,12 +122,18 @@ def test_layered_round_trip_every_kind(kind, dtype, pools):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("wait_all", [False, True], ids=["per-layer", "whole-step"])
-def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_all):
+@pytest.mark.parametrize(
+    "wait_all, jobs",
+    [(False, 1), (True, 1), (False, 4), (True, 3)],
+    ids=["per-layer", "whole-step", "per-layer-4-jobs", "whole-step-3-jobs"],
+)
+def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_all, jobs):
     """Work queued on the compute stream right after wait_layer(L) sees all of layer L's bytes,
     while later layers may still be in flight: snapshots taken per layer on the compute stream
     (no host sync in between) equal the pool's bytes. With wait_all_layers (a forward that may
-    replay a full CUDA graph), one wait before the first layer covers every layer."""
+    replay a full CUDA graph), one wait before the first layer covers every layer. Several
+    requests' loads in one step (one job each) start together, layer by layer, and each job
+    reports its own bytes."""
     setup, layout, pool = build(
         "LBHNC",
         pools,
@@ -154,7 +160,14 @@ def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_a
             t.view(torch.uint8).fill_(POISON)
         torch.cuda.synchronize()
         engine.new_step()
-        engine.submit_layered(1, [batch])
+        cuts = np.linspace(0, 480, jobs + 1).astype(int)
+        for j in range(jobs):
+            a, b = cuts[j], cuts[j + 1]
+            part = TransferBatch(
+                0, batch.gpu_blocks[a:b], batch.slots[a:b], batch.slot_block_index[a:b]
+            )
+            engine.submit_layered(1 + j, [part])
+        engine.start_layered()
         snaps = {}
         if wait_all:
             engine.wait_all_layers()
@@ -162,17 +175,49 @@ def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_a
             if not wait_all:
                 engine.wait_layer(name)
             snaps[name] = setup.kv_caches[name].clone()  # on the compute stream
-        [res] = engine.wait([1])
-        assert res.ok, res
+        results = engine.wait(range(1, jobs + 1))
+        gbb = layout.group(0).block_bytes
+        assert [(r.job_id, r.ok, r.bytes) for r in results] == [
+            (1 + j, True, int(cuts[j + 1] - cuts[j]) * gbb) for j in range(jobs)
+        ]
         torch.cuda.synchronize()
         for name, snap in snaps.items():
             got, final = snap.contiguous().view(torch.uint8), setup.kv_caches[name].contiguous()
             assert torch.equal(got, final.view(torch.uint8)), f"{name} read before it landed"
-        gbb = layout.group(0).block_bytes
         for i in range(0, 480, 8):
             blk, slot, pos = blocks[i], batch.slots[i], batch.slot_block_index[i]
             want = pool.tensor[slot, pos * gbb : (pos + 1) * gbb].numpy()
             assert np.array_equal(expected_block(setup, layout, 0, blk), want)
+    finally:
+        engine.shutdown()
+
+
+def test_queued_layered_loads_run_even_if_nothing_waits_for_them(pools):
+    """A step whose forward never waits (its loads queued, no start_layered, no wait_layer)
+    still runs them at new_step and reports them; a queued job's id is still in use."""
+    setup, layout, pool = build("LBHNC", pools, num_blocks=64, slot_count=40)
+    engine = small_engine(layout, pool)
+    try:
+        fill_random(layout, seed=11)
+        pool.tensor.copy_(torch.randint(0, 255, pool.tensor.shape, dtype=torch.uint8))
+        gbb = layout.group(0).block_bytes
+        batch = TransferBatch(0, np.arange(8), np.repeat(np.arange(2), 4), np.tile(np.arange(4), 2))
+        other = TransferBatch(0, np.arange(8, 12), np.full(4, 5), np.arange(4))
+        engine.new_step()
+        engine.submit_layered(1, [batch])
+        engine.submit_layered(2, [other])
+        with pytest.raises(ValueError, match="still in flight"):
+            engine.submit_layered(2, [other])
+        engine.new_step()  # nothing waited: the queued loads start here
+        results = engine.wait([1, 2])
+        assert [(r.job_id, r.ok, r.bytes) for r in results] == [
+            (1, True, 8 * gbb),
+            (2, True, 4 * gbb),
+        ]
+        for b in (batch, other):
+            for blk, slot, pos in zip(b.gpu_blocks, b.slots, b.slot_block_index, strict=True):
+                want = pool.tensor[slot, pos * gbb : (pos + 1) * gbb].numpy()
+                assert np.array_equal(expected_block(setup, layout, 0, int(blk)), want)
     finally:
         engine.shutdown()
 

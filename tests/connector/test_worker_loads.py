@@ -64,6 +64,9 @@ class _RecordingEngine:
     def submit_layered(self, job_id, batches):
         self.calls.append(("submit_layered", job_id))
 
+    def start_layered(self):
+        self.calls.append(("start_layered", None))
+
     def wait_layer(self, layer_name):
         self.calls.append(("wait_layer", layer_name))
 
@@ -136,7 +139,7 @@ def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, config, longest_quer
             ("wait_layer", "model.layers.1.self_attn.attn"),
         ]
         expected = [("wait_all_layers", None)] if whole else per_layer
-        assert engine.calls == [("submit_layered", 7), *expected]
+        assert engine.calls == [("submit_layered", 7), ("start_layered", None), *expected]
         engine.calls.clear()
         w.start_load_kv(ConnectorMeta())  # the next step loads nothing: nothing to wait for
         w.wait_for_layer_load("model.layers.0.self_attn.attn")

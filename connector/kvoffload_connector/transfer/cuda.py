@@ -30,7 +30,9 @@ side: 16 MiB stores 0.3-0.4 GB/s faster at 16-32 KiB pages, loads alike).
   from the pool through its UVA mapping on the load kernel stream with ``layer_ctas`` (8) CTAs,
   and records that layer's event; ``wait_layer`` makes the compute stream wait for it on the GPU
   (the host never waits). Layer L's attention runs while layers L+1.. still cross PCIe, so the
-  step costs about max(load, compute), not their sum. Why 8 CTAs (``bench/overlap.py``, H100,
+  step costs about max(load, compute), not their sum. All the step's layered loads (one job per
+  request) start together (``start_layered``): one kernel per layer over every job's blocks,
+  so layer 0 of every request lands first. Why 8 CTAs (``bench/overlap.py``, H100,
   a 1.22 GiB load beside 32 layers of Llama-3-8B GEMMs): alone, 4-32 CTAs all load at 47-50
   GB/s; beside a 4,096-token forward the copy CTAs take SMs from the GEMMs, and the forward
   grew by 16 ms with 32 CTAs, 9 with 16, 7 with 8 and 11 with 4 (2 CTAs starve the copy).
@@ -346,6 +348,8 @@ class CudaEngine:
             _ok(driver.cuEventCreate(_NO_TIMING), "cuEventCreate") for _ in self._stages
         ]
         self._layered = False
+        # layered loads submitted for this step, launched together by start_layered
+        self._step_loads: list[tuple[int, Sequence[TransferBatch], int]] = []
         # set to [] to record host timestamps of the last submit (benchmarks)
         self.trace: list[tuple[str, float]] | None = None
 
@@ -414,15 +418,44 @@ class CudaEngine:
         return self._enqueue(job_id, direction, plan, nbytes)
 
     def submit_layered(self, job_id: int, batches: Sequence[TransferBatch]) -> None:
-        """A LOAD by layer for this step's forward (see the module docstring). Call
-        ``wait_layer`` from each layer's attention; ``new_step`` before the next step. Bad input
-        raises ValueError; an unregistered pool or a CUDA error gives a failed JobResult (and
-        nothing for the forward to wait for: the caller reports the blocks as load errors)."""
+        """A LOAD by layer for this step's forward (see the module docstring), queued until
+        ``start_layered`` (or the first ``wait_layer``) launches every layered load of the step
+        together. Call ``wait_layer`` from each layer's attention; ``new_step`` before the next
+        step. Bad input raises ValueError; an unregistered pool or a CUDA error gives a failed
+        JobResult (and nothing for the forward to wait for: the caller reports the blocks as
+        load errors)."""
         nbytes = self._validate(self._pool.slot_count, Direction.LOAD, batches)
         with self._lock:
-            refusal = None if self._stages else "no layer map"
-            if self._admit(job_id, lambda: self._enqueue_layered(job_id, batches, nbytes), refusal):
-                self._layered = True
+            self._check_id(job_id)
+            refusal = self._refusal() or (None if self._stages else "no layer map")
+            if refusal is not None:
+                self._done[job_id] = JobResult(job_id, False, 0, 0.0, refusal)
+                return
+            self._step_loads.append((job_id, batches, nbytes))
+            self._layered = True
+
+    def start_layered(self) -> None:
+        """Launch the layered loads queued since the last call as one sequence: per layer one
+        copy kernel over every job's blocks, then that layer's event. Launched one job at a
+        time, layer 0 of the step's last job would land only after every earlier job's last
+        layer, and the forward's first layer would wait for nearly the whole step's load."""
+        with self._lock:
+            self._start_layered()
+
+    def _start_layered(self) -> None:
+        queued, self._step_loads = self._step_loads, []
+        if not queued:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._torch.cuda.device(self._device):
+                for job in self._enqueue_layered(queued):
+                    self._jobs[job.job_id] = job
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+            for job_id, _, _ in queued:
+                self._jobs.pop(job_id, None)
+                self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
 
     def _refusal(self) -> str | None:
         """Why a job must fail at once (no registered pool yet), or None."""
@@ -434,10 +467,7 @@ class CudaEngine:
         """Under the lock: raise for a shut-down engine or a job id still in use; otherwise
         queue the job, or record it failed (an unregistered pool, ``refusal``, or an error
         while enqueuing). True when queued."""
-        if self._closed:
-            raise RuntimeError("engine is shut down")
-        if job_id in self._jobs or job_id in self._done:
-            raise ValueError(f"job id {job_id} is still in flight or unreported")
+        self._check_id(job_id)
         refusal = self._refusal() or refusal
         if refusal is not None:
             self._done[job_id] = JobResult(job_id, False, 0, 0.0, refusal)
@@ -452,15 +482,30 @@ class CudaEngine:
             self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
             return False
 
+    def _check_id(self, job_id: int) -> None:
+        """Under the lock: raise for a shut-down engine or a job id still in use."""
+        if self._closed:
+            raise RuntimeError("engine is shut down")
+        if (
+            job_id in self._jobs
+            or job_id in self._done
+            or any(q[0] == job_id for q in self._step_loads)
+        ):
+            raise ValueError(f"job id {job_id} is still in flight or unreported")
+
     def wait_layer(self, layer_name: str) -> None:
         """Make the current (compute) stream wait, on the GPU, until this step's layered loads
         have moved ``layer_name``'s bytes (all of them, for a layer the map does not know)."""
         if self._layered:
+            if self._step_loads:
+                self.start_layered()
             self._wait_stage(self._stage_of.get(layer_name, len(self._stages) - 1))
 
     def wait_all_layers(self) -> None:
         """The stages run in order on one stream: the last stage's event covers them all."""
         if self._layered:
+            if self._step_loads:
+                self.start_layered()
             self._wait_stage(len(self._stages) - 1)
 
     def _wait_stage(self, stage: int) -> None:
@@ -470,11 +515,15 @@ class CudaEngine:
         )
 
     def new_step(self) -> None:
-        """The next forward has no layered load to wait for until ``submit_layered``."""
+        """The next forward has no layered load to wait for until ``submit_layered`` (loads
+        queued and never started are started now: they complete and are reported)."""
+        if self._step_loads:
+            self.start_layered()
         self._layered = False
 
     def poll(self) -> list[JobResult]:
         with self._lock:
+            self._start_layered()
             for job in list(self._jobs.values()):
                 if job.end.query():
                     self._finish(job)
@@ -484,6 +533,7 @@ class CudaEngine:
 
     def wait(self, job_ids: Collection[int]) -> list[JobResult]:
         with self._lock:
+            self._start_layered()
             out = []
             for job_id in sorted(set(job_ids)):
                 job = self._jobs.get(job_id)
@@ -496,6 +546,7 @@ class CudaEngine:
 
     def shutdown(self) -> None:
         with self._lock:
+            self._start_layered()
             for job in list(self._jobs.values()):
                 job.end.synchronize()
                 self._finish(job)
@@ -620,29 +671,39 @@ class CudaEngine:
             if int(err):
                 raise RuntimeError(f"cuMemcpyAsync failed: {err!r}")
 
-    def _enqueue_layered(self, job_id: int, batches: Sequence[TransferBatch], nbytes: int) -> _Job:
+    def _enqueue_layered(
+        self, queued: list[tuple[int, Sequence[TransferBatch], int]]
+    ) -> list[_Job]:
         pipe = self._pipes[Direction.LOAD]  # lends its timing events
         drv = self._driver
         kstream = self._layer_stream_h
         # the target blocks may just have been freed by work still queued on the compute stream
         _ok(drv.cuEventRecord(self._layer_ready, self._compute_stream()), "cuEventRecord")
         _ok(drv.cuStreamWaitEvent(kstream, self._layer_ready, 0), "cuStreamWaitEvent")
-        start, end = pipe.take_timers()
-        start.record(self._layer_stream)
-        # per group: block ids then each block's pool address, in one upload
+        timers = [pipe.take_timers() for _ in queued]
+        for start, _ in timers:
+            start.record(self._layer_stream)
+        # per group, every job's blocks: block ids then each block's pool address, one upload
+        by_group: dict[int, list[TransferBatch]] = {}
+        for _, batches, _ in queued:
+            for b in batches:
+                if len(b):
+                    by_group.setdefault(b.group, []).append(b)
         parts, spans = [], {}
         at = 0
-        for b in batches:
-            if not len(b):
-                continue
-            addrs = (
-                self._pool.base_ptr
-                + b.slots * self._pool.slot_bytes
-                + b.slot_block_index * self._block_bytes[b.group]
+        for group, bs in by_group.items():
+            blocks = np.concatenate([b.gpu_blocks for b in bs])
+            addrs = np.concatenate(
+                [
+                    self._pool.base_ptr
+                    + b.slots * self._pool.slot_bytes
+                    + b.slot_block_index * self._block_bytes[group]
+                    for b in bs
+                ]
             )
-            spans[b.group] = (at, len(b))
-            parts += [b.gpu_blocks, addrs]
-            at += 2 * len(b)
+            spans[group] = (at, len(blocks))
+            parts += [blocks, addrs]
+            at += 2 * len(blocks)
         ids = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         dev = self._layer_ids.upload(ids, kstream)
         for k, st in enumerate(self._stages):
@@ -666,8 +727,12 @@ class CudaEngine:
                     dev + 8 * (first + n),
                 )
             _ok(drv.cuEventRecord(self._stage_events[k], kstream), "cuEventRecord")
-        end.record(self._layer_stream)
-        return _Job(job_id, nbytes, start, end, pipe)
+        for _, end in timers:
+            end.record(self._layer_stream)
+        return [
+            _Job(job_id, nbytes, start, end, pipe)
+            for (job_id, _, nbytes), (start, end) in zip(queued, timers, strict=True)
+        ]
 
     def _copy_kernel(
         self, p: Piece, ids_ptr: int, buf: int, stream: Any, to_staging: bool, ctas: int

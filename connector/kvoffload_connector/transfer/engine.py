@@ -85,6 +85,11 @@ class TransferEngine(Protocol):
         a failed one leaves nothing to wait for (the caller reports its blocks as errors)."""
         ...
 
+    def start_layered(self) -> None:
+        """Start the layered loads submitted since the last call, as one sequence per layer
+        (the first ``wait_layer`` of a step starts them too)."""
+        ...
+
     def wait_layer(self, layer_name: str) -> None:
         """Order the current compute stream after this step's layered loads of that layer."""
         ...
