@@ -510,3 +510,27 @@ def test_cuda_engine_layered_start_fails_every_queued_job_on_an_enqueue_error():
         (9, False, True),
         (10, False, True),
     ]
+
+
+def test_cuda_engine_jobs_sharing_one_copy_sequence_split_its_time_by_bytes():
+    """A step's layered loads run as one sequence: each job reports its byte share of that
+    sequence's time, so a rate computed over the jobs (bytes / summed seconds) stays true."""
+    from types import SimpleNamespace
+
+    from kvoffload_connector.transfer.cuda import CudaEngine, _Job
+
+    class Timer:
+        def elapsed_time(self, end):
+            return 80.0  # ms, the whole sequence
+
+    pipe = SimpleNamespace(timers=[])
+    jobs = [_Job(1, 300, Timer(), None, pipe, 0.75), _Job(2, 100, Timer(), None, pipe, 0.25)]
+    fake = SimpleNamespace(_jobs={j.job_id: j for j in jobs}, _done={})
+    finish = CudaEngine._finish.__get__(fake)
+    for j in jobs:
+        finish(j)
+    assert [(r.job_id, r.bytes, r.seconds) for r in fake._done.values()] == [
+        (1, 300, pytest.approx(0.06)),
+        (2, 100, pytest.approx(0.02)),
+    ]
+    assert fake._jobs == {} and len(pipe.timers) == 2

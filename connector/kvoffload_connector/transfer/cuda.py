@@ -95,6 +95,9 @@ class _Job:
     start: Any  # torch.cuda.Event (timing), owned by the job until it is reported
     end: Any
     pipe: _Pipe  # whose free list the two events go back to
+    # of the start -> end time, the part this job reports: jobs that share one copy sequence
+    # (a step's layered loads) split it by bytes, so their seconds add up to it once
+    share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -568,7 +571,7 @@ class CudaEngine:
             self.trace.append((label, time.perf_counter()))
 
     def _finish(self, job: _Job) -> None:
-        seconds = job.start.elapsed_time(job.end) / 1e3
+        seconds = job.start.elapsed_time(job.end) / 1e3 * job.share
         self._done[job.job_id] = JobResult(job.job_id, True, job.nbytes, seconds)
         del self._jobs[job.job_id]
         job.pipe.timers.append((job.start, job.end))  # read: free for a later job
@@ -729,8 +732,9 @@ class CudaEngine:
             _ok(drv.cuEventRecord(self._stage_events[k], kstream), "cuEventRecord")
         for _, end in timers:
             end.record(self._layer_stream)
+        total = sum(nbytes for _, _, nbytes in queued) or 1
         return [
-            _Job(job_id, nbytes, start, end, pipe)
+            _Job(job_id, nbytes, start, end, pipe, nbytes / total)
             for (job_id, _, nbytes), (start, end) in zip(queued, timers, strict=True)
         ]
 
