@@ -193,7 +193,7 @@ case $phase in
       --sections multiturn --sizes 2000 --config-budget-s 150 --profile
     ;;
   check-ab)  # every GPU transfer test (log in $OUT), then 0%-hit decode: none vs kvo-layer, interleaved
-    timeout 240 python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 -m gpu \
+    timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 --durations=8 -m gpu \
       tests/connector/test_transfer_gpu.py >"$OUT/tests_gpu.txt" 2>&1
     tail -3 "$OUT/tests_gpu.txt"
     drive llama3-8b-decode-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-none,kvo-layer}" \
@@ -201,7 +201,7 @@ case $phase in
     ;;
   graphs)  # every GPU transfer test (log in $OUT; SKIP_TESTS=1 skips them), then TTFT, graphs on
     if [[ ${SKIP_TESTS:-0} != 1 ]]; then
-      timeout 200 python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 -m gpu \
+      timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 --durations=8 -m gpu \
         tests/connector/test_transfer_gpu.py >"$OUT/tests_gpu.txt" 2>&1
       tail -3 "$OUT/tests_gpu.txt"
     fi
