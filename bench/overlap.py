@@ -7,8 +7,8 @@ GEMMs, 4,096 tokens of a Llama-3-8B shape) on the compute stream, beside the loa
 
 - ``layered``: the engine's layered load (an SM copy kernel per layer, 32 CTAs); each layer of
   the stand-in waits for its layer's bytes, as attention does in vLLM;
-- ``layered-dma``: the same per-layer order through the copy engines (one
-  ``cuMemcpyBatchAsync`` per layer, one entry per block, no SMs), the same per-layer waits;
+- ``layered-dma``: the same per-layer order through ``cuMemcpyBatchAsync`` (the engine's
+  ``BatchCopy``, one call per layer, one entry per block), the same per-layer waits;
 - ``staged``: the engine's asynchronous load (DMA of whole slots into GPU staging, scatter
   kernel), nothing waits for it;
 - ``dma``: plain ``cuMemcpyAsync`` of the same bytes in 8 MiB pieces, nothing waits.
@@ -22,7 +22,6 @@ the forward (CUDA events; medians). A load that overlaps leaves the forward's ti
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import platform
 import statistics
@@ -32,51 +31,12 @@ import numpy as np
 import torch
 from kvoffload_connector.layout import canonicalize
 from kvoffload_connector.transfer import Direction
+from kvoffload_connector.transfer.batch_copy import BatchCopy, CopyRuns
 from kvoffload_connector.transfer.cuda import CudaEngine
 from kvoffload_connector.transfer.testing import make_kv_caches
 from transfer import PoolFile, scattered_batches  # bench/ is on sys.path
 
 LAYERS, BLOCKS, CHUNK = 32, 625, 4
-
-
-class BatchedDma:
-    """``cuMemcpyBatchAsync`` through ctypes (numpy arrays in, no per-entry Python)."""
-
-    def __init__(self) -> None:
-        lib = ctypes.CDLL("libcuda.so.1")
-        self.v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
-        self.fn = lib.cuMemcpyBatchAsync_v2 if self.v2 else lib.cuMemcpyBatchAsync
-
-        class Loc(ctypes.Structure):
-            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-        class Attrs(ctypes.Structure):
-            _fields_ = [
-                ("srcAccessOrder", ctypes.c_int),
-                ("srcLocHint", Loc),
-                ("dstLocHint", Loc),
-                ("flags", ctypes.c_uint),
-            ]
-
-        # stream order; host source, device 0 destination; prefer overlap with compute
-        self.attrs = Attrs(1, Loc(2, 0), Loc(1, torch.cuda.current_device()), 1)
-        self.idx = (ctypes.c_size_t * 1)(0)
-        self.fail = ctypes.c_size_t(0)
-
-    def __call__(self, dst: np.ndarray, src: np.ndarray, size: np.ndarray, stream: int) -> None:
-        p = ctypes.c_void_p
-        args = [
-            p(dst.ctypes.data),
-            p(src.ctypes.data),
-            p(size.ctypes.data),
-            ctypes.c_size_t(len(dst)),
-        ]
-        args += [ctypes.byref(self.attrs), self.idx, ctypes.c_size_t(1)]
-        if not self.v2:
-            args.append(ctypes.byref(self.fail))
-        err = self.fn(*args, p(stream))
-        if err:
-            raise RuntimeError(f"cuMemcpyBatchAsync failed: {err}")
 
 
 def forward(tokens: int):
@@ -138,13 +98,11 @@ def main() -> None:
             dst.append(ptr + batch.gpu_blocks * reg.block_stride)
             src.append(base + offs[r])
             size.append(np.full(BLOCKS, reg.block_bytes))
-        per_layer.append(tuple(np.ascontiguousarray(np.concatenate(v), np.uint64)
-                               for v in (dst, src, size)))  # fmt: skip
-    try:
-        bdma = BatchedDma()
-        bdma_note = "cuMemcpyBatchAsync_v2" if bdma.v2 else "cuMemcpyBatchAsync"
-    except (OSError, AttributeError) as e:
-        bdma, bdma_note = None, f"unavailable: {e}"
+        per_layer.append(CopyRuns(*(np.ascontiguousarray(np.concatenate(v), np.uint64)
+                                    for v in (dst, src, size))))  # fmt: skip
+    # the engine's batch call, flagged to prefer overlap with compute (as measured in session 8)
+    bdma = BatchCopy.load(torch.cuda.current_device(), prefer_overlap=True)
+    bdma_note = "cuMemcpyBatchAsync" if bdma is not None else "unavailable"
     layer_ev = [torch.cuda.Event(enable_timing=True) for _ in range(LAYERS)]
     scratch = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
@@ -165,8 +123,8 @@ def main() -> None:
                 ev.record(side)
             return (lambda i: compute.wait_event(layer_ev[i])), side.synchronize
         if kind == "layered-dma":
-            for i, (dst, src, size) in enumerate(per_layer):
-                bdma(dst, src, size, side.cuda_stream)
+            for i, runs in enumerate(per_layer):
+                bdma(runs, False, side.cuda_stream)
                 layer_ev[i].record(side)
             return (lambda i: compute.wait_event(layer_ev[i])), side.synchronize
         host = pool.tensor.view(-1)

@@ -78,6 +78,18 @@ def test_prefers_the_13_0_signature_and_passes_the_arrays(monkeypatch, names, us
     assert args[3].value == 3 and args[6].value == 1 and args[-1].value == 0xABC
     attrs = ctypes.cast(args[4], ctypes.POINTER(batch_copy._Attributes)).contents
     assert (attrs.srcLocHint.type, attrs.dstLocHint.type, attrs.dstLocHint.id) == (2, 1, 3)
+    assert attrs.flags == 0  # large runs: no preference between copy engines and SMs
+
+
+def test_prefer_overlap_sets_the_driver_flag(monkeypatch):
+    lib = FakeLib(["cuMemcpyBatchAsync_v2"])
+    monkeypatch.setattr(batch_copy.ctypes, "CDLL", lambda name: lib)
+    BatchCopy.load(0, prefer_overlap=True)(
+        CopyRuns.of(RUNS, 0, 0, to_pool=True), to_pool=True, stream=1
+    )
+    [(_, args)] = lib.calls
+    attrs = ctypes.cast(args[4], ctypes.POINTER(batch_copy._Attributes)).contents
+    assert attrs.flags == 1 and (attrs.srcLocHint.type, attrs.dstLocHint.type) == (1, 2)
 
 
 def test_a_driver_error_raises_and_names_the_run(monkeypatch):

@@ -21,6 +21,7 @@ import numpy as np
 # cuda.h (12.8+): CUmemcpySrcAccessOrder, CUmemLocationType
 _SRC_ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE, _LOCATION_HOST = 1, 2
+_PREFER_OVERLAP = 1  # CUmemcpyFlags: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
 
 
 class _Location(ctypes.Structure):
@@ -59,18 +60,22 @@ class CopyRuns:
 class BatchCopy:
     """``cuMemcpyBatchAsync`` of a driver that has it, for one device."""
 
-    def __init__(self, fn: ctypes._CFuncPtr, with_fail_index: bool, device: int) -> None:
+    def __init__(
+        self, fn: ctypes._CFuncPtr, with_fail_index: bool, device: int, flags: int = 0
+    ) -> None:
         self._fn = fn
         self._fail_index = with_fail_index  # the 12.8/12.9 signature; 13.0 dropped it (_v2)
         host, dev = _Location(_LOCATION_HOST, 0), _Location(_LOCATION_DEVICE, device)
-        self._h2d = ctypes.pointer(_Attributes(_SRC_ACCESS_ORDER_STREAM, host, dev, 0))
-        self._d2h = ctypes.pointer(_Attributes(_SRC_ACCESS_ORDER_STREAM, dev, host, 0))
+        self._h2d = ctypes.pointer(_Attributes(_SRC_ACCESS_ORDER_STREAM, host, dev, flags))
+        self._d2h = ctypes.pointer(_Attributes(_SRC_ACCESS_ORDER_STREAM, dev, host, flags))
         self._index = (ctypes.c_size_t * 1)(0)  # every run uses attributes 0
         self._fail = ctypes.c_size_t(0)  # the caller (the engine) holds its lock
         self._fail_ptr = ctypes.pointer(self._fail)
 
     @classmethod
-    def load(cls, device: int) -> BatchCopy | None:
+    def load(cls, device: int, prefer_overlap: bool = False) -> BatchCopy | None:
+        """``prefer_overlap``: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE (bench/overlap.py
+        measures layered copies with it; the engine's large runs do not set it)."""
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError:
@@ -79,7 +84,7 @@ class BatchCopy:
             fn = getattr(lib, name, None)
             if fn is not None:
                 fn.restype = ctypes.c_int
-                return cls(fn, fail_index, device)
+                return cls(fn, fail_index, device, _PREFER_OVERLAP if prefer_overlap else 0)
         return None
 
     def __call__(self, runs: CopyRuns, to_pool: bool, stream: int) -> None:

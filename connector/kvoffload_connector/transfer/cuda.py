@@ -500,18 +500,16 @@ class CudaEngine:
         """Make the current (compute) stream wait, on the GPU, until this step's layered loads
         have moved ``layer_name``'s bytes (all of them, for a layer the map does not know)."""
         if self._layered:
-            if self._step_loads:
-                self.start_layered()
             self._wait_stage(self._stage_of.get(layer_name, len(self._stages) - 1))
 
     def wait_all_layers(self) -> None:
         """The stages run in order on one stream: the last stage's event covers them all."""
         if self._layered:
-            if self._step_loads:
-                self.start_layered()
             self._wait_stage(len(self._stages) - 1)
 
     def _wait_stage(self, stage: int) -> None:
+        if self._step_loads:  # a forward waits before the worker started the step's loads
+            self.start_layered()
         _ok(
             self._driver.cuStreamWaitEvent(self._compute_stream(), self._stage_events[stage], 0),
             "cuStreamWaitEvent",
