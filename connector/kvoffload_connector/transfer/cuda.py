@@ -54,6 +54,7 @@ complete in submission order; the two directions run concurrently, touching disj
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -398,7 +399,7 @@ class CudaEngine:
             self.trace = [("submit", time.perf_counter())]
         nbytes = self._validate(self._pool.slot_count, direction, batches)
         with self._lock:
-            enqueue = lambda: self._plan_and_enqueue(job_id, direction, batches, nbytes)  # noqa: E731
+            enqueue = functools.partial(self._plan_and_enqueue, job_id, direction, batches, nbytes)
             if self._admit(job_id, enqueue):
                 self._mark("enqueued")
 
