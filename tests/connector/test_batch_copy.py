@@ -70,12 +70,12 @@ def test_prefers_the_13_0_signature_and_passes_the_arrays(monkeypatch, names, us
     copier(runs, to_pool=False, stream=0xABC)
     [(name, args)] = lib.calls
     assert name == used and len(args) == nargs
-    assert [a.value for a in args[:3]] == [
+    assert list(args[:3]) == [
         runs.dst.ctypes.data,
         runs.src.ctypes.data,
         runs.size.ctypes.data,
     ]
-    assert args[3].value == 3 and args[6].value == 1 and args[-1].value == 0xABC
+    assert args[3] == 3 and args[6] == 1 and args[-1] == 0xABC
     attrs = ctypes.cast(args[4], ctypes.POINTER(batch_copy._Attributes)).contents
     assert (attrs.srcLocHint.type, attrs.dstLocHint.type, attrs.dstLocHint.id) == (2, 1, 3)
     assert attrs.flags == 0  # large runs: no preference between copy engines and SMs
@@ -114,3 +114,27 @@ def test_an_empty_piece_calls_nothing(monkeypatch):
     monkeypatch.setattr(batch_copy.ctypes, "CDLL", lambda name: lib)
     BatchCopy.load(0)(CopyRuns.of(RUNS[:0], 0, 0, to_pool=True), to_pool=True, stream=1)
     assert lib.calls == []
+
+
+def test_the_typed_call_passes_ints_through_c(monkeypatch):
+    """A real C function pointer (a ctypes callback with the 13.0 signature) as the driver
+    symbol: the engine's plain ints and struct pointers go through ctypes' own conversion."""
+    seen = []
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp)
+
+    def driver(dst, src, size, n, attrs, index, n_attrs, stream):
+        sizes = ctypes.cast(size, ctypes.POINTER(ctypes.c_uint64))
+        hint = ctypes.cast(attrs, ctypes.POINTER(batch_copy._Attributes)).contents.dstLocHint
+        seen.append((dst, src, [sizes[i] for i in range(n)], n_attrs, hint.type, stream))
+        return 0
+
+    c_fn = proto(driver)
+    lib = type("Lib", (), {"cuMemcpyBatchAsync_v2": ctypes.cast(c_fn, proto)})()
+    monkeypatch.setattr(batch_copy.ctypes, "CDLL", lambda name: lib)
+    runs = CopyRuns.of(RUNS, 1 << 40, 1 << 20, to_pool=True)
+    BatchCopy.load(0)(runs, to_pool=True, stream=0xBEEF)
+    [(dst, src, sizes, n_attrs, hint, stream)] = seen
+    assert (dst, src) == (runs.dst.ctypes.data, runs.src.ctypes.data)
+    assert sizes == [4096, 8192, 1 << 20] and n_attrs == 1 and stream == 0xBEEF
+    assert hint == 2  # a store's destination is host memory

@@ -41,20 +41,32 @@ class _Attributes(ctypes.Structure):
 
 @dataclass(frozen=True)
 class CopyRuns:
-    """One piece's DMA runs as the batch call takes them (uint64, C-contiguous)."""
+    """One piece's DMA runs as the batch call takes them: rows dst, src, size of one uint64
+    C-contiguous table, so the three array addresses come from one pointer read."""
 
-    dst: np.ndarray
-    src: np.ndarray
-    size: np.ndarray
+    table: np.ndarray  # uint64 [3, n]
 
     @classmethod
     def of(cls, runs: np.ndarray, pool_base: int, staging: int, to_pool: bool) -> CopyRuns:
         """``runs``: rows of (pool offset, staging offset, bytes), as ``Piece.runs``."""
-        r = np.asarray(runs, dtype=np.uint64).reshape(-1, 3)
-        pool = r[:, 0] + np.uint64(pool_base)
-        stg = r[:, 1] + np.uint64(staging)
-        dst, src = (pool, stg) if to_pool else (stg, pool)
-        return cls(np.ascontiguousarray(dst), np.ascontiguousarray(src), r[:, 2].copy())
+        r = np.asarray(runs, dtype=np.uint64).reshape(-1, 3).T
+        table = np.empty((3, r.shape[1]), dtype=np.uint64)
+        np.add(r[0], np.uint64(pool_base), out=table[0 if to_pool else 1])
+        np.add(r[1], np.uint64(staging), out=table[1 if to_pool else 0])
+        table[2] = r[2]
+        return cls(table)
+
+    @property
+    def dst(self) -> np.ndarray:
+        return self.table[0]
+
+    @property
+    def src(self) -> np.ndarray:
+        return self.table[1]
+
+    @property
+    def size(self) -> np.ndarray:
+        return self.table[2]
 
 
 class BatchCopy:
@@ -71,6 +83,11 @@ class BatchCopy:
         self._index = (ctypes.c_size_t * 1)(0)  # every run uses attributes 0
         self._fail = ctypes.c_size_t(0)  # the caller (the engine) holds its lock
         self._fail_ptr = ctypes.pointer(self._fail)
+        # typed once: plain ints convert in C, no ctypes object per argument per call
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        attrs, index = ctypes.POINTER(_Attributes), ctypes.POINTER(ctypes.c_size_t)
+        fail = [ctypes.POINTER(ctypes.c_size_t)] if with_fail_index else []
+        fn.argtypes = [vp, vp, vp, sz, attrs, index, sz, *fail, vp]
 
     @classmethod
     def load(cls, device: int, prefer_overlap: bool = False) -> BatchCopy | None:
@@ -90,16 +107,16 @@ class BatchCopy:
     def __call__(self, runs: CopyRuns, to_pool: bool, stream: int) -> None:
         """Queue the runs on ``stream`` (a raw CUstream handle); RuntimeError on a driver
         error (the engine then fails the job)."""
-        n = len(runs.size)
+        n = runs.table.shape[1]
         if n == 0:
             return
-        vp, sz = ctypes.c_void_p, ctypes.c_size_t
-        args = [vp(runs.dst.ctypes.data), vp(runs.src.ctypes.data), vp(runs.size.ctypes.data)]
-        args += [sz(n), self._d2h if to_pool else self._h2d, self._index, sz(1)]
+        dst = runs.table.ctypes.data
+        args = [dst, dst + 8 * n, dst + 16 * n, n, self._d2h if to_pool else self._h2d]
+        args += [self._index, 1]
         if self._fail_index:
             self._fail.value = 0
             args.append(self._fail_ptr)
-        err = self._fn(*args, vp(stream))
+        err = self._fn(*args, stream)
         if err:
             where = f" (run {self._fail.value})" if self._fail_index else ""
             raise RuntimeError(f"cuMemcpyBatchAsync failed: CUresult {err}{where}")

@@ -104,7 +104,8 @@ def _check(result: tuple, what: str) -> tuple:
 
 class CopyKernels:
     """Compiled ``kv_copy_<W>`` functions in the current CUDA context (compiled once per
-    process and device capability; NVRTC emits a cubin for the exact SM, no PTX JIT)."""
+    process and device capability; NVRTC emits a cubin for the exact SM, no PTX JIT). One
+    instance launches from one thread at a time (its parameter block is reused)."""
 
     _lock = threading.Lock()
     _cache: dict[tuple[int, int, int], tuple] = {}
@@ -119,6 +120,12 @@ class CopyKernels:
             if key not in self._cache:
                 self._cache[key] = self._build(capability)
         self._module, self._funcs = self._cache[key]
+        # one parameter block per instance, rewritten per launch: cuLaunchKernel copies the
+        # values at the call, and the engine launches under its lock. A numpy array and its
+        # ``.ctypes`` per launch cost ~10 µs of a piece's ~60 µs of host time.
+        self._vals = np.zeros(9, dtype=np.uint64)
+        self._params = self._vals.ctypes.data + _OFFSETS
+        self._params_ptr = self._params.ctypes.data
 
     def _build(self, capability: tuple[int, int]) -> tuple:
         from cuda.bindings import driver, nvrtc
@@ -166,21 +173,17 @@ class CopyKernels:
         if isinstance(stream, int):
             stream = self._driver.CUstream(stream)
         # one 8-byte slot per parameter (the int parameter reads the low half: little-endian)
-        vals = np.array(
-            [
-                blocks_ptr,
-                n_blocks,
-                regions_ptr,
-                n_regions,
-                units_per_region,
-                staging_ptr,
-                block_bytes,
-                1 if to_staging else 0,
-                block_addrs_ptr,
-            ],
-            dtype=np.uint64,
+        self._vals[:] = (
+            blocks_ptr,
+            n_blocks,
+            regions_ptr,
+            n_regions,
+            units_per_region,
+            staging_ptr,
+            block_bytes,
+            1 if to_staging else 0,
+            block_addrs_ptr,
         )
-        params = vals.ctypes.data + _OFFSETS
         _check(
             self._driver.cuLaunchKernel(
                 self._funcs[width],
@@ -192,7 +195,7 @@ class CopyKernels:
                 1,
                 0,
                 stream,
-                params.ctypes.data,
+                self._params_ptr,
                 0,
             ),
             "cuLaunchKernel",
