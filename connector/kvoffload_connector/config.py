@@ -70,12 +70,6 @@ class ConnectorConfig:
     # (10x the rate a prefill makes KV) and kept 0%-hit decode within 0.5% of no offloading on
     # an H100, where 8 (96-98% of PCIe) cost 2-3% (docs/BENCHMARKS.md, session 4).
     store_ctas: int = 2
-    # A step that computes few tokens beside a large pool hit (a long prompt's last block)
-    # has little forward to hide its load behind: there the staged path's large DMA (~54
-    # GB/s on an H100) beats the layer-by-layer copy kernel (~47-50 GB/s), and the forward
-    # waits for the whole load on the GPU. Used when the step's layered loads bring at least
-    # this many tokens and 64 of them per token the step computes (0: always layer by layer).
-    dma_load_min_tokens: int = 16384
     client_name: str = "vllm"  # prefix of the client name the sidecar logs
 
     def chunk_blocks(self, block_size: int) -> int:
@@ -115,7 +109,6 @@ _INT_KEYS = {
     "reconnect_min_ms": 1,
     "reconnect_max_ms": 1,
     "lazy_watermark_blocks": 0,
-    "dma_load_min_tokens": 0,
 }
 
 

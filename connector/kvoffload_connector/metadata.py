@@ -62,8 +62,6 @@ class ConnectorMeta(ConnectorMetadataBase):
     # most tokens any request computes this step (0: unknown). Longer than a uniform decode
     # query means a mixed batch, which vLLM never replays as one full CUDA graph.
     longest_query: int = 0
-    # tokens the whole batch computes this step (0: unknown), read with the loads
-    step_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -723,7 +723,7 @@ class OffloadScheduler:
                 if st.load_job is None and st.answer is not None:
                     self._release(st.answer.pins)
                     st.answer = None
-        # the worker reads these only in a step that loads (a pass over the batch)
+        # the worker reads longest_query only in a step that loads (a pass over the batch)
         scheduled = (
             getattr(scheduler_output, "num_scheduled_tokens", None) if self._loads_out else None
         )
@@ -731,7 +731,6 @@ class OffloadScheduler:
             loads=tuple(self._loads_out),
             stores=tuple(self._stores_out),
             longest_query=max(scheduled.values(), default=0) if scheduled else 0,
-            step_tokens=sum(scheduled.values()) if scheduled else 0,
         )
         self._loads_out, self._stores_out = [], []
         return meta

@@ -217,7 +217,6 @@ class OffloadWorker:
                 self.engine.new_step()
         if meta is None:
             return
-        layered_tokens = 0  # tokens this step's layered loads bring (the fullest group's)
         for job in meta.loads:
             blocks = [b for t in job.transfers for b in t.gpu_blocks]
             if not self.ready or job.generation != self.generation:
@@ -237,30 +236,17 @@ class OffloadWorker:
                 if job.layered:
                     self.engine.submit_layered(job.job_id, _batches(job.transfers))
                     self._layered_step = True
-                    layered_tokens += self.block_size * max(
-                        (len(t.gpu_blocks) for t in job.transfers), default=0
-                    )
                 else:
                     self.engine.submit(job.job_id, Direction.LOAD, _batches(job.transfers))
             except Exception as e:  # noqa: BLE001 - a bad job is a failed load, never a crash
                 log.warning("kvoffload: load job %d rejected: %s", job.job_id, e)
                 self._jobs.pop(job.job_id, None)
                 self._fail_load(job.job_id, job.req_id, blocks, job.layered)
-        if not self._layered_step:
-            return
-        by_dma = self._load_by_dma(layered_tokens, meta)
-        # every layered load of the step together: layer by layer, or staged (large DMA)
-        self.engine.start_layered(staged=by_dma)
-        self._wait_whole_step = by_dma or self._may_replay_full_graph(meta)
+        if self._layered_step:
+            self.engine.start_layered()  # every layered load of the step, layer by layer
+        self._wait_whole_step = self._layered_step and self._may_replay_full_graph(meta)
         if self._wait_whole_step:
             self.engine.wait_all_layers()
-
-    def _load_by_dma(self, layered_tokens: int, meta: ConnectorMeta) -> bool:
-        """Whether the step's forward is too light to hide its layered loads (see
-        ``ConnectorConfig.dma_load_min_tokens``): 64 loaded tokens per computed one. A step
-        whose token count is unknown (0) stays layer by layer."""
-        least, computed = self.cfg.dma_load_min_tokens, meta.step_tokens
-        return bool(least) and computed > 0 and layered_tokens >= max(least, 64 * computed)
 
     def _may_replay_full_graph(self, meta: ConnectorMeta) -> bool:
         """Whether this step's forward may run as one full CUDA graph (no per-layer hooks). A

@@ -512,48 +512,6 @@ def test_cuda_engine_layered_start_fails_every_queued_job_on_an_enqueue_error():
     ]
 
 
-def test_cuda_engine_staged_start_runs_jobs_on_the_load_pipe_and_records_every_stage():
-    """``start_layered(staged=True)``: each queued job goes through the staged LOAD path, then
-    every stage event is recorded on the load pipe's kernel stream, so any layer's wait covers
-    the whole load. If a later job fails to enqueue, the earlier one keeps running (reported
-    by poll), the rest fail, and the events are still recorded: the forward never runs before
-    what was enqueued has landed."""
-    from contextlib import nullcontext
-    from types import SimpleNamespace
-
-    from kvoffload_connector.transfer.cuda import CudaEngine
-
-    recorded = []
-    driver = SimpleNamespace(cuEventRecord=lambda ev, st: recorded.append((ev, st)) or (0,))
-    enqueued = []
-
-    def plan_and_enqueue(job_id, direction, batches, nbytes):
-        if job_id == 12:
-            raise RuntimeError("cuMemcpyBatchAsync failed")
-        enqueued.append((job_id, direction, nbytes))
-        return SimpleNamespace(job_id=job_id)
-
-    fake = SimpleNamespace(
-        _jobs={},
-        _done={},
-        _step_loads=[(11, (), 10), (12, (), 20)],
-        _device=None,
-        _torch=SimpleNamespace(cuda=SimpleNamespace(device=lambda _d: nullcontext())),
-        _driver=driver,
-        _stage_events=["ev0", "ev1", "ev2"],
-        _pipes={Direction.LOAD: SimpleNamespace(kernel_h="load-kernel-stream")},
-        _plan_and_enqueue=plan_and_enqueue,
-        _enqueue_layered=lambda queued: pytest.fail("staged start used the layer kernels"),
-    )
-    fake._enqueue_staged = CudaEngine._enqueue_staged.__get__(fake)
-    CudaEngine._start_layered.__get__(fake)(staged=True)
-    assert enqueued == [(11, Direction.LOAD, 10)]
-    assert sorted(fake._jobs) == [11] and fake._step_loads == []
-    assert [(j, r.ok) for j, r in fake._done.items()] == [(12, False)]
-    assert "cuMemcpyBatchAsync failed" in fake._done[12].error
-    assert recorded == [(ev, "load-kernel-stream") for ev in ("ev0", "ev1", "ev2")]
-
-
 def test_cuda_engine_jobs_sharing_one_copy_sequence_split_its_time_by_bytes():
     """A step's layered loads run as one sequence: each job reports its byte share of that
     sequence's time, so a rate computed over the jobs (bytes / summed seconds) stays true."""

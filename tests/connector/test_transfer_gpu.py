@@ -123,18 +123,17 @@ def test_layered_round_trip_every_kind(kind, dtype, pools):
 
 
 @pytest.mark.parametrize(
-    "wait_all, jobs, staged",
-    [(False, 1, False), (True, 1, False), (False, 4, False), (True, 3, False), (False, 3, True)],
-    ids=["per-layer", "whole-step", "per-layer-4-jobs", "whole-step-3-jobs", "staged-3-jobs"],
+    "wait_all, jobs",
+    [(False, 1), (True, 1), (False, 4), (True, 3)],
+    ids=["per-layer", "whole-step", "per-layer-4-jobs", "whole-step-3-jobs"],
 )
-def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_all, jobs, staged):
+def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_all, jobs):
     """Work queued on the compute stream right after wait_layer(L) sees all of layer L's bytes,
     while later layers may still be in flight: snapshots taken per layer on the compute stream
     (no host sync in between) equal the pool's bytes. With wait_all_layers (a forward that may
     replay a full CUDA graph), one wait before the first layer covers every layer. Several
     requests' loads in one step (one job each) start together, layer by layer, and each job
-    reports its own bytes. Started staged (large DMA, for a light forward), every layer's wait
-    covers the whole load."""
+    reports its own bytes."""
     setup, layout, pool = build(
         "LBHNC",
         pools,
@@ -168,7 +167,7 @@ def test_layered_load_each_layer_is_in_place_when_its_wait_returns(pools, wait_a
                 0, batch.gpu_blocks[a:b], batch.slots[a:b], batch.slot_block_index[a:b]
             )
             engine.submit_layered(1 + j, [part])
-        engine.start_layered(staged=staged)
+        engine.start_layered()
         snaps = {}
         if wait_all:
             engine.wait_all_layers()

@@ -64,8 +64,8 @@ class _RecordingEngine:
     def submit_layered(self, job_id, batches):
         self.calls.append(("submit_layered", job_id))
 
-    def start_layered(self, staged=False):
-        self.calls.append(("start_layered", staged))
+    def start_layered(self):
+        self.calls.append(("start_layered", None))
 
     def wait_layer(self, layer_name):
         self.calls.append(("wait_layer", layer_name))
@@ -139,55 +139,11 @@ def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, config, longest_quer
             ("wait_layer", "model.layers.1.self_attn.attn"),
         ]
         expected = [("wait_all_layers", None)] if whole else per_layer
-        assert engine.calls == [("submit_layered", 7), ("start_layered", False), *expected]
+        assert engine.calls == [("submit_layered", 7), ("start_layered", None), *expected]
         engine.calls.clear()
         w.start_load_kv(ConnectorMeta())  # the next step loads nothing: nothing to wait for
         w.wait_for_layer_load("model.layers.0.self_attn.attn")
         assert engine.calls == [("new_step", None)]
-    finally:
-        w.engine = w.pool = None
-        w.shutdown()
-
-
-def _big_load(blocks: int) -> ConnectorMeta:
-    """One layered job of ``blocks`` GPU blocks (16 tokens each) in one group."""
-    ids = tuple(range(blocks))
-    transfer = GroupTransfer(0, ids, tuple(b // 4 for b in ids), tuple(b % 4 for b in ids))
-    return ConnectorMeta(loads=(LoadJob(7, "req", (transfer,), "gen-1", True),))
-
-
-@pytest.mark.parametrize(
-    ("extra", "blocks", "step_tokens", "staged"),
-    [
-        ({}, 2000, 16, True),  # a 32K-token hit computing its last 16 tokens: DMA
-        ({}, 2000, 600, False),  # a busy step (32,000 < 64 x 600): layer by layer
-        ({}, 625, 16, False),  # 10K tokens: under the 16,384-token floor
-        ({}, 2000, 0, False),  # the step's token count unknown: layer by layer
-        ({"dma_load_min_tokens": 0}, 2000, 16, False),  # turned off
-        ({"dma_load_min_tokens": "4096"}, 625, 16, True),  # a lower floor
-    ],
-    ids=["light", "busy", "small", "unknown", "off", "low-floor"],
-)
-def test_a_light_forward_with_a_large_load_takes_the_staged_dma(
-    tmp_path, extra, blocks, step_tokens, staged
-):
-    """Few computed tokens beside a large layered load: the step's loads go through the staged
-    DMA path and the forward waits for the whole load on the GPU (even where per-layer hooks
-    run); otherwise the loads stay layer by layer with per-layer waits."""
-    cfg = parse_extra_config({"socket": str(tmp_path / "absent.sock"), **extra}, block_size=16)
-    w = OffloadWorker(cfg, vllm_config=_graph_config(False), kv_cache_config=None, rank=0)
-    try:
-        engine = _RecordingEngine()
-        w.engine, w.pool, w.generation = engine, SimpleNamespace(ready=True), "gen-1"
-        meta = _big_load(blocks)
-        w.start_load_kv(ConnectorMeta(loads=meta.loads, longest_query=16, step_tokens=step_tokens))
-        w.wait_for_layer_load("model.layers.0.self_attn.attn")
-        waits = (
-            [("wait_all_layers", None)]
-            if staged
-            else [("wait_layer", "model.layers.0.self_attn.attn")]
-        )
-        assert engine.calls == [("submit_layered", 7), ("start_layered", staged), *waits]
     finally:
         w.engine = w.pool = None
         w.shutdown()

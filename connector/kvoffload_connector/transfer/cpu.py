@@ -96,7 +96,7 @@ class CpuTorchEngine:
             self._pending.add(job_id)
         self._run(job_id, Direction.LOAD, tuple(batches), nbytes, time.perf_counter())
 
-    def start_layered(self, staged: bool = False) -> None:
+    def start_layered(self) -> None:
         """Nothing to start: ``submit_layered`` finished the copy."""
 
     def wait_layer(self, layer_name: str) -> None:

@@ -438,33 +438,28 @@ class CudaEngine:
             self._step_loads.append((job_id, batches, nbytes))
             self._layered = True
 
-    def start_layered(self, staged: bool = False) -> None:
+    def start_layered(self) -> None:
         """Launch the layered loads queued since the last call as one sequence: per layer one
         copy kernel over every job's blocks, then that layer's event. Launched one job at a
         time, layer 0 of the step's last job would land only after every earlier job's last
-        layer, and the forward's first layer would wait for nearly the whole step's load.
-        ``staged``: the jobs go through the staged LOAD pipe instead (large DMA at the PCIe
-        ceiling, SM-free) and every layer's event is recorded after the last job's scatter,
-        so any ``wait_layer`` waits for the whole load (for a light forward: it has little to
-        overlap, and the copy kernel moves 47-50 GB/s where DMA moves 54 on an H100)."""
+        layer, and the forward's first layer would wait for nearly the whole step's load."""
         with self._lock:
-            self._start_layered(staged)
+            self._start_layered()
 
-    def _start_layered(self, staged: bool = False) -> None:
+    def _start_layered(self) -> None:
         queued, self._step_loads = self._step_loads, []
         if not queued:
             return
         t0 = time.perf_counter()
         try:
             with self._torch.cuda.device(self._device):
-                jobs = self._enqueue_staged(queued) if staged else self._enqueue_layered(queued)
-                for job in jobs:
+                for job in self._enqueue_layered(queued):
                     self._jobs[job.job_id] = job
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
             for job_id, _, _ in queued:
-                if job_id not in self._jobs:  # staged jobs enqueued before the error run on
-                    self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
+                self._jobs.pop(job_id, None)
+                self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
 
     def _refusal(self) -> str | None:
         """Why a job must fail at once (no registered pool yet), or None."""
@@ -677,21 +672,6 @@ class CudaEngine:
             err = memcpy(dst, src, n, stream)[0]
             if int(err):
                 raise RuntimeError(f"cuMemcpyAsync failed: {err!r}")
-
-    def _enqueue_staged(self, queued: list[tuple[int, Sequence[TransferBatch], int]]) -> list[_Job]:
-        """The step's layered loads as staged LOAD jobs; then every stage's event on the load
-        pipe's kernel stream, after the last job's last scatter (a pipe's jobs run in order)."""
-        jobs = []
-        try:
-            for job_id, batches, nbytes in queued:
-                jobs.append(self._plan_and_enqueue(job_id, Direction.LOAD, batches, nbytes))
-                self._jobs[job_id] = jobs[-1]  # enqueued: a later job's failure leaves it be
-        finally:
-            # even after a failure: the forward must not run before what was enqueued lands
-            kstream = self._pipes[Direction.LOAD].kernel_h
-            for ev in self._stage_events:
-                _ok(self._driver.cuEventRecord(ev, kstream), "cuEventRecord")
-        return jobs
 
     def _enqueue_layered(
         self, queued: list[tuple[int, Sequence[TransferBatch], int]]

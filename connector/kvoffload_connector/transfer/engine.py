@@ -85,11 +85,9 @@ class TransferEngine(Protocol):
         a failed one leaves nothing to wait for (the caller reports its blocks as errors)."""
         ...
 
-    def start_layered(self, staged: bool = False) -> None:
+    def start_layered(self) -> None:
         """Start the layered loads submitted since the last call, as one sequence per layer
-        (the first ``wait_layer`` of a step starts them too); ``staged``: as staged LOAD jobs
-        instead (large DMA, faster where the forward has little to overlap), every layer's
-        wait then covering the whole load."""
+        (the first ``wait_layer`` of a step starts them too)."""
         ...
 
     def wait_layer(self, layer_name: str) -> None:
