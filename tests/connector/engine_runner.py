@@ -105,12 +105,16 @@ def metrics(llm) -> dict[str, float]:
     return out
 
 
-def settle_pool(socket: str, quiet_s: float = 0.5, max_s: float = 20.0) -> None:
+def settle_pool(
+    socket: str, min_committed: int = 0, quiet_s: float = 0.5, max_s: float = 20.0
+) -> None:
     """Wait until no store reservation is open (every rank's commit of the last stores, sent
     from its RPC thread after the copy, has landed) and the committed count has not moved for
     `quiet_s`; at most `max_s`. On a loaded 2-core box a TP=2 worker's commit can trail the
-    other rank's by more than a fixed pause. A commit that is lost stays lost: its slots stay
-    reserved, the wait ends at `max_s`, and the hit assertions still fail."""
+    other rank's by more than a fixed pause. `min_committed` closes the other gap: a
+    reservation still queued in the engine's RPC thread is invisible here, so a quiet pool
+    alone does not prove the stores landed; the caller's known count of stored chunks does.
+    A commit that is lost stays lost: the wait ends at `max_s` and the hit assertions fail."""
     from kvoffload_connector.client import PoolClient
 
     client = PoolClient(socket, "test/settle", rpc_timeout_s=2)
@@ -122,7 +126,7 @@ def settle_pool(socket: str, quiet_s: float = 0.5, max_s: float = 20.0) -> None:
             committed = sum(ns.committed_slots for ns in namespaces)
             reserved = sum(ns.reserved_slots for ns in namespaces)
             most_reserved = max(most_reserved, reserved)
-            if committed != last or reserved:
+            if committed != last or reserved or committed < min_committed:
                 last, since = committed, time.monotonic()
             elif time.monotonic() - since >= quiet_s:
                 break
@@ -130,7 +134,8 @@ def settle_pool(socket: str, quiet_s: float = 0.5, max_s: float = 20.0) -> None:
     finally:
         client.close()
         print(
-            f"settle_pool: {time.monotonic() - start:.2f} s, {last} committed, "
+            f"settle_pool: {time.monotonic() - start:.2f} s, {last} committed "
+            f"(at least {min_committed} expected), "
             f"up to {most_reserved} reserved while waiting",
             file=sys.stderr,
             flush=True,
@@ -141,7 +146,8 @@ def scenario_reset(args: argparse.Namespace) -> dict:
     llm = make_llm(args)
     batch = prompts(args.seed, 3, args.prompt_len)
     first = run(llm, batch, args.max_tokens)
-    settle_pool(args.socket)  # let the last stores commit
+    # A fresh pool and eager stores: at least every full chunk of each prompt gets committed
+    settle_pool(args.socket, min_committed=len(batch) * (args.prompt_len // args.chunk))
     llm.reset_prefix_cache()
     second = run(llm, batch, args.max_tokens)
     other = run(llm, prompts(args.seed + 100, 1, args.prompt_len), args.max_tokens)
