@@ -6,6 +6,8 @@ Scenarios (each writes a JSON report; the test asserts on it):
 - `reset`: prompts P (miss, the reference), `reset_prefix_cache()`, P again (should load).
 - `warm`: the first request of this new engine (should hit what `reset` stored), then
   `kill`: P2 in flight while the sidecar is SIGKILLed, then restarted; P3 twice until it hits.
+- `evict`: lazy stores of what filler traffic pushes out of the GPU cache, then a hit.
+- `churn`: preemptions, aborts and pool hits in two rounds; the pool once idle.
 Engines are started with `if __name__ == "__main__"` (vLLM spawns its workers).
 """
 
@@ -183,6 +185,87 @@ def scenario_evict(args: argparse.Namespace) -> dict:
     return {"first": first, "second": second}
 
 
+def pool_when_idle(socket: str, max_s: float = 10.0) -> dict[str, int]:
+    """The pool's pins and open reservations, polled until both are 0 or `max_s` passed: a
+    finished request's pins are released by an RPC after it ends, a leak never is."""
+    from kvoffload_connector.client import PoolClient
+
+    client = PoolClient(socket, "test/idle", rpc_timeout_s=2)
+    start = time.monotonic()
+    try:
+        while True:
+            namespaces = client.stats().namespaces
+            out = {
+                "pinned_slots": sum(ns.pinned_slots for ns in namespaces),
+                "reserved_slots": sum(ns.reserved_slots for ns in namespaces),
+                "committed_slots": sum(ns.committed_slots for ns in namespaces),
+            }
+            if not (out["pinned_slots"] or out["reserved_slots"]):
+                break
+            if time.monotonic() - start > max_s:
+                break
+            time.sleep(0.1)
+    finally:
+        client.close()
+    out["waited_ms"] = int((time.monotonic() - start) * 1e3)
+    return out
+
+
+def scenario_churn(args: argparse.Namespace) -> dict:
+    """Preemptions, aborts and pool hits at once, in two rounds over the same prompts.
+
+    16 prompts share 4 heads; a GPU cache of a few requests (--kv-bytes) makes vLLM preempt
+    while decoding, and every fourth request is aborted in the first engine steps (waiting for
+    its lookup, loading, or prefilling). The report has each round's outputs, the aborts,
+    vLLM's preemption count, the connector's counters and the pool once the engine is idle."""
+    from vllm import SamplingParams
+
+    llm = make_llm(args)
+    engine = llm.llm_engine
+    heads = prompts(args.seed, 4, args.prompt_len)
+    batch = [heads[i % 4] + tail for i, tail in enumerate(prompts(args.seed + 50, 16, 64))]
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def one_round(tag: str, abort_at: dict[int, int]) -> dict:
+        """Every request of `batch`; request i is aborted after engine step abort_at[i]
+        unless it finished before."""
+        ids = [f"{tag}-{i}" for i in range(len(batch))]
+        for rid, p in zip(ids, batch, strict=True):
+            engine.add_request(rid, {"prompt_token_ids": p}, sp)
+        done: dict[int, dict] = {}
+        aborted: list[int] = []
+        steps = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished and o.outputs:
+                    done[ids.index(o.request_id)] = {
+                        "tokens": list(o.outputs[0].token_ids),
+                        "cached": int(o.num_cached_tokens or 0),
+                    }
+            steps += 1
+            for i, step in abort_at.items():
+                if steps == step and i not in done:
+                    engine.abort_request([ids[i]])
+                    aborted.append(i)
+        finished = {i: o for i, o in done.items() if i not in aborted}
+        return {"outputs": finished, "aborted": aborted, "steps": steps}
+
+    # Round 1 aborts in the first steps (prefilling, the first lookups); round 2 all along the
+    # run, so some requests are aborted while they wait for GPU blocks with a hit pinned.
+    first = one_round("a", {i: i // 4 + 1 for i in range(0, 16, 4)})
+    settle_pool(args.socket)
+    second = one_round("b", {i: 5 + 23 * (i // 2) for i in range(0, 16, 2)})
+    settle_pool(args.socket)
+    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    return {
+        "first": first,
+        "second": second,
+        "preemptions": counters.get("vllm:num_preemptions", 0),
+        "metrics": metrics(llm),
+        "pool": pool_when_idle(args.socket),
+    }
+
+
 def scenario_warm_kill(args: argparse.Namespace) -> dict:
     """Warm restart (first request of a new engine hits), then the sidecar killed mid-run."""
     llm = make_llm(args)
@@ -252,7 +335,7 @@ def scenario_warm_kill(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["reset", "warm_kill", "evict"])
+    ap.add_argument("scenario", choices=["reset", "warm_kill", "evict", "churn"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket", required=True)
     ap.add_argument("--out", required=True)
@@ -272,9 +355,12 @@ def main() -> int:
     ap.add_argument("--sidecar-pid-file", default="")
     ap.add_argument("--corrupt-pool", default="", help="pool file to overwrite (reset scenario)")
     args = ap.parse_args()
-    fn = {"reset": scenario_reset, "warm_kill": scenario_warm_kill, "evict": scenario_evict}[
-        args.scenario
-    ]
+    fn = {
+        "reset": scenario_reset,
+        "warm_kill": scenario_warm_kill,
+        "evict": scenario_evict,
+        "churn": scenario_churn,
+    }[args.scenario]
     report = fn(args)
     Path(args.out).write_text(json.dumps(report))
     return 0

