@@ -135,7 +135,7 @@ class OffloadWorker:
             self._apply(reg)
         except PoolUnavailable as e:
             log.warning(
-                "kvoffload: sidecar not reachable at %s (%s); serving without the pool until it is",
+                "kvoffload: no pool from the sidecar at %s (%s); serving without it, retrying",
                 self.cfg.socket,
                 e,
             )

