@@ -234,7 +234,7 @@ def scenario_churn(args: argparse.Namespace) -> dict:
             engine.add_request(rid, {"prompt_token_ids": p}, sp)
         done: dict[int, dict] = {}
         aborted: list[int] = []
-        steps = 0
+        steps, start = 0, time.monotonic()
         while engine.has_unfinished_requests():
             for o in engine.step():
                 if o.finished and o.outputs:
@@ -248,7 +248,12 @@ def scenario_churn(args: argparse.Namespace) -> dict:
                     engine.abort_request([ids[i]])
                     aborted.append(i)
         finished = {i: o for i, o in done.items() if i not in aborted}
-        return {"outputs": finished, "aborted": aborted, "steps": steps}
+        return {
+            "outputs": finished,
+            "aborted": aborted,
+            "steps": steps,
+            "seconds": time.monotonic() - start,
+        }
 
     # Round 1 aborts in the first steps (prefilling, the first lookups); round 2 all along the
     # run, so some requests are aborted while they wait for GPU blocks with a hit pinned.
