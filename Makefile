@@ -25,6 +25,7 @@ help:
 
 $(STAMP): pyproject.toml
 	@echo "==> creating $(VENV) and installing dependencies (first run: ~2 min)"
+	@[[ "$(MIN_FREE_GIB)" =~ ^[0-9]+$$ ]] || { echo "error: MIN_FREE_GIB must be a whole number of GiB, not '$(MIN_FREE_GIB)'"; exit 1; }
 	@free_kib=$$(df -Pk . | awk 'NR==2 {print $$4}'); \
 	  if [ "$$free_kib" -lt $$(( $(MIN_FREE_GIB) * 1024 * 1024 )) ]; then \
 	    echo "error: $$(( free_kib / 1024 / 1024 )) GiB free on the disk of $(CURDIR); installing needs $(MIN_FREE_GIB) GiB (df -h .)"; \

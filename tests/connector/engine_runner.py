@@ -107,6 +107,15 @@ def metrics(llm) -> dict[str, float]:
     return out
 
 
+def pool_slots(client) -> dict[str, int]:
+    """Committed, reserved and pinned slots over every namespace of the pool."""
+    namespaces = client.stats().namespaces
+    return {
+        f"{kind}_slots": sum(getattr(ns, f"{kind}_slots") for ns in namespaces)
+        for kind in ("committed", "reserved", "pinned")
+    }
+
+
 def settle_pool(
     socket: str, min_committed: int = 0, quiet_s: float = 0.5, max_s: float = 20.0
 ) -> None:
@@ -124,9 +133,8 @@ def settle_pool(
     last, since, end, most_reserved = -1, start, start + max_s, 0
     try:
         while time.monotonic() < end:
-            namespaces = client.stats().namespaces
-            committed = sum(ns.committed_slots for ns in namespaces)
-            reserved = sum(ns.reserved_slots for ns in namespaces)
+            slots = pool_slots(client)
+            committed, reserved = slots["committed_slots"], slots["reserved_slots"]
             most_reserved = max(most_reserved, reserved)
             if committed != last or reserved or committed < min_committed:
                 last, since = committed, time.monotonic()
@@ -194,15 +202,9 @@ def pool_when_idle(socket: str, max_s: float = 10.0) -> dict[str, int]:
     start = time.monotonic()
     try:
         while True:
-            namespaces = client.stats().namespaces
-            out = {
-                "pinned_slots": sum(ns.pinned_slots for ns in namespaces),
-                "reserved_slots": sum(ns.reserved_slots for ns in namespaces),
-                "committed_slots": sum(ns.committed_slots for ns in namespaces),
-            }
-            if not (out["pinned_slots"] or out["reserved_slots"]):
-                break
-            if time.monotonic() - start > max_s:
+            out = pool_slots(client)
+            idle = not (out["pinned_slots"] or out["reserved_slots"])
+            if idle or time.monotonic() - start > max_s:
                 break
             time.sleep(0.1)
     finally:
