@@ -146,6 +146,7 @@ class OffloadScheduler:
         self._registration: Registration | None = None
         self._ready: dict[int, bool] = {}  # rank -> pool ready (empty: not reported yet)
         self._first_query_at: float | None = None
+        self._told_unusable = ""  # the reason last logged for serving without the pool
         self.block_pool: Any = None
         self.kv_cache_manager: Any = None
         self._tracked_blocks: dict[str, list[list[int]]] = {}  # vLLM 0.26 only
@@ -207,6 +208,7 @@ class OffloadScheduler:
         if st.answer is None:
             if not st.queued:
                 if not self._usable() and not self._may_wait_for_registration():
+                    self._tell_unusable()
                     return 0, False
                 st.queued = True
                 self.stats.queried_tokens += request.num_tokens - num_computed_tokens
@@ -246,6 +248,21 @@ class OffloadScheduler:
             not self._ready or (len(self._ready) >= self.world_size and all(self._ready.values()))
         )
 
+    def _unusable_reason(self) -> str:
+        if not self.client.connected:
+            if self._registration is None:
+                return "no worker has reported a registration yet"
+            return "the sidecar is away or refused the registration (retrying)"
+        missing = [r for r in range(self.world_size) if not self._ready.get(r)]
+        return f"rank(s) {missing} have no mapped pool"
+
+    def _tell_unusable(self) -> None:
+        """One log line per reason (not per step) for serving without the pool."""
+        reason = self._unusable_reason()
+        if reason != self._told_unusable:
+            self._told_unusable = reason
+            log.info("kvoffload: serving without the pool (lookups miss, stores drop): %s", reason)
+
     def _may_wait_for_registration(self) -> bool:
         """Before the first registration, requests wait (bounded) instead of missing."""
         if self._registration is not None and self.client.registrations > 0:
@@ -262,11 +279,13 @@ class OffloadScheduler:
             self._rpc.submit(self.client.ensure)  # reconnects when its backoff allows
             if self._may_wait_for_registration():
                 return  # keep them queued: the first registration is on its way
+            self._tell_unusable()
             for st in self._lookup_queue:  # sidecar away: every queued lookup is a miss
                 st.queued = False
                 st.answer = _Answer(0, [], [], "")
             self._lookup_queue = []
             return
+        self._told_unusable = ""
         batch = [(st.req_id, self._request_keys(st.request)) for st in self._lookup_queue]
         self._lookup_queue = []
         self._lookups_in_flight += 1
@@ -631,8 +650,10 @@ class OffloadScheduler:
         self.stats.store_chunks_planned += len(planned)
         if not self._usable():
             self._rpc.submit(self.client.ensure)  # reconnect in the background, drop these
+            self._tell_unusable()
             self._on_reserved(planned, None, "", "")
             return
+        self._told_unusable = ""
         self._reservations_in_flight += 1
         self._rpc.submit(lambda: self._reserve_rpc(planned))
 

@@ -739,6 +739,19 @@ def test_misses_until_every_rank_reports_its_pool_ready():
     assert ask(s, req2) == (256, True)
 
 
+def test_serving_without_the_pool_is_logged_once_per_reason(caplog):
+    s, fake, bp, mgr = make(world=2)
+    s.update_connector_output(WorkerReport(ready={0: True, 1: False}))
+    caplog.set_level("INFO", logger="kvoffload_connector.scheduler")
+    for i in range(3):  # three steps, each dropping its stores for the same reason
+        req = Request(f"r{i}", list(range(300)))
+        assert ask(s, req) == (0, False)
+        mgr.req_blocks[req.request_id] = [bp.allocate(10)]
+        s.build_connector_meta(SchedOut({req.request_id: 300}))
+    lines = [r.getMessage() for r in caplog.records if "without the pool" in r.getMessage()]
+    assert len(lines) == 1 and "rank(s) [1] have no mapped pool" in lines[0], lines
+
+
 def test_config_defaults_and_unknown_keys_warn(caplog):
     cfg = parse_extra_config({"socket": "/run/p.sock", "mode": "lazy", "typo_key": 1}, 16)
     assert cfg.socket == "/run/p.sock" and cfg.mode.value == "lazy"

@@ -65,8 +65,11 @@ def _run(
         )
     report = json.loads(out.read_text())
     # the connector's and the runner's own lines, for an assertion's message (why a hit missed)
+    # (vLLM's logger writes to stdout, the runner's own lines go to stderr)
     report["log"] = "\n".join(
-        line for line in proc.stderr.splitlines() if "kvoffload" in line or "settle_pool" in line
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if "kvoffload" in line or "settle_pool" in line
     )[-6000:]
     return report
 
