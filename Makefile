@@ -1,7 +1,9 @@
 # kvoffload — one entry point for humans and CI. Every target builds its own
 # virtualenv (.venv) on first use, so a fresh machine needs only python3 and make.
 SHELL := /bin/bash
-PY_SYS ?= python3
+# /usr/bin/python3 when there is one: the pod-level tests run the venv as other uids, which
+# cannot reach an interpreter under /root (pyenv).
+PY_SYS ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || echo python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip

@@ -18,6 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "run the pool sidecar (gRPC on a Unix socket)",
     ),
     "stats": ("kvoffload_sidecar.cli:main_stats", "print a sidecar's stats as a table or JSON"),
+    "probe": (
+        "kvoffload_sidecar.probe:main_probe",
+        "startup probe: exit 0 once the sidecar serves or a deadline passed (stdlib only)",
+    ),
     "inject": ("kvoffload_operator.cli:main_inject", "print manifests with the sidecar injected"),
     "operator": ("kvoffload_operator.cli:main_operator", "run the Kubernetes operator and webhook"),
     "demo": ("kvoffload_connector.demo:main", "sidecar + vLLM (CPU) multi-turn demo"),

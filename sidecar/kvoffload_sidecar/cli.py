@@ -1,7 +1,8 @@
 """`kvoffload sidecar` and `kvoffload stats`: argv in, exit code out.
 
 Exit codes: 0 ok; 2 a bad setting (one line on stderr naming it); 1 `stats` could not reach a
-serving sidecar.
+serving sidecar. With `--on-pool-error degrade` (what the injector sets) a bad setting or a pool
+that cannot be built does not exit: the sidecar serves degraded (degraded.py) until SIGTERM.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kvoffload_sidecar.config import ConfigError, SidecarConfig, check_environment, parse_config
+from kvoffload_sidecar.config import (
+    ConfigError,
+    EarlySettings,
+    SidecarConfig,
+    check_environment,
+    early_settings,
+    parse_config,
+    remove_dead_instance,
+)
+from kvoffload_sidecar.connector_status import describe
 from kvoffload_sidecar.units import format_bytes, format_seconds
 
 log = logging.getLogger("kvoffload_sidecar")
@@ -45,21 +55,37 @@ def _describe(config: SidecarConfig) -> str:
 
 def main_sidecar(argv: Sequence[str]) -> int:
     """Validate the settings, then run the sidecar until SIGTERM."""
+    early = early_settings(argv)
     try:
         config = parse_config(argv)
-        warnings = check_environment(config)
     except ConfigError as exc:
-        print(f"kvoffload sidecar: error: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(early, exc, checking=False)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    try:
+        warnings = check_environment(config)
+    except ConfigError as exc:
+        return _refuse(early, exc, checking=True)
     configure_logging(config.log_level)
     for warning in warnings:
         log.warning("%s", warning)
+    remove_dead_instance(config)  # check_environment found nobody serving the socket
     log.info("starting: %s", _describe(config))
     from kvoffload_sidecar.runtime import run  # grpc and the Pool only once settings are valid
 
     return run(config)
+
+
+def _refuse(early: EarlySettings, exc: ConfigError, *, checking: bool) -> int:
+    """A settings problem: exit 2 with one line, or serve degraded with --on-pool-error degrade."""
+    if early.on_pool_error != "degrade":
+        print(f"kvoffload sidecar: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(early.log_level)
+    from kvoffload_sidecar.degraded import Endpoints, from_config_error, run_degraded
+
+    endpoints = Endpoints(early.socket, early.listen, early.metrics_listen)
+    return run_degraded(endpoints, from_config_error(exc, checking=checking))
 
 
 # -- kvoffload stats ------------------------------------------------------------------------------
@@ -90,11 +116,18 @@ def _ratio(hits: int, misses: int) -> str:
 def format_stats(resp: Any) -> str:
     """The readable table: a pool-wide line, one row per namespace, one row per RPC method."""
     prefault = resp.prefaulted_bytes / resp.pool_bytes if resp.pool_bytes else 0.0
+    if resp.degraded_reason:
+        lines = [
+            f"pool: degraded, serving without a pool: {resp.degraded_reason}",
+            f"uptime {resp.uptime_seconds:.0f}s, version {resp.version}",
+        ]
+        return "\n".join(lines + connector_lines(resp.connector_status))
     lines = [
         f"pool: {format_bytes(resp.pool_bytes)}, pre-faulted {prefault:.0%} "
         f"({'ready' if resp.pool_ready else 'not ready'}), eviction {resp.eviction_policy}, "
         f"generation {resp.pool_generation}, uptime {resp.uptime_seconds:.0f}s, "
         f"version {resp.version}",
+        *connector_lines(resp.connector_status),
         "",
     ]
     header = (
@@ -152,6 +185,17 @@ def format_stats(resp: Any) -> str:
     ]
     lines += _table(latency) if len(latency) > 1 else ["no RPCs yet"]
     return "\n".join(lines)
+
+
+def connector_lines(status_json: str) -> list[str]:
+    """One line per connector status entry ("connector scheduler rank 0: disabled: ...")."""
+    try:
+        entries = json.loads(status_json) if status_json else []
+    except ValueError:
+        return []
+    if not isinstance(entries, list):
+        return []
+    return [describe(e) for e in entries if isinstance(e, dict)]
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -33,8 +33,19 @@ NUMA_ROOT = Path("/sys/devices/system/node")
 PROC_MOUNTS = Path("/proc/mounts")
 
 
+ON_POOL_ERROR = ("exit", "degrade")
+
+
 class ConfigError(ValueError):
-    """A bad setting; str(e) is the one line printed before exiting with code 2."""
+    """A bad setting; str(e) is the one line printed before exiting with code 2.
+
+    `setting` is the flag's dest ("pool_dir", "numa_node", ...) when one flag is to blame: a
+    sidecar run with `--on-pool-error degrade` turns it into its degraded reason code.
+    """
+
+    def __init__(self, message: str, setting: str = "") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,10 @@ class SidecarConfig:
     """Python logging level name."""
     drain_grace_s: float = 5.0
     """Seconds in-flight RPCs get after SIGTERM; below the pod's terminationGracePeriodSeconds."""
+    max_sessions: int = 64
+    """Framed connections served at once; more are refused (each one holds a thread)."""
+    on_pool_error: str = "exit"
+    """"exit" (code 2) or "degrade": serve health + Stats without a pool when none can be built."""
 
     @property
     def reap_interval_s(self) -> float:
@@ -127,6 +142,12 @@ _FLAGS: tuple[_Flag, ...] = (
         "serve the connector's Session calls without gRPC on SOCKET.session: true (default), false",
     ),
     _Flag("--log-level", "DEBUG, INFO (default), WARNING, ERROR"),
+    _Flag("--max-sessions", "framed session connections served at once (default 64)"),
+    _Flag(
+        "--on-pool-error",
+        "when no pool can be built: exit (default, code 2) or degrade (serve health and Stats "
+        "without a pool, answer Register FAILED_PRECONDITION)",
+    ),
 )
 
 
@@ -149,7 +170,7 @@ def build_parser(prog: str = "kvoffload sidecar") -> argparse.ArgumentParser:
 
 def _error(flag: _Flag, source: str | None, problem: str) -> ConfigError:
     origin = f", here from {source}" if source else ""
-    return ConfigError(f"{flag.name} (env {flag.env}{origin}): {problem}")
+    return ConfigError(f"{flag.name} (env {flag.env}{origin}): {problem}", flag.dest)
 
 
 def _raw_values(
@@ -164,7 +185,7 @@ def _raw_values(
         elif environ.get(flag.env, "") != "":
             values[flag.dest] = (flag.env, environ[flag.env])
         elif flag.required:
-            raise ConfigError(f"{flag.name} (env {flag.env}) is required")
+            raise ConfigError(f"{flag.name} (env {flag.env}) is required", flag.dest)
     return values
 
 
@@ -244,6 +265,8 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "client_timeout": _parse_seconds,
     "detach_grace": _parse_grace,
     "log_level": _parse_choice(LOG_LEVELS, upper=True),
+    "max_sessions": _parse_int(1),
+    "on_pool_error": _parse_choice(ON_POOL_ERROR),
 }
 _FIELD_OF = {"client_timeout": "client_timeout_s", "detach_grace": "detach_grace_s"}
 
@@ -331,7 +354,7 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
     if sock.exists() or sock.is_symlink():
         if not stat.S_ISSOCK(sock.lstat().st_mode):
             raise _error(flag["socket"], where, f"{str(sock)!r} exists and is not a socket")
-        if _socket_is_live(sock):
+        if socket_is_live(sock):
             raise _error(flag["socket"], where, f"another process is serving on {str(sock)!r}")
 
     if config.framed_sessions:
@@ -343,7 +366,7 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
                 f"{str(framed)!r} (the framed session socket beside it) is longer than "
                 f"{MAX_UNIX_PATH} bytes: shorten the path or set --framed-sessions false",
             )
-        if framed.exists() and stat.S_ISSOCK(framed.lstat().st_mode) and _socket_is_live(framed):
+        if framed.exists() and stat.S_ISSOCK(framed.lstat().st_mode) and socket_is_live(framed):
             raise _error(flag["socket"], where, f"another process is serving on {str(framed)!r}")
 
     if config.numa_node is not None and not (NUMA_ROOT / f"node{config.numa_node}").is_dir():
@@ -357,7 +380,8 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
     return warnings
 
 
-def _socket_is_live(path: Path) -> bool:
+def socket_is_live(path: Path) -> bool:
+    """True when a process accepts connections on the Unix socket `path`."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(0.5)
     try:
@@ -375,8 +399,79 @@ def remove_stale_socket(path: Path) -> bool:
         mode = path.lstat().st_mode
     except FileNotFoundError:
         return False
-    if stat.S_ISSOCK(mode) and not _socket_is_live(path):
+    if stat.S_ISSOCK(mode) and not socket_is_live(path):
         path.unlink()
         log.info("removed stale socket %s", path)
         return True
     return False
+
+
+def remove_dead_instance(config: SidecarConfig) -> list[Path]:
+    """Files of a sidecar that died in this pod (SIGKILL, OOM): its sockets and its pool file.
+
+    Only when no process serves `config.socket`: a live sidecar's pool is never touched. Run
+    before the pool is sized, so a size-limited emptyDir never needs room for two pools.
+    Returns what was removed.
+    """
+    sock = config.socket
+    if sock.exists() and socket_is_live(sock):
+        return []
+    removed = [
+        path
+        for path in (sock, sock.with_name(sock.name + FRAMED_SUFFIX))
+        if remove_stale_socket(path)
+    ]
+    pool_file = config.pool_dir / POOL_FILE_NAME
+    try:
+        pool_file.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove the stale pool file %s: %s", pool_file, exc)
+    else:
+        log.info("removed the stale pool file %s (its sidecar is gone)", pool_file)
+        removed.append(pool_file)
+    return removed
+
+
+@dataclass(frozen=True)
+class EarlySettings:
+    """What a sidecar with bad settings still needs: whether to degrade, and where to answer."""
+
+    on_pool_error: str = "exit"
+    socket: Path | None = None
+    listen: str | None = None
+    metrics_listen: str | None = None
+    log_level: str = "INFO"
+
+
+def early_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EarlySettings:
+    """The few settings read leniently before validation; an unusable one takes its default."""
+    env = os.environ if environ is None else environ
+    parser = _Parser(add_help=False)
+    wanted = ("--on-pool-error", "--socket", "--listen", "--metrics-listen", "--log-level")
+    for name in wanted:
+        parser.add_argument(name)
+    try:
+        ns, _ = parser.parse_known_args(list(argv))
+    except ConfigError:
+        ns = argparse.Namespace(**{name[2:].replace("-", "_"): None for name in wanted})
+
+    def value(dest: str, parse: Callable[[str], Any]) -> Any:
+        raw = getattr(ns, dest, None)
+        if raw is None:
+            raw = env.get(ENV_PREFIX + dest.upper()) or None
+        if raw is None:
+            return None
+        try:
+            return parse(raw)
+        except ValueError:
+            return None
+
+    return EarlySettings(
+        on_pool_error=value("on_pool_error", _PARSERS["on_pool_error"]) or "exit",
+        socket=value("socket", _PARSERS["socket"]),
+        listen=value("listen", _parse_host_port),
+        metrics_listen=value("metrics_listen", _parse_host_port),
+        log_level=value("log_level", _PARSERS["log_level"]) or "INFO",
+    )

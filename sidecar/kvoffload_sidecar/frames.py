@@ -11,6 +11,9 @@ Each connection is served by its own thread doing blocking reads and writes: a c
 engine rank or scheduler (a handful per pod), and a thread woken by its socket answers about
 70 µs sooner than an asyncio stream handler (the event loop's reader callbacks, futures and
 write buffering; docs/BENCHMARKS.md, "Sidecar RPC"). The pool serialises calls with its own lock.
+At most `max_sessions` connections are served at once (`--max-sessions`): one more is answered
+with one RESOURCE_EXHAUSTED `SessionError` frame and closed, so idle or leaked connections cannot
+pile up threads. The socket is mode 0666: vLLM may run as any uid of the pod.
 
 Bad input gets what the gRPC stream gives it: a frame that does not parse is answered with an
 INVALID_ARGUMENT `SessionError` (seq 0); a length above the gRPC message limit, or a connection
@@ -22,23 +25,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from kvoffload.v1 import pool_pb2 as pb
 
 from kvoffload_sidecar.config import FRAMED_SUFFIX, remove_stale_socket
-
-if TYPE_CHECKING:
-    from kvoffload_sidecar.server import PoolServicer
+from kvoffload_sidecar.sessions import SessionHost
 
 log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<I")
 _BACKLOG = 64
+SOCKET_MODE = 0o666  # every uid of the pod; the run dir is pod-private
+DEFAULT_MAX_SESSIONS = 64
+_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED (no grpc import here)
+_REFUSE_SEND_TIMEOUT_S = 0.2
 
 
 def socket_path_for(grpc_socket: Path) -> Path:
@@ -95,11 +102,14 @@ def frame(message: bytes) -> bytes:
 
 @dataclass
 class FramedSessions:
-    """The framed socket's server, bound to one `PoolServicer` (its handlers and counters)."""
+    """The framed socket's server, bound to one `SessionHost` (its handlers and counters)."""
 
-    servicer: PoolServicer
+    servicer: SessionHost
     path: Path
     max_frame_bytes: int
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    refused: int = 0  # connections refused because `max_sessions` were open
+    _refusing: bool = False  # inside a burst of refusals: logged once
     _listener: socket.socket | None = None
     _conns: dict[socket.socket, threading.Thread] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -110,6 +120,7 @@ class FramedSessions:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(str(self.path))
+            os.chmod(self.path, SOCKET_MODE)  # before listen: no client sees it 0755
             listener.listen(_BACKLOG)
         except OSError:
             listener.close()
@@ -155,8 +166,32 @@ class FramedSessions:
                 if self._stopping:
                     conn.close()
                     return
-                self._conns[conn] = thread
-            thread.start()
+                full = len(self._conns) >= self.max_sessions
+                if not full:
+                    self._conns[conn] = thread
+                    self._refusing = False
+            if full:
+                self._refuse(conn)
+            else:
+                thread.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """One RESOURCE_EXHAUSTED frame, then close; logged once per burst of refusals."""
+        self.refused += 1
+        message = f"refusing framed session: {self.max_sessions} open (--max-sessions)"
+        if not self._refusing:
+            self._refusing = True
+            log.warning("%s", message)
+        reply = pb.SessionResponse(seq=0)
+        reply.error.code = _RESOURCE_EXHAUSTED
+        reply.error.message = message
+        try:
+            conn.settimeout(_REFUSE_SEND_TIMEOUT_S)  # never let a refused peer stall accept()
+            conn.sendall(frame(reply.SerializeToString()))
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         servicer = self.servicer

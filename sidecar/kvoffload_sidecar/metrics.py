@@ -252,10 +252,33 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[index]
 
 
+class DegradedCollector(Collector):
+    """`kvoffload_pool_degraded{reason}`: 1 with the reason code while serving without a pool,
+    `{reason=""} 0` when healthy, so an alert can fire on the value alone."""
+
+    def __init__(self, reason_code: str) -> None:
+        self.reason_code = reason_code
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "kvoffload_pool_degraded",
+            "1 while the sidecar serves without a pool (it could not build one), by reason.",
+            labels=["reason"],
+        )
+        gauge.add_metric([self.reason_code], 1.0 if self.reason_code else 0.0)
+        yield gauge
+
+
 class SidecarMetrics:
     """Registry, RPC histogram, latency rings and build info of one server instance."""
 
-    def __init__(self, pool: Pool | None, *, build_labels: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        pool: Pool | None,
+        *,
+        build_labels: dict[str, str] | None = None,
+        degraded_code: str = "",
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.latency = LatencyRecorder()
         self._rpc = Histogram(
@@ -268,6 +291,7 @@ class SidecarMetrics:
         self._children: dict[str, Any] = {}
         build = Info("kvoffload_build", "Version of the running sidecar.", registry=self.registry)
         build.info({"version": package_version(), **(build_labels or {})})
+        self.registry.register(DegradedCollector(degraded_code))
         if pool is not None:
             self.registry.register(PoolCollector(pool))
 

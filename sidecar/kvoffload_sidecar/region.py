@@ -177,6 +177,10 @@ class Region:
         fstype = filesystem_type(d)
         if self.hugepages and fstype != "hugetlbfs":
             raise ValueError(f"hugepages requested but pool dir {d} is on {fstype}, not hugetlbfs")
+        # A stale pool from an earlier sidecar (killed, OOM): remove it before measuring the free
+        # space, or a size-limited emptyDir would need room for two pools. Mappings still open
+        # keep the old inode (and its memory) alive until they close.
+        self.path.unlink(missing_ok=True)
         # Touching a page past a full tmpfs or an empty huge-page pool is SIGBUS: check first.
         st = os.statvfs(d)
         if st.f_blocks and st.f_bavail * st.f_frsize < self.size:
@@ -193,8 +197,6 @@ class Region:
                     f"{free} bytes of free 2 MiB huge pages (HugePages_Free - HugePages_Rsvd), "
                     f"the pool needs {self.size}",
                 )
-        # A stale pool from an earlier sidecar: mappings still open keep the old inode alive.
-        self.path.unlink(missing_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             os.fchmod(fd, 0o666)  # the vLLM container may run as another user of the pod

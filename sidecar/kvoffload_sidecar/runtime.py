@@ -12,6 +12,7 @@ import logging
 import signal
 
 from kvoffload_sidecar.config import SidecarConfig
+from kvoffload_sidecar.degraded import Degraded, Endpoints, from_pool_error, run_degraded
 from kvoffload_sidecar.errors import PoolError
 from kvoffload_sidecar.keymap import native_enabled
 from kvoffload_sidecar.metrics import MetricsHttpServer
@@ -89,19 +90,35 @@ async def serve(config: SidecarConfig, pool: Pool, *, stop: asyncio.Event | None
             config.socket.unlink()
 
 
+def endpoints_of(config: SidecarConfig) -> Endpoints:
+    return Endpoints(config.socket, config.listen, config.metrics_listen)
+
+
 def run(config: SidecarConfig) -> int:
     """Start the Pool, serve until a signal, close the Pool; the process exit code."""
     pool = Pool(pool_settings(config))
     try:
         pool.start()
     except (OSError, ValueError, PoolError) as exc:
+        if config.on_pool_error == "degrade":
+            return run_degraded(endpoints_of(config), from_pool_error(exc, config.pool_dir))
         log.error("cannot create the pool in %s: %s", config.pool_dir, exc)
         return 2
     try:
         asyncio.run(serve(config, pool))
+    except (OSError, RuntimeError) as exc:  # a listener that cannot bind (port taken, ...)
+        if config.on_pool_error != "degrade":
+            raise
+        failure: Degraded | None = Degraded("serve_error", f"cannot serve the pool: {exc}")
+    else:
+        failure = None
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # already draining: let pool.close() finish
             signal.signal(signum, signal.SIG_IGN)
         pool.close()
+    if failure is not None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        return run_degraded(endpoints_of(config), failure)
     log.info("stopped")
     return 0

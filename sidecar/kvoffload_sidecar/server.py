@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from time import perf_counter
 from typing import Any
 
@@ -27,6 +29,7 @@ from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 
 from kvoffload_sidecar import convert
 from kvoffload_sidecar.config import SidecarConfig, remove_stale_socket
+from kvoffload_sidecar.connector_status import read_connector_status
 from kvoffload_sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -35,7 +38,7 @@ from kvoffload_sidecar.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvoffload_sidecar.frames import FramedSessions, socket_path_for
+from kvoffload_sidecar.frames import SOCKET_MODE, FramedSessions, socket_path_for
 from kvoffload_sidecar.metrics import SidecarMetrics, package_version
 from kvoffload_sidecar.pool import Pool
 
@@ -145,6 +148,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         self.open_sessions = 0  # gRPC Session streams and framed connections
         self._sessions_lock = threading.Lock()  # framed connections open and close in threads
         self.session_socket_name = ""  # the framed socket's file name, told to registrants
+        self.status_dir: Path | None = None  # where connectors write their status files
 
     # -- handlers: one per method, shared by unary calls and the Session stream ------------------
 
@@ -194,6 +198,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         convert.stats_to_proto(
             self._pool.stats(), self._metrics.latency.snapshot(), self._version, out
         )
+        out.connector_status = read_connector_status(self.status_dir)
 
     # -- unary RPCs ------------------------------------------------------------------------------
 
@@ -374,7 +379,7 @@ class StatsOnlyServicer(pb_grpc.KVPoolServicer):
         return await self._servicer.Stats(request, context)
 
 
-def _new_server() -> grpc.aio.Server:
+def new_server() -> grpc.aio.Server:
     return grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -441,6 +446,15 @@ class SidecarServer:
         await asyncio.gather(*stops)
 
 
+def bind_unix(server: grpc.aio.Server, sock: Path) -> str:
+    """Bind `server` to the Unix socket `sock` (absolute), mode 0666 before it serves: vLLM may
+    run as any uid of the pod (the run dir is a pod-private emptyDir). The gRPC target."""
+    target = f"unix:{sock}"
+    server.add_insecure_port(target)  # binds (and listens) here; start() only begins serving
+    os.chmod(sock, SOCKET_MODE)
+    return target
+
+
 def create_server(
     config: SidecarConfig, pool: Pool, *, metrics: SidecarMetrics | None = None
 ) -> SidecarServer:
@@ -452,20 +466,23 @@ def create_server(
     metrics = metrics or SidecarMetrics(pool)
     servicer = PoolServicer(pool, metrics)
     health_servicer = health.aio.HealthServicer()
-    server = _new_server()
+    server = new_server()
     add_servicer(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    sock = config.socket.absolute()
-    remove_stale_socket(sock)
-    target = f"unix:{sock}"
-    server.add_insecure_port(target)
-    built = SidecarServer(server, pool, servicer, health_servicer, metrics, target)
-    if config.framed_sessions:
-        built.frames = FramedSessions(servicer, socket_path_for(sock), MAX_MESSAGE_BYTES)
-    if config.listen:
-        tcp = _new_server()
+    tcp: grpc.aio.Server | None = None
+    tcp_port: int | None = None
+    if config.listen:  # first: a port that cannot be bound leaves no Unix socket bound behind
+        tcp = new_server()
         add_servicer(StatsOnlyServicer(servicer), tcp)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, tcp)
-        built.tcp_server = tcp
-        built.tcp_port = tcp.add_insecure_port(config.listen)
+        tcp_port = tcp.add_insecure_port(config.listen)
+    sock = config.socket.absolute()
+    remove_stale_socket(sock)
+    target = bind_unix(server, sock)
+    servicer.status_dir = sock.parent
+    built = SidecarServer(server, pool, servicer, health_servicer, metrics, target, tcp, tcp_port)
+    if config.framed_sessions:
+        built.frames = FramedSessions(
+            servicer, socket_path_for(sock), MAX_MESSAGE_BYTES, config.max_sessions
+        )
     return built

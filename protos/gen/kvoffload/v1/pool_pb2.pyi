@@ -260,7 +260,7 @@ class RpcLatency(_message.Message):
     def __init__(self, method: _Optional[str] = ..., count: _Optional[int] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pool_bytes", "prefaulted_bytes", "pool_ready", "eviction_policy", "pool_generation", "namespaces", "rpc_latency", "uptime_seconds", "version")
+    __slots__ = ("pool_bytes", "prefaulted_bytes", "pool_ready", "eviction_policy", "pool_generation", "namespaces", "rpc_latency", "uptime_seconds", "version", "degraded_reason", "connector_status")
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFAULTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_READY_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,8 @@ class StatsResponse(_message.Message):
     RPC_LATENCY_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
+    CONNECTOR_STATUS_FIELD_NUMBER: _ClassVar[int]
     pool_bytes: int
     prefaulted_bytes: int
     pool_ready: bool
@@ -279,7 +281,9 @@ class StatsResponse(_message.Message):
     rpc_latency: _containers.RepeatedCompositeFieldContainer[RpcLatency]
     uptime_seconds: float
     version: str
-    def __init__(self, pool_bytes: _Optional[int] = ..., prefaulted_bytes: _Optional[int] = ..., pool_ready: _Optional[bool] = ..., eviction_policy: _Optional[str] = ..., pool_generation: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., rpc_latency: _Optional[_Iterable[_Union[RpcLatency, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    degraded_reason: str
+    connector_status: str
+    def __init__(self, pool_bytes: _Optional[int] = ..., prefaulted_bytes: _Optional[int] = ..., pool_ready: _Optional[bool] = ..., eviction_policy: _Optional[str] = ..., pool_generation: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., rpc_latency: _Optional[_Iterable[_Union[RpcLatency, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., connector_status: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("seq", "lookup", "reserve_load", "release", "reserve_store", "commit_store", "abort_store", "attach")

@@ -5,7 +5,7 @@ import warnings
 
 from kvoffload.v1 import pool_pb2 as kvoffload_dot_v1_dot_pool__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

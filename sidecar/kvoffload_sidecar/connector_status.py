@@ -1,0 +1,54 @@
+"""The connectors' status files, read for `Stats.connector_status`.
+
+Each vLLM process's connector writes `connector-status-*.json` beside the sidecar's socket (the
+pod's shared run dir) saying whether it uses the pool and, if not, why. The sidecar only relays
+them: one JSON array of the parsed objects, so `kvoffload stats` can show in one place why a pod
+serves without its pool. A file that cannot be read or is not a JSON object is skipped: a
+connector may be writing it right now, or have died mid-write.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+STATUS_GLOB = "connector-status-*.json"
+MAX_FILES = 64  # a pod has a handful of engine processes; bound the work of one Stats call
+MAX_FILE_BYTES = 64 << 10
+
+
+def connector_statuses(directory: Path | None) -> list[dict[str, Any]]:
+    """The parsed status objects in `directory`, by file name; unreadable or garbage skipped."""
+    if directory is None:
+        return []
+    try:
+        paths = sorted(directory.glob(STATUS_GLOB))[:MAX_FILES]
+    except OSError:
+        return []
+    found: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            data = json.loads(raw) if len(raw) <= MAX_FILE_BYTES else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            found.append(data)
+    return found
+
+
+def read_connector_status(directory: Path | None) -> str:
+    """`connector_statuses` as the JSON array text `StatsResponse.connector_status` carries."""
+    return json.dumps(connector_statuses(directory), sort_keys=True)
+
+
+def describe(entry: dict[str, Any]) -> str:
+    """One line for `kvoffload stats`: "connector scheduler rank 0: disabled: <reason>"."""
+    role = entry.get("role") or "?"
+    rank = entry.get("rank")
+    state = entry.get("state") or "unknown"
+    where = f"connector {role}" + ("" if rank is None else f" rank {rank}")
+    reason = entry.get("reason") or ""
+    return f"{where}: {state}" + (f": {reason}" if reason else "")

@@ -1,0 +1,58 @@
+"""Stats relays the connectors' status files (connector-status-*.json beside the socket), so
+`kvoffload stats` shows in one place why a vLLM process serves without the pool."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from procs import Client, kvoffload_command, sidecar_process, socket_dir
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(60)]
+
+SCHEDULER = {
+    "state": "disabled",
+    "reason": "vLLM 0.99.0 is outside the supported range",
+    "role": "scheduler",
+    "rank": 0,
+    "vllm_version": "0.99.0",
+    "pid": 41,
+    "time": 1764100000.0,
+}
+WORKER = {
+    "state": "active",
+    "reason": "",
+    "role": "worker",
+    "rank": 1,
+    "vllm_version": "0.32.0",
+    "pid": 42,
+    "time": 1764100001.0,
+}
+
+
+def test_stats_carries_the_parsed_status_files_and_skips_garbage(tmp_path: Path) -> None:
+    with socket_dir() as run, sidecar_process(tmp_path, run) as proc, Client(proc.target) as c:
+        assert json.loads(c.stats().connector_status) == []
+        (run / "connector-status-41.json").write_text(json.dumps(SCHEDULER))
+        (run / "connector-status-42.json").write_text(json.dumps(WORKER))
+        (run / "connector-status-43.json").write_text('{"state": "act')  # mid-write
+        (run / "connector-status-44.json").write_text("[1, 2]")  # not an object
+        (run / "connector-status-45.json").mkdir()  # unreadable
+        (run / "other.json").write_text(json.dumps(WORKER))  # not a status file
+        assert json.loads(c.stats().connector_status) == [SCHEDULER, WORKER]
+        shown = subprocess.run(
+            [*kvoffload_command(), "stats", "--socket", str(proc.socket)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("pool: "), lines
+    assert lines[1:3] == [
+        "connector scheduler rank 0: disabled: vLLM 0.99.0 is outside the supported range",
+        "connector worker rank 1: active",
+    ]
