@@ -1,10 +1,14 @@
-"""`kvoffload operator` and `kvoffload inject` entry points (argv in, exit code out)."""
+"""`kvoffload operator` and `kvoffload inject` entry points (argv in, exit code out).
+
+`kvoffload inject` runs from the base install (no ``operator`` extra): this module imports
+neither kopf nor a Kubernetes client (lint-imports checks it); the operator's imports happen in
+`kvoffload_operator.run`, loaded only by ``kvoffload operator``, which names the missing extra.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +19,9 @@ import yaml
 from kvoffload_operator.inject import RenderDefaults
 from kvoffload_operator.manifests import inject_documents
 from kvoffload_operator.policy import KIND, PolicyError, policies_from_documents
-from kvoffload_operator.settings import VERSION, parse_operator_args
+from kvoffload_operator.version import VERSION
+
+OPERATOR_EXTRA = ("kopf", "kubernetes", "cryptography", "prometheus_client")
 
 
 def _read(path: str) -> str:
@@ -72,36 +78,16 @@ def dump_documents(docs: Sequence[Any]) -> str:
 
 def main_operator(argv: Sequence[str]) -> int:
     """Run the operator (kopf) with its webhook, metrics and health endpoints until stopped."""
-    import kopf
-    import prometheus_client
+    for module in OPERATOR_EXTRA:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            print(
+                f"kvoffload operator: needs the operator extra ({module} is not installed): "
+                "pip install 'kvoffload[operator]'",
+                file=sys.stderr,
+            )
+            return 1
+    from kvoffload_operator.run import run_operator
 
-    from kvoffload_operator.handlers import register
-    from kvoffload_operator.k8s import KubeApi, make_api_client
-    from kvoffload_operator.metrics import OperatorMetrics
-
-    config = parse_operator_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    registry = kopf.OperatorRegistry()
-    register(registry, config)
-    metrics = OperatorMetrics.create(version=VERSION)
-    if config.metrics_port:
-        prometheus_client.start_http_server(config.metrics_port, registry=metrics.registry)
-    memo = kopf.Memo(
-        config=config, metrics=metrics, api=KubeApi(make_api_client(config.api_server))
-    )
-    liveness = f"http://0.0.0.0:{config.health_port}/healthz" if config.health_port else None
-    asyncio.run(
-        kopf.operator(
-            registry=registry,
-            memo=memo,
-            clusterwide=config.namespace is None,
-            namespaces=[config.namespace] if config.namespace else (),
-            standalone=config.standalone,
-            peering_name=config.peering,
-            priority=config.priority,
-            liveness_endpoint=liveness,
-        )
-    )
-    return 0
+    return run_operator(argv)

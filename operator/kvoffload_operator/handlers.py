@@ -3,7 +3,8 @@
 - index ``policy_index``: namespace → parsed policies (the webhook reads it, no API call);
 - ``mutate-pods``: the admission webhook (`admission.admit_pod`, the CLI's code path);
 - reconcile on create/update/resume: rollouts (template hash) + status;
-- timer: status refresh (matched/injected pods, sidecar readiness).
+- timer: status refresh (matched/injected/skipped pods, sidecar readiness, ``Degraded``) and a
+  Warning Event on each injected pod whose kvoffload container fails, once per pod and reason.
 No delete handler: deleting a policy leaves running pods alone; the index drops it as
 soon as the policy is marked for deletion (not when its finalizer is released), so injection
 stops at once. (The timer makes kopf hold a finalizer while the operator runs: uninstall
@@ -32,7 +33,13 @@ from kvoffload_operator.policy import (
     policy_from_resource,
 )
 from kvoffload_operator.settings import OperatorConfig, configure
-from kvoffload_operator.status import build_status, invalid_status
+from kvoffload_operator.status import (
+    ContainerProblem,
+    build_status,
+    container_problems,
+    injected_pods,
+    invalid_status,
+)
 from kvoffload_operator.webhook import PodWebhookServer
 from kvoffload_operator.workloads import ROLLOUT_KINDS, hash_patch, template_hash
 
@@ -80,6 +87,32 @@ def _refresh_status(
     )
     if {k: status.get(k) for k in new} != new:
         patch.status.update(new)
+    _report_problems(container_problems(injected_pods(policy, pods)), memo)
+
+
+EVENT_REASON = "KVOffloadContainerFailing"
+
+
+def _report_problems(problems: list[ContainerProblem], memo: Any) -> None:
+    """One Warning Event per pod, container and reason (per operator process): the pod's own
+    events say the pull failed; ours says it is kvoffload's and what the pod loses."""
+    reported: set[tuple[str, str, str]] = memo.setdefault("reported_problems", set())
+    for p in problems:
+        if p.key in reported:
+            continue
+        memo.api.post_pod_event(
+            p.namespace,
+            p.pod,
+            p.uid,
+            f"spec.initContainers{{{p.container}}}",
+            EVENT_REASON,
+            f"kvoffload container {p.container} is in {p.reason}"
+            + (f" ({p.message})" if p.message else "")
+            + "; the pod's vLLM container waits until it runs. Fix the image, or opt the pod out "
+            '(kvoffload.io/inject: "false") to serve without kvoffload.',
+            _now(),
+        )
+        reported.add(p.key)
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:

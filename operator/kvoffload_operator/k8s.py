@@ -131,6 +131,42 @@ class KubeApi:
                 _request_timeout=REQUEST_TIMEOUT,
             )
 
+    def post_pod_event(
+        self,
+        namespace: str,
+        pod: str,
+        uid: str,
+        field_path: str,
+        reason: str,
+        message: str,
+        now: str,
+    ) -> None:
+        """A Warning Event on a pod (``kubectl describe pod`` and ``kubectl get events``)."""
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{pod}.kvoffload-", "namespace": namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod,
+                "namespace": namespace,
+                "uid": uid,
+                "fieldPath": field_path,
+            },
+            "type": "Warning",
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "kvoffload-operator"},
+            "reportingComponent": "kvoffload.io/operator",
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self.core.create_namespaced_event(
+            namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+        )
+
     def patch_webhook_ca(self, config_name: str, ca_pem: bytes) -> None:
         """Set ``caBundle`` on every webhook of the MutatingWebhookConfiguration."""
         resp = self.admission.read_mutating_webhook_configuration(

@@ -8,7 +8,7 @@ from typing import Any
 
 from kvoffload_operator.inject import RenderDefaults, SkipReason, inject_pod
 from kvoffload_operator.policy import Policy
-from kvoffload_operator.workloads import pod_templates, replace_template
+from kvoffload_operator.workloads import group_size, pod_templates, replace_template
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ def inject_documents(
             continue
         current: Any = doc
         for path, template in list(pod_templates(doc)):
-            result = inject_pod(template, policies, defaults)
+            result = inject_pod(template, policies, defaults, group_size(doc))
             current = replace_template(current, path, result.pod)
             reason = result.decision.reason
             if reason is not None and reason is not SkipReason.ALREADY_INJECTED:

@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 from enum import Enum
 from typing import Any
 
-from kvoffload_operator.selection import LabelSelector, selector_from_spec
+from kvoffload_operator.labels import LabelSelector, selector_from_spec
 
 API_GROUP = "kvoffload.io"
 API_VERSION = "v1alpha1"
@@ -29,6 +29,8 @@ MAX_POOL_BYTES = 4 << 40  # 4Ti: more than any one node's host memory we expect 
 CHUNK_ALIGN = 16  # tokens; vLLM's default block size, so a chunk is whole GPU blocks
 MAX_CHUNK_TOKENS = 8192
 ALLOWED_CAPABILITIES = ("IPC_LOCK", "SYS_NICE")
+DEFAULT_STARTUP_TIMEOUT = 5  # seconds vLLM waits for the sidecar at most (then runs without)
+MAX_STARTUP_TIMEOUT = 300
 
 
 class PolicyError(ValueError):
@@ -72,7 +74,9 @@ class PoolSpec:
 @dataclass(frozen=True)
 class OffloadSpec:
     mode: Mode = Mode.EAGER
-    chunk_size: int = 64  # tokens per pool slot (4 blocks of 16: see the connector default)
+    # tokens per pool slot; None: not injected, so the connector picks one that fits the engine's
+    # block size (a value we set could conflict with a --block-size we cannot see)
+    chunk_size: int | None = None
     load_mode: LoadMode = LoadMode.LAYERED  # the connector's default too
 
 
@@ -82,11 +86,14 @@ class SidecarSpec:
     resources: Mapping[str, Any] = field(default_factory=dict, hash=False)  # merged over sizing
     security_profile: SecurityProfile = SecurityProfile.MINIMAL
     extra_capabilities: tuple[str, ...] = ()
+    # the longest vLLM waits for the pool sidecar at pod start (the startup probe's deadline)
+    startup_timeout_seconds: int = 5
 
 
 @dataclass(frozen=True)
 class ConnectorSpec:
-    delivery: Delivery = Delivery.PREINSTALLED
+    # initContainer by default: stock vLLM images carry no kvoffload_connector
+    delivery: Delivery = Delivery.INIT_CONTAINER
     image: str | None = None  # None: the operator's --connector-image
     extra_config: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
@@ -250,8 +257,10 @@ _OFFLOAD_KEYS = ("mode", "chunkSize", "loadMode")
 
 
 def _offload(raw: Mapping[str, Any]) -> OffloadSpec:
-    chunk = _int(raw.get("chunkSize", 64), "spec.offload.chunkSize", CHUNK_ALIGN, MAX_CHUNK_TOKENS)
-    if chunk % CHUNK_ALIGN:
+    chunk = raw.get("chunkSize")
+    if chunk is not None:
+        chunk = _int(chunk, "spec.offload.chunkSize", CHUNK_ALIGN, MAX_CHUNK_TOKENS)
+    if chunk is not None and chunk % CHUNK_ALIGN:
         raise PolicyError("spec.offload.chunkSize: must be a multiple of 16 tokens")
     return OffloadSpec(
         mode=_enum(Mode, raw.get("mode", "eager"), "spec.offload.mode"),
@@ -283,6 +292,12 @@ def _sidecar(raw: Mapping[str, Any]) -> SidecarSpec:
         resources=_map(raw.get("resources"), "spec.sidecar.resources"),
         security_profile=profile,
         extra_capabilities=caps,
+        startup_timeout_seconds=_int(
+            raw.get("startupTimeoutSeconds", DEFAULT_STARTUP_TIMEOUT),
+            "spec.sidecar.startupTimeoutSeconds",
+            1,
+            MAX_STARTUP_TIMEOUT,
+        ),
     )
 
 
@@ -294,7 +309,7 @@ def _connector(raw: Mapping[str, Any]) -> ConnectorSpec:
             f"spec.connector.extraConfig: {', '.join(reserved)} are set by the "
             "policy itself (spec.offload); remove them"
         )
-    delivery = _enum(Delivery, raw.get("delivery", "preinstalled"), "spec.connector.delivery")
+    delivery = _enum(Delivery, raw.get("delivery", "initContainer"), "spec.connector.delivery")
     if raw.get("image") and delivery is not Delivery.INIT_CONTAINER:
         raise PolicyError(
             "spec.connector: connector.image is used only with delivery initContainer"
@@ -331,7 +346,13 @@ def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
             _map(
                 spec.get("sidecar"),
                 "spec.sidecar",
-                ("image", "resources", "securityProfile", "extraCapabilities"),
+                (
+                    "image",
+                    "resources",
+                    "securityProfile",
+                    "extraCapabilities",
+                    "startupTimeoutSeconds",
+                ),
             )
         ),
         connector=_connector(

@@ -26,8 +26,9 @@ from typing import Any
 import kopf
 
 from kvoffload_operator.inject import RenderDefaults
+from kvoffload_operator.version import VERSION
 
-VERSION = "0.1.0"
+__all__ = ["VERSION", "OperatorConfig", "configure", "parse_operator_args"]
 ENV_PREFIX = "KVOFFLOAD_OPERATOR_"
 log = logging.getLogger(__name__)
 

@@ -72,3 +72,11 @@ def hash_patch(value: str) -> dict[str, Any]:
     """Merge patch that stamps ``kvoffload.io/policy-hash`` on a Deployment/StatefulSet template
     (a template change rolls the workload; the new pods pass through the webhook)."""
     return {"spec": {"template": {"metadata": {"annotations": {ann.POLICY_HASH: value}}}}}
+
+
+def group_size(obj: Mapping[str, Any]) -> int | None:
+    """Pods per group of a LeaderWorkerSet (its engines span them), None for other kinds."""
+    if obj.get("kind") != "LeaderWorkerSet":
+        return None
+    size = ((obj.get("spec") or {}).get("leaderWorkerTemplate") or {}).get("size", 1)
+    return size if isinstance(size, int) else None

@@ -135,15 +135,20 @@ def test_every_copy_source_exists_and_survives_dockerignore(dockerfile):
     assert not problems
 
 
-@pytest.mark.parametrize("dockerfile", [MAIN, CONNECTOR], ids=["main", "connector"])
-def test_build_stage_copies_everything_pip_install_needs(dockerfile):
-    copied = set(copy_sources(parse(dockerfile)[1][0]))
+def test_main_build_stage_copies_everything_pip_install_needs():
+    copied = set(copy_sources(parse(MAIN)[1][0]))
     needed = {
         "pyproject.toml",
         PYPROJECT["project"]["readme"],
         *PYPROJECT["tool"]["setuptools"]["packages"]["find"]["where"],
     }
     assert needed <= copied
+
+
+def test_connector_build_stage_copies_exactly_the_payload_sources():
+    builder = _builder()
+    copied = set(copy_sources(parse(CONNECTOR)[1][0]))
+    assert copied == {*builder.PACKAGES.values(), "images/build_payload.py"}
 
 
 def test_dockerignore_keeps_tests_and_venvs_out():
@@ -179,13 +184,15 @@ def test_main_image_base_is_python_slim_in_both_stages():
     assert {s.base for s in stages} == {"python:3.12-slim"}
 
 
-def test_connector_payload_is_the_project_without_deps_plus_pinned_grpc():
+def test_connector_payload_is_built_by_the_layout_script_for_every_python():
     build = parse(CONNECTOR)[1][0]
-    (run,) = [r for r in build.all("RUN") if "--target /payload" in r]
-    assert "pip install --target /payload --no-deps ." in run
-    assert re.search(r'"grpcio==\$\{GRPCIO_VERSION\}"', run) and re.search(
-        r'"protobuf==\$\{PROTOBUF_VERSION\}"', run
-    )
+    (run,) = [r for r in build.all("RUN") if "build_payload.py" in r]
+    assert "python images/build_payload.py /payload" in run
+    assert '--grpcio "${GRPCIO_VERSION}" --protobuf "${PROTOBUF_VERSION}"' in run
+    assert "--pythons ${PAYLOAD_PYTHONS}" in run
+    pins = dict(a.partition("=")[::2] for a in build.all("ARG") if "=" in a)
+    assert pins["PAYLOAD_PYTHONS"].strip('"').split() == ["3.10", "3.11", "3.12", "3.13"]
+    assert "add_payload_deps()" in run  # the build checks the imports the way the connector does
 
 
 def test_connector_pins_fit_pyproject_ranges():
@@ -207,15 +214,13 @@ def test_connector_payload_image_copies_where_the_operator_expects():
     assert final(CONNECTOR).base.startswith("busybox:")
 
 
-def test_connector_build_python_defaults_to_the_vllm_images():
+def test_connector_build_stage_base_is_python_slim():
     global_args, stages = parse(CONNECTOR)
-    assert global_args["VLLM_PYTHON_VERSION"] == "3.12"
-    assert stages[0].base == "python:3.12-slim"
+    assert stages[0].base == f"python:{global_args['BUILD_PYTHON_VERSION']}-slim"
 
 
-# Top-level modules the payload itself carries (see the RUN line in connector.Dockerfile).
-PAYLOAD_MODULES = {"grpc", "grpc_health", "google", "kvoffload", "kvoffload_connector",
-                   "kvoffload_sidecar", "kvoffload_operator", "kvoffload_cli"}  # fmt: skip
+# Modules the payload carries: our packages at top level, grpc/protobuf in _kvoffload_deps.
+PAYLOAD_MODULES = {"grpc", "grpc_health", "google", "kvoffload", "kvoffload_connector"}
 
 
 def _third_party_imports(package: Path) -> dict[str, set[str]]:
@@ -249,3 +254,159 @@ def test_connector_payload_covers_every_import_of_the_connector():
     missing = {m: f for m, f in _third_party_imports(package).items()
                if m not in PAYLOAD_MODULES | provided}  # fmt: skip
     assert not missing
+
+
+def _builder():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("build_payload", REPO / "images/build_payload.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pins() -> dict[str, str]:
+    build = parse(CONNECTOR)[1][0]
+    return dict(a.partition("=")[::2] for a in build.all("ARG") if "=" in a)
+
+
+@pytest.fixture(scope="module")
+def payload(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The payload layout for this Python, built by images/build_payload.py with real pip (the
+    wheels are cached under .cache/, so a rerun needs no index)."""
+    builder, pins = _builder(), _pins()
+    out = tmp_path_factory.mktemp("payload") / "payload"
+    cache = REPO / ".cache" / "payload-wheels"
+    cache.mkdir(parents=True, exist_ok=True)
+    reqs = [
+        f"grpcio=={pins['GRPCIO_VERSION']}",
+        f"grpcio-health-checking=={pins['GRPCIO_VERSION']}",
+        f"protobuf=={pins['PROTOBUF_VERSION']}",
+    ]
+    pip = [sys.executable, "-m", "pip"]
+    import subprocess
+
+    subprocess.run(
+        [*pip, "download", "-q", "--only-binary=:all:", "-d", str(cache), *reqs], check=True
+    )
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    builder.build(out, REPO, [here], reqs, pip_options=["--no-index", "--find-links", str(cache)])
+    return out
+
+
+def _run(python: str, payload: Path, code: str) -> str:
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    res = subprocess.run(
+        [python, "-c", code],
+        env={**env, "PYTHONPATH": str(payload)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout
+
+
+@pytest.mark.process
+def test_payload_top_level_holds_only_our_packages(payload: Path) -> None:
+    assert {p.name for p in payload.iterdir()} == {
+        "kvoffload_connector",
+        "kvoffload",
+        "_kvoffload_deps",
+    }
+    here = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    deps = payload / "_kvoffload_deps" / here
+    assert {"grpc", "grpc_health", "google"} <= {p.name for p in deps.iterdir()}
+
+
+@pytest.mark.process
+def test_payload_never_shadows_the_images_own_packages(payload: Path) -> None:
+    """In an environment that has grpc and protobuf (like a vLLM image), PYTHONPATH=<payload>
+    plus the connector's deps hook still import the image's copies."""
+    out = _run(
+        sys.executable,
+        payload,
+        "import kvoffload_connector.guard as g; added = g.add_payload_deps(); "
+        "import google.protobuf, grpc, kvoffload.v1.pool_pb2_grpc; "
+        "print(added); print(google.protobuf.__file__); print(grpc.__file__)",
+    )
+    added, protobuf_file, grpc_file = out.split()
+    assert added.startswith(str(payload / "_kvoffload_deps"))
+    assert not protobuf_file.startswith(str(payload)) and "site-packages" in protobuf_file
+    assert not grpc_file.startswith(str(payload)) and "site-packages" in grpc_file
+
+
+@pytest.mark.process
+def test_payload_fills_gaps_in_an_image_without_grpc(payload: Path, tmp_path: Path) -> None:
+    """A bare interpreter (no grpc, no protobuf): the deps folder supplies them, at the end."""
+    import subprocess
+
+    base = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+    venv = tmp_path / "bare"
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    if (
+        f"{sys.version_info.major}.{sys.version_info.minor}"
+        not in subprocess.run(
+            [python, "-c", "import sys; print(sys.version)"], capture_output=True, text=True
+        ).stdout
+    ):
+        pytest.skip("the bare interpreter is another Python minor than the payload's deps")
+    out = _run(
+        python,
+        payload,
+        "import importlib.util as u; print(u.find_spec('grpc') is None); "
+        "import kvoffload_connector.guard as g; g.add_payload_deps(); "
+        "import sys, grpc, kvoffload.v1.pool_pb2_grpc; print(grpc.__file__); "
+        "print(sys.path[-1])",
+    )
+    missing_before, grpc_file, last = out.split()
+    assert missing_before == "True"
+    assert grpc_file.startswith(str(payload / "_kvoffload_deps"))
+    assert last.startswith(str(payload / "_kvoffload_deps"))
+
+
+# top-level import name -> distribution (pyproject names) for what the main image runs
+DISTRIBUTIONS = {
+    "grpc": "grpcio",
+    "grpc_health": "grpcio-health-checking",
+    "google": "protobuf",
+    "yaml": "pyyaml",
+    "jsonpatch": "jsonpatch",
+    "numpy": "numpy",
+    "prometheus_client": "prometheus-client",
+    "kopf": "kopf",
+    "kubernetes": "kubernetes",
+    "cryptography": "cryptography",
+}
+OWN = {"kvoffload", "kvoffload_sidecar", "kvoffload_operator", "kvoffload_cli",
+       "kvoffload_connector"}  # fmt: skip
+
+
+def test_main_image_installs_everything_its_entrypoints_import():
+    """`kvoffload sidecar|probe|stats|inject|operator` in the main image: every third-party import
+    of sidecar/, operator/ and cli/ must come from the base dependencies or the operator extra
+    (the image installs `.[operator]`); the connector's run in vLLM's image (checked above)."""
+    from packaging.requirements import Requirement
+
+    project = PYPROJECT["project"]
+    installed = {
+        Requirement(r).name.lower()
+        for r in [*project["dependencies"], *project["optional-dependencies"]["operator"]]
+    }
+    imports: dict[str, set[str]] = {}
+    for package in ("sidecar/kvoffload_sidecar", "operator/kvoffload_operator", "cli"):
+        for name, files in _third_party_imports(REPO / package).items():
+            imports.setdefault(name, set()).update(files)
+    unknown = {m: f for m, f in imports.items() if m not in OWN and m not in DISTRIBUTIONS}
+    assert not unknown, f"map these imports to their distribution: {unknown}"
+    missing = {
+        m: DISTRIBUTIONS[m]
+        for m in imports
+        if m in DISTRIBUTIONS and DISTRIBUTIONS[m] not in installed
+    }
+    assert not missing, f"imported but not installed in the image: {missing}"

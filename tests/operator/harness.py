@@ -58,6 +58,7 @@ def declare_resources(kmock: Any) -> None:
         ("apps/v1/deployments", "Deployment", True),
         ("apps/v1/statefulsets", "StatefulSet", True),
         ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
+        ("v1/events", "Event", True),
     ):
         res[key].kind = kind
         res[key].namespaced = namespaced

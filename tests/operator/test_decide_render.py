@@ -44,7 +44,8 @@ VLLM = {"name": "engine", "image": "img", "command": ["vllm", "serve", "m"]}
         ({"image": "docker.io/vllm/vllm-openai:v0.11.0", "args": ["--model", "m"]}, True),
         ({"image": "vllm/vllm-openai", "command": ["python", "app.py"]}, False),
         ({"name": "vllm", "image": "custom"}, True),
-        ({"command": ["bash", "-c", "vllm serve m"]}, False),
+        ({"command": ["bash", "-c", "vllm serve m"]}, True),
+        ({"command": ["bash", "-c", "vllm serve a & vllm serve b"]}, False),
         ({"command": ["python", "-m", "http.server"]}, False),
     ],
 )
@@ -72,7 +73,7 @@ def test_shell_wrapper_forms() -> None:
         (pod({"name": "web", "image": "nginx"}), SkipReason.NO_VLLM_CONTAINER),
         (pod(VLLM, annotations={ann.VLLM_CONTAINER: "missing"}), SkipReason.NO_VLLM_CONTAINER),
         (
-            pod({"name": "a", "image": "i", "command": ["sh", "-c", "exec vllm serve m"]}),
+            pod({"name": "a", "image": "i", "command": ["sh", "-c", "vllm serve a; vllm serve b"]}),
             SkipReason.SHELL_WRAPPER,
         ),
         (pod({**VLLM, "args": ["--kv_transfer_config={}"]}), SkipReason.HAS_KV_TRANSFER_CONFIG),
@@ -148,7 +149,6 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
     config = json.loads(engine["args"][-1].split("=", 1)[1])
     assert config["kv_connector_extra_config"] == {
         "socket": "/kvoffload/run/pool.sock",
-        "chunk_size": 64,
         "mode": "eager",
         "load_mode": "layered",
     }
@@ -156,7 +156,7 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
     inits = [c["name"] for c in out["spec"]["initContainers"]]
     assert inits == ["kvoffload-connector-install", "kvoffload-sidecar"]
     sidecar = out["spec"]["initContainers"][1]
-    assert sidecar["restartPolicy"] == "Always" and sidecar["startupProbe"]["grpc"]["port"] == 9400
+    assert sidecar["restartPolicy"] == "Always" and "exec" in sidecar["startupProbe"]
     assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert apply_patch(user, result.patch) == out  # the patch is exactly the diff
     status = json.loads(out["metadata"]["annotations"][ann.STATUS])

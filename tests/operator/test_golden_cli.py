@@ -13,7 +13,7 @@ import yaml
 from kvoffload_operator.cli import main_inject
 from kvoffload_operator.inject import inject_pod
 from kvoffload_operator.manifests import inject_documents
-from kvoffload_operator.workloads import pod_templates
+from kvoffload_operator.workloads import group_size, pod_templates
 
 from tests.operator.golden import DEFAULTS, IMAGE_ARGS, UPDATE, Case, cases, orphans
 
@@ -45,7 +45,7 @@ def test_injecting_twice_equals_injecting_once(case: Case) -> None:
     assert twice == once
     for doc in once:
         for _, template in pod_templates(doc):
-            assert inject_pod(template, case.policies(), DEFAULTS).patch == []
+            assert inject_pod(template, case.policies(), DEFAULTS, group_size(doc)).patch == []
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -80,10 +80,11 @@ def test_bad_policy_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
 
 
 def test_skips_are_reported_on_stderr(capsys) -> None:
-    case = next(c for c in CASES if c.name == "job-shell-wrapper")
+    case = next(c for c in CASES if c.name == "job-shell-ambiguous")
     assert main_inject(["-f", str(case.input), "--policy", str(case.policy_file)]) == 0
     captured = capsys.readouterr()
     assert "Job/bench (spec.template): not injected (shell-wrapper)" in captured.err
+    assert "starts 2 vLLM engines in one shell script" in captured.err
     assert "kvoffload.io/skip-reason: shell-wrapper" in captured.out
 
 

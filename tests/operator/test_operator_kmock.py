@@ -116,7 +116,11 @@ async def test_status_and_rollout(kmock: Any, tmp_path: Path) -> None:
     put(kmock, DEPLOYMENTS, workload("Deployment", "llama", vllm, ["vllm", "serve", "m"]))
     put(kmock, STATEFULSETS, workload("StatefulSet", "mistral", vllm, ["vllm", "serve", "m"]))
     put(kmock, DEPLOYMENTS, workload("Deployment", "web", {"app": "web"}, ["nginx"]))
-    put(kmock, DEPLOYMENTS, workload("Deployment", "wrapped", vllm, ["sh", "-c", "vllm serve"]))
+    put(
+        kmock,
+        DEPLOYMENTS,
+        workload("Deployment", "wrapped", vllm, ["sh", "-c", "vllm serve a & vllm serve b"]),
+    )
     put(kmock, PODS, pod("ready", vllm, injected_by="cache", sidecar_ready=True))
     put(kmock, PODS, pod("starting", vllm, injected_by="cache", sidecar_ready=False))
     put(kmock, PODS, pod("old", vllm))  # created before the policy: matched, not injected
@@ -137,7 +141,7 @@ async def test_status_and_rollout(kmock: Any, tmp_path: Path) -> None:
         assert condition(status, "Conflicting")["status"] == "False"
         await eventually(lambda: template_hash(kmock, DEPLOYMENTS, "llama") == expected_hash)
         await eventually(lambda: template_hash(kmock, STATEFULSETS, "mistral") == expected_hash)
-        # not selected, or new pods would be skipped anyway (shell wrapper): left alone
+        # not selected, or new pods would be skipped anyway (two engines in a shell): left alone
         assert template_hash(kmock, DEPLOYMENTS, "web") is None
         assert template_hash(kmock, DEPLOYMENTS, "wrapped") is None
 
@@ -233,3 +237,62 @@ async def test_deleting_a_policy_stops_injection_and_keeps_pods(
             assert current(kmock, POLICIES, "cache")["metadata"]["deletionTimestamp"]
         assert current(kmock, PODS, "ready")["metadata"] == running["metadata"]
         assert current(kmock, PODS, "ready")["spec"] == running["spec"]
+
+
+def failing_pod(name: str, reason: str, skip: str | None = None) -> dict[str, Any]:
+    body = pod(name, {"app": "vllm"}, injected_by=None if skip else "cache")
+    if skip:
+        body["metadata"]["annotations"] = {ann.SKIP_REASON: skip}
+        return body
+    body["metadata"]["uid"] = f"uid-{name}"
+    body["status"]["initContainerStatuses"] = [
+        {
+            "name": SIDECAR_NAME,
+            "started": False,
+            "ready": False,
+            "state": {"waiting": {"reason": reason, "message": "pull access denied"}},
+        }
+    ]
+    return body
+
+
+def events(kmock: Any) -> list[dict[str, Any]]:
+    return [dict(o.raw) for key, o in kmock.objects.items() if key[0] == "v1/events"]
+
+
+async def test_failing_sidecars_degrade_the_policy_and_get_one_event(
+    kmock: Any, tmp_path: Path
+) -> None:
+    put(kmock, POLICIES, policy("cache"))
+    put(kmock, PODS, pod("fine", {"app": "vllm"}, injected_by="cache", sidecar_ready=True))
+    put(kmock, PODS, failing_pod("pull", "ImagePullBackOff"))
+    put(kmock, PODS, failing_pod("shelled", "", skip="shell-wrapper"))
+    put(kmock, PODS, failing_pod("offload", "", skip="has-kv-offloading"))
+    put(kmock, PODS, failing_pod("offload-2", "", skip="has-kv-offloading"))
+    async with running_operator(
+        kmock, tmp_path, webhook_port=0, status_interval=0.3, **NO_LABEL_CHECK
+    ):
+        status = await eventually(
+            lambda: (
+                condition(status_of(kmock, "cache"), "Degraded").get("status") == "True"
+                and status_of(kmock, "cache")
+            )
+        )
+        assert status["skipped"] == {"has-kv-offloading": 2, "shell-wrapper": 1}
+        degraded = condition(status, "Degraded")
+        assert degraded["reason"] == "ImagePullFailed"
+        assert "pull (kvoffload-sidecar: ImagePullBackOff)" in degraded["message"]
+        assert "fine" not in degraded["message"]
+        posted = await eventually(lambda: events(kmock))
+        (event,) = posted
+        assert event["involvedObject"]["name"] == "pull" and event["type"] == "Warning"
+        assert event["reason"] == "KVOffloadContainerFailing"
+        assert "ImagePullBackOff (pull access denied)" in event["message"]
+        await asyncio.sleep(1.0)  # several timer rounds: still one event for that pod and reason
+        assert len(events(kmock)) == 1
+
+        # the image gets fixed: the condition clears
+        put(kmock, PODS, pod("pull", {"app": "vllm"}, injected_by="cache", sidecar_ready=True))
+        await eventually(
+            lambda: condition(status_of(kmock, "cache"), "Degraded").get("status") == "False"
+        )

@@ -55,16 +55,23 @@ def test_parse_quantity(text: str, expected: int | None) -> None:
 def test_defaults_match_the_crd() -> None:
     p = policy_from_resource(make())
     assert (p.pool.eviction, p.pool.hugepages, p.pool.numa_node) == (Eviction.LRU, False, None)
-    assert (p.offload.mode, p.offload.chunk_size) == (Mode.EAGER, 64)
+    assert (p.offload.mode, p.offload.chunk_size) == (Mode.EAGER, None)
     assert p.sidecar.security_profile is SecurityProfile.MINIMAL
-    assert p.connector.delivery is Delivery.PREINSTALLED
+    assert p.sidecar.startup_timeout_seconds == 5
+    assert p.connector.delivery is Delivery.INIT_CONTAINER
     assert (p.rollout_enabled, p.priority, p.vllm_container) == (True, 0, None)
 
 
 def test_hash_ignores_defaults_priority_and_rollout_but_not_the_pool() -> None:
     plain = policy_from_resource(make())
     explicit = policy_from_resource(
-        make(offload={"mode": "eager", "chunkSize": 64}, priority=7, rollout={"enabled": False})
+        make(
+            offload={"mode": "eager"},
+            sidecar={"startupTimeoutSeconds": 5},
+            connector={"delivery": "initContainer"},
+            priority=7,
+            rollout={"enabled": False},
+        )
     )
     bigger = policy_from_resource(make(pool={"size": "32Gi"}))
     assert plain.spec_hash == explicit.spec_hash != bigger.spec_hash

@@ -79,6 +79,7 @@ def test_build_status_counts_and_conflicts() -> None:
     assert {c["type"]: c["reason"] for c in off["conditions"]} == {
         "Ready": "InjectionDisabled",
         "Conflicting": "NoConflict",
+        "Degraded": "SidecarsRunning",
     }
 
 
@@ -103,7 +104,7 @@ def test_plan_rollouts_only_templates_this_policy_would_inject() -> None:
     workloads = [
         dep("roll", {"app": "vllm"}, ["vllm", "serve", "m"]),
         dep("done", {"app": "vllm"}, ["vllm", "serve", "m"], stamped=mine.spec_hash),
-        dep("shell", {"app": "vllm"}, ["sh", "-c", "vllm serve m"]),
+        dep("shell", {"app": "vllm"}, ["sh", "-c", "vllm serve a & vllm serve b"]),
         dep("web", {"app": "web"}, ["vllm", "serve", "m"]),
         {"kind": "DaemonSet", "metadata": {"name": "ds"}},
     ]

@@ -14,7 +14,8 @@ import pytest
 import yaml
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject import apply_patch
-from kvoffload_operator.workloads import pod_templates
+from kvoffload_operator.inject.engine import LWS_SIZE_ANNOTATION as LWS_SIZE
+from kvoffload_operator.workloads import group_size, pod_templates
 
 from tests.operator.golden import DEFAULTS, Case, cases
 from tests.operator.harness import (
@@ -71,8 +72,11 @@ async def test_golden_cases_through_the_webhook(kmock: Any, tmp_path: Path) -> N
             expected_docs = case.expected_docs()
             for doc, expected in zip(case.docs(), expected_docs, strict=True):
                 expected_templates = dict(pod_templates(expected))
+                size = group_size(doc)
                 for path, template in pod_templates(doc):
                     pod = as_pod(template)
+                    if size is not None:  # LeaderWorkerSet's controller annotates its pods
+                        pod["metadata"].setdefault("annotations", {})[LWS_SIZE] = str(size)
                     response = await review(op, pod, f"case-{i}")
                     assert response["allowed"] is True
                     admitted = apply_patch(pod, decoded_patch(response))
@@ -80,6 +84,8 @@ async def test_golden_cases_through_the_webhook(kmock: Any, tmp_path: Path) -> N
                     admitted["metadata"].pop("namespace", None)
                     want = as_pod(expected_templates[path])
                     want["metadata"].pop("namespace", None)
+                    if size is not None:
+                        want["metadata"].setdefault("annotations", {})[LWS_SIZE] = str(size)
                     assert admitted == want, f"{case.name} {path}"
                     was = ann.STATUS in (pod["metadata"].get("annotations") or {})
                     now = ann.STATUS in (want["metadata"].get("annotations") or {})

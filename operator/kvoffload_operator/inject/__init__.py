@@ -35,10 +35,14 @@ DEFAULTS = RenderDefaults()
 
 
 def inject_pod(
-    pod: Mapping[str, Any], policies: Sequence[Policy], defaults: RenderDefaults = DEFAULTS
+    pod: Mapping[str, Any],
+    policies: Sequence[Policy],
+    defaults: RenderDefaults = DEFAULTS,
+    group_size: int | None = None,
 ) -> Injection:
-    """Mutate one pod (or pod template: the same shape) for ``policies`` of its namespace."""
-    decision = decide(pod, policies)
+    """Mutate one pod (or pod template: the same shape) for ``policies`` of its namespace.
+    ``group_size``: pods per group of the LeaderWorkerSet the template belongs to, if any."""
+    decision = decide(pod, policies, group_size)
     if decision.inject:
         mutated = render(pod, decision, defaults)
     else:

@@ -7,30 +7,43 @@ Precedence (first match wins; every step reads only the pod and the policies):
    policy → ALREADY_INJECTED (no change); by another → CONFLICTING_POLICIES
 4. ``hostNetwork: true`` (the sidecar's ports would bind on the node)           → HOST_NETWORK
 5. a per-pod ``kvoffload.io/pool-size`` that the policy rules reject           → INVALID_OVERRIDE
-6. the vLLM container: named (pod annotation, else ``spec.vllmContainer.name``)
-   or detected (``vllm serve``, ``python -m vllm.entrypoints...``, an image named
-   vllm without a command, or a container named ``vllm``); missing               → NO_VLLM_CONTAINER
-   it (or the only vLLM-looking one) is a ``sh -c``/``bash -c`` wrapper, where
-   appended arguments would not reach vLLM                                      → SHELL_WRAPPER
-7. it already has ``--kv-transfer-config`` (someone else's connector) → HAS_KV_TRANSFER_CONFIG
+6. the vLLM container: named (pod annotation, else ``spec.vllmContainer.name``) or detected
+   (see `engine`: ``vllm serve``, ``vllm bench throughput|latency``, ``python -m
+   vllm.entrypoints...``, a ``sh -c`` script with one engine invocation, an image's entrypoint);
+   missing                                                                       → NO_VLLM_CONTAINER
+   a client only (``vllm bench serve``)                                          → NO_ENGINE
+   a shell script with several engine invocations (ambiguous)                    → SHELL_WRAPPER
+7. it already configures a KV connector (``--kv-transfer-config`` in args, shell text or env)
+                                                                        → HAS_KV_TRANSFER_CONFIG
+   or vLLM's own offloading (``--kv-offloading-size|backend``, VLLM_USE_SIMPLE_KV_OFFLOAD)
+                                                                        → HAS_KV_OFFLOADING
+8. the engine spans pods (LeaderWorkerSet size > 1, Ray cluster nodes)  → MULTI_NODE
 Otherwise inject with the winner (see `selection` for how overlaps resolve).
 """
 
 from __future__ import annotations
 
 import json
-import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 from kvoffload_operator import annotations as ann
+from kvoffload_operator.inject.engine import (
+    NOT_VLLM,
+    Problem,
+    ShellEdit,
+    Site,
+    conflicts,
+    engine_site,
+    multi_node,
+    shell_script,
+)
 from kvoffload_operator.policy import Policy, PolicyError, pool_from_spec
 from kvoffload_operator.selection import select_policy
 
 SIDECAR_NAME = "kvoffload-sidecar"
-SHELLS = frozenset({"sh", "bash", "dash", "ash", "zsh", "busybox"})
 
 
 class SkipReason(str, Enum):
@@ -44,7 +57,10 @@ class SkipReason(str, Enum):
     INVALID_OVERRIDE = "invalid-override"
     NO_VLLM_CONTAINER = "no-vllm-container"
     SHELL_WRAPPER = "shell-wrapper"
+    NO_ENGINE = "no-engine"
     HAS_KV_TRANSFER_CONFIG = "has-kv-transfer-config"
+    HAS_KV_OFFLOADING = "has-kv-offloading"
+    MULTI_NODE = "multi-node"
     ERROR = "error"  # the injector itself failed; the pod is admitted unchanged
 
     @property
@@ -62,6 +78,7 @@ class Decision:
     pool_bytes: int | None = None  # after a per-pod override
     losers: tuple[Policy, ...] = ()
     message: str = ""
+    edit: ShellEdit | None = None  # where the flag goes in a shell script; None: append to args
 
     @staticmethod
     def skip(
@@ -70,45 +87,14 @@ class Decision:
         return Decision(False, reason, policy, losers=losers, message=message)
 
 
-def argv(container: Mapping[str, Any]) -> list[str]:
-    return [str(a) for a in (container.get("command") or [])] + [
-        str(a) for a in (container.get("args") or [])
-    ]
+def runs_vllm(container: Mapping[str, Any]) -> bool:
+    """Does this container start the vLLM engine where our flag can reach it?"""
+    return engine_site(container).engine
 
 
 def is_shell_wrapper(container: Mapping[str, Any]) -> bool:
-    """``sh -c "..."`` and friends (also ``-ec``, ``-lc``): arguments appended never reach vLLM."""
-    words = argv(container)
-    if not words or posixpath.basename(words[0]) not in SHELLS:
-        return False
-    return any(w.startswith("-") and not w.startswith("--") and "c" in w for w in words[1:])
-
-
-def runs_vllm(container: Mapping[str, Any]) -> bool:
-    """Heuristic: does this container run the vLLM server directly (not through a shell)?"""
-    if is_shell_wrapper(container):
-        return False
-    words = argv(container)
-    if words:
-        exe = posixpath.basename(words[0])
-        if exe == "vllm" and words[1:2] == ["serve"]:
-            return True
-        if exe.startswith("python") and "-m" in words:
-            module = words[words.index("-m") + 1] if words.index("-m") + 1 < len(words) else ""
-            if module.startswith("vllm.entrypoints"):
-                return True
-    if not container.get("command"):
-        # vllm/vllm-openai and its derivatives: the image's entrypoint is the server.
-        repo = str(container.get("image", "")).split("@")[0].rsplit("/", 1)[-1].split(":")[0]
-        if "vllm" in repo:
-            return True
-    return container.get("name") == "vllm"
-
-
-def has_kv_transfer_config(container: Mapping[str, Any]) -> bool:
-    return any(
-        w.replace("_", "-").split("=", 1)[0] == "--kv-transfer-config" for w in argv(container)
-    )
+    """``sh -c "..."`` and friends (also ``-ec``, ``-lc``)."""
+    return shell_script(container) is not None
 
 
 def _opted_out(meta: Mapping[str, Any]) -> bool:
@@ -136,45 +122,63 @@ def injected_by(pod: Mapping[str, Any]) -> str | None:
     return "" if SIDECAR_NAME in names else None
 
 
+_PROBLEM_REASON = {
+    Problem.NO_ENGINE: "NO_ENGINE",
+    Problem.SHELL_WRAPPER: "SHELL_WRAPPER",
+    Problem.HAS_KV_TRANSFER_CONFIG: "HAS_KV_TRANSFER_CONFIG",
+    Problem.HAS_KV_OFFLOADING: "HAS_KV_OFFLOADING",
+    Problem.MULTI_NODE: "MULTI_NODE",
+}
+
+
+def _skip_of(site: Site) -> tuple[SkipReason, str]:
+    assert site.problem is not None
+    return SkipReason[_PROBLEM_REASON[site.problem]], site.message
+
+
+def _skip_decision(site: Site, policy: Policy, losers: tuple[Policy, ...]) -> Decision:
+    reason, message = _skip_of(site)
+    return Decision.skip(reason, policy, message, losers)
+
+
 def _find_vllm(
     pod: Mapping[str, Any], policy: Policy
-) -> tuple[Mapping[str, Any] | None, SkipReason | None, str]:
+) -> tuple[Mapping[str, Any] | None, Site, SkipReason | None, str]:
     meta = pod.get("metadata") or {}
     containers = (pod.get("spec") or {}).get("containers") or []
     wanted = (meta.get("annotations") or {}).get(ann.VLLM_CONTAINER) or policy.vllm_container
     if wanted:
         found = [c for c in containers if c.get("name") == wanted]
         if not found:
-            return None, SkipReason.NO_VLLM_CONTAINER, f"no container named {wanted!r}"
-        if is_shell_wrapper(found[0]):
-            return None, SkipReason.SHELL_WRAPPER, f"container {wanted!r} runs vLLM through a shell"
-        return found[0], None, ""
-    candidates = [c for c in containers if runs_vllm(c)]
-    if candidates:
-        return candidates[0], None, ""
-    wrappers = [c for c in containers if is_shell_wrapper(c) and "vllm" in " ".join(argv(c))]
-    if wrappers:
-        return (
-            None,
-            SkipReason.SHELL_WRAPPER,
-            (
-                f"container {wrappers[0].get('name')!r} runs vLLM through a shell; "
-                "run `vllm serve` "
-                "directly or name the container in spec.vllmContainer.name after removing the shell"
-            ),
-        )
+            return None, NOT_VLLM, SkipReason.NO_VLLM_CONTAINER, f"no container named {wanted!r}"
+        site = engine_site(found[0], named=True)
+        if not site.engine:
+            return None, site, *_skip_of(site)
+        return found[0], site, None, ""
+    sites = [(c, engine_site(c)) for c in containers]
+    for container, site in sites:
+        if site.engine:
+            return container, site, None, ""
+    for _, site in sites:
+        if site.problem is not None:
+            return None, site, *_skip_of(site)
     return (
         None,
+        NOT_VLLM,
         SkipReason.NO_VLLM_CONTAINER,
         (
-            "no container runs `vllm serve` or `python -m vllm.entrypoints...`; set "
-            "spec.vllmContainer.name or the kvoffload.io/vllm-container annotation"
+            "no container runs `vllm serve`, `vllm bench throughput|latency` or "
+            "`python -m vllm.entrypoints...`; set spec.vllmContainer.name or the "
+            "kvoffload.io/vllm-container annotation"
         ),
     )
 
 
-def decide(pod: Mapping[str, Any], policies: Sequence[Policy]) -> Decision:
-    """Decide for ``pod`` among ``policies`` (all of the pod's namespace). See the module doc."""
+def decide(
+    pod: Mapping[str, Any], policies: Sequence[Policy], group_size: int | None = None
+) -> Decision:
+    """Decide for ``pod`` among ``policies`` (all of the pod's namespace). See the module doc.
+    ``group_size``: pods per group when the pod is a LeaderWorkerSet template (offline inject)."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     if _opted_out(meta):
@@ -217,23 +221,23 @@ def decide(pod: Mapping[str, Any], policies: Sequence[Policy]) -> Decision:
                 f"{ann.POOL_SIZE}: {exc}".replace("spec.pool.size: ", ""),
                 losers,
             )
-    container, reason, message = _find_vllm(pod, policy)
+    spans_pods = multi_node(pod, {}, group_size)  # whatever its containers run
+    if spans_pods is not None:
+        return _skip_decision(spans_pods, policy, losers)
+    container, site, reason, message = _find_vllm(pod, policy)
     if container is None:
         assert reason is not None
         return Decision.skip(reason, policy, message, losers)
-    if has_kv_transfer_config(container):
-        return Decision.skip(
-            SkipReason.HAS_KV_TRANSFER_CONFIG,
-            policy,
-            f"container {container.get('name')!r} already has --kv-transfer-config",
-            losers,
-        )
+    problem = conflicts(container) or multi_node(pod, container, group_size)
+    if problem is not None:
+        return _skip_decision(problem, policy, losers)
     return Decision(
         True,
         None,
         policy,
         container=str(container.get("name")),
         pool_bytes=pool_bytes,
+        edit=site.edit,
         losers=losers,
         message=f"injected by policy {policy.name!r}",
     )

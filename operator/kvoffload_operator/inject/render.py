@@ -2,11 +2,13 @@
 
 What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
 - init container ``kvoffload-connector-install`` (connector delivery ``initContainer`` only);
-- native sidecar ``kvoffload-sidecar`` (``restartPolicy: Always``, gRPC startup probe), appended
+- native sidecar ``kvoffload-sidecar`` (``restartPolicy: Always``, bounded exec startup probe: see
+  `startup_probe`), appended
   after the user's init containers so theirs (e.g. a model download) run first;
 - volumes ``kvoffload-pool`` (memory or hugepages emptyDir), ``kvoffload-run`` (the socket),
   ``kvoffload-python`` (connector payload, initContainer delivery only);
-- in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args``, the mounts,
+- in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args`` (or, in a
+  ``sh -c`` script, ``--kv-transfer-config '<json>'`` right after the engine invocation), mounts,
   ``PYTHONHASHSEED=0`` when unset (block hashes must agree across processes), ``PYTHONPATH``;
 - annotations ``kvoffload.io/status|policy|policy-generation`` and label ``kvoffload.io/injected``.
 Nothing the user wrote is removed or replaced (a user's ``/dev/shm`` mount stays as it is).
@@ -22,6 +24,7 @@ from typing import Any
 
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
+from kvoffload_operator.inject.engine import ShellEdit, insert_flag
 from kvoffload_operator.policy import Delivery, Policy, SecurityProfile, SidecarSpec
 from kvoffload_operator.sizing import PYTHON_DIR_LIMIT, RUN_DIR_LIMIT, size_pool
 
@@ -32,7 +35,6 @@ SOCKET = RUN_DIR + "/pool.sock"
 GRPC_PORT, METRICS_PORT = 9400, 9401
 CONNECTOR_CLASS = "KVOffloadConnector"
 CONNECTOR_MODULE = "kvoffload_connector.connector"
-NONROOT_UID = 65532
 MINIMAL_INSTALLER = SidecarSpec()
 
 
@@ -46,13 +48,17 @@ class RenderDefaults:
 
 
 def kv_transfer_config(policy: Policy) -> dict[str, Any]:
-    extra = {
+    """The connector's config. Only keys the connector alone reads go in, and ``chunk_size`` only
+    when the policy sets it: a value we picked could disagree with engine settings we cannot see
+    (``--block-size``), so by default the connector derives it from the engine's block size."""
+    extra: dict[str, Any] = {
         **policy.connector.extra_config,
         "socket": SOCKET,
-        "chunk_size": policy.offload.chunk_size,
         "mode": policy.offload.mode.value,
         "load_mode": policy.offload.load_mode.value,
     }
+    if policy.offload.chunk_size is not None:
+        extra["chunk_size"] = policy.offload.chunk_size
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -63,7 +69,11 @@ def kv_transfer_config(policy: Policy) -> dict[str, Any]:
 
 
 def security_context(sidecar: SidecarSpec) -> dict[str, Any]:
-    """``minimal``: Pod Security "restricted"-compatible; ``privileged``: what it says."""
+    """``minimal``: Pod Security "restricted"-compatible; ``privileged``: what it says.
+
+    No ``runAsUser``/``runAsGroup``: the images' USER is the numeric 65532, which satisfies
+    ``runAsNonRoot``, and a pinned uid would make OpenShift's restricted SCC (uids from the
+    namespace's range) reject the whole pod, vLLM included."""
     if sidecar.security_profile is SecurityProfile.PRIVILEGED:
         return {"privileged": True}
     caps: dict[str, Any] = {"drop": ["ALL"]}
@@ -71,8 +81,6 @@ def security_context(sidecar: SidecarSpec) -> dict[str, Any]:
         caps["add"] = list(sidecar.extra_capabilities)
     return {
         "runAsNonRoot": True,
-        "runAsUser": NONROOT_UID,
-        "runAsGroup": NONROOT_UID,
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": caps,
@@ -91,6 +99,28 @@ def _resources(policy: Policy, pool_bytes: int) -> dict[str, Any]:
     return out
 
 
+def startup_probe(deadline: int) -> dict[str, Any]:
+    """The native sidecar's startup probe, which gates the vLLM container's start.
+
+    ``kvoffload probe`` exits 0 once the pool socket serves, or ``deadline`` seconds after its
+    first run whatever the sidecar's state, so vLLM waits at most about ``deadline`` seconds and
+    then starts without the pool (the connector treats it as absent). ``failureThreshold`` leaves
+    30 spare periods, so the kubelet never kills the sidecar before the probe's own deadline.
+    There is deliberately no readinessProbe: a degraded sidecar must not take the pod out of
+    service. The liveness probe's thresholds are generous (a minute of failed health checks).
+    What no probe can bypass is a sidecar image that cannot be pulled: the kubelet starts no later
+    container; the operator reports it (policy ``Degraded`` condition, a pod Event).
+    """
+    return {
+        "exec": {
+            "command": ["kvoffload", "probe", "--socket", SOCKET, "--deadline", str(deadline)]
+        },
+        "periodSeconds": 1,
+        "timeoutSeconds": 3,
+        "failureThreshold": deadline + 30,
+    }
+
+
 def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults) -> dict[str, Any]:
     args = [
         f"--pool-size={pool_bytes}",
@@ -99,6 +129,9 @@ def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults)
         f"--listen=0.0.0.0:{GRPC_PORT}",
         f"--metrics-listen=0.0.0.0:{METRICS_PORT}",
         f"--eviction={policy.pool.eviction.value}",
+        # a pool that cannot be built (no memory, no hugepages) leaves the sidecar up and serving
+        # degraded: the connector sees no pool and vLLM runs as without kvoffload
+        "--on-pool-error=degrade",
     ]
     if policy.pool.hugepages:
         args.append("--hugepages")
@@ -115,8 +148,13 @@ def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults)
             {"name": "grpc-health", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        "startupProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 1, "failureThreshold": 120},
-        "readinessProbe": {"grpc": {"port": GRPC_PORT}, "periodSeconds": 5},
+        "startupProbe": startup_probe(policy.sidecar.startup_timeout_seconds),
+        "livenessProbe": {
+            "grpc": {"port": GRPC_PORT},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 6,
+        },
         "resources": _resources(policy, pool_bytes),
         "securityContext": security_context(policy.sidecar),
         "volumeMounts": [
@@ -153,10 +191,10 @@ def _volumes(policy: Policy, pool_bytes: int) -> list[dict[str, Any]]:
     return vols
 
 
-def _patch_vllm(container: dict[str, Any], policy: Policy) -> list[str]:
+def _patch_vllm(container: dict[str, Any], policy: Policy, edit: ShellEdit | None) -> list[str]:
     """Mutate the vLLM container in place; returns the env names it added or changed."""
     config = json.dumps(kv_transfer_config(policy), sort_keys=True, separators=(",", ":"))
-    container["args"] = [*(container.get("args") or []), f"--kv-transfer-config={config}"]
+    insert_flag(container, edit, "--kv-transfer-config", config)
     mounts = container.setdefault("volumeMounts", [])
     mounts += [
         {"name": POOL_VOLUME, "mountPath": POOL_DIR},
@@ -204,7 +242,7 @@ def render(pod: Mapping[str, Any], decision: Decision, defaults: RenderDefaults)
     volumes = _volumes(policy, pool_bytes)
     spec["volumes"] = [*(spec.get("volumes") or []), *volumes]
     vllm = next(c for c in spec["containers"] if c.get("name") == decision.container)
-    env = _patch_vllm(vllm, policy)
+    env = _patch_vllm(vllm, policy, decision.edit)
     meta = out.setdefault("metadata", {})
     status = {
         "policy": policy.name,
