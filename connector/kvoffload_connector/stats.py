@@ -105,13 +105,33 @@ class PromMetrics(KVConnectorPromMetrics):
         ),
     }
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    ACTIVE = "vllm:kvoffload_pool_active"
+
+    def __init__(
+        self, vllm_config, metric_types, labelnames, per_engine_labelvalues, reason: str = ""
+    ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for key, (name, doc) in self.NAMES.items()
         }
         self._children: dict[tuple[int, str], Any] = {}
+        self.active_gauge = self._pool_active(list(labelnames), reason)
+
+    def _pool_active(self, labelnames: list[str], reason: str) -> Any:
+        """1 while the pool serves, 0 with the reason (the same text as the log line) when the
+        engine serves without it. A failure here costs the gauge, never the engine."""
+        try:
+            gauge = self._gauge_cls(
+                name=self.ACTIVE,
+                documentation="1 if kvoffload's pool serves this engine, else 0 with the reason",
+                labelnames=[*labelnames, "reason"],
+            )
+            for values in self.per_engine_labelvalues.values():
+                gauge.labels(*values, reason).set(0 if reason else 1)
+            return gauge
+        except Exception:  # noqa: BLE001
+            return None
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():

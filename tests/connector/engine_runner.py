@@ -8,6 +8,9 @@ Scenarios (each writes a JSON report; the test asserts on it):
   `kill`: P2 in flight while the sidecar is SIGKILLed, then restarted; P3 twice until it hits.
 - `evict`: lazy stores of what filler traffic pushes out of the GPU cache, then a hit.
 - `churn`: preemptions, aborts and pool hits in two rounds; the pool once idle.
+- `disabled`: prompts through an engine whose connector is configured (and may be disabled),
+  then through a second engine without a connector: the two must agree.
+Block size and chunk are vLLM's and the connector's defaults unless --block-size / --chunk say.
 Engines are started with `if __name__ == "__main__"` (vLLM spawns its workers).
 """
 
@@ -48,7 +51,8 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "socket": args.socket,
-                "chunk_size": args.chunk,
+                **({"chunk_size": args.chunk} if args.chunk else {}),
+                **(args.extra_config or {}),
                 "mode": args.mode,
                 **({"load_mode": args.load_mode} if args.load_mode else {}),
                 # Generous deadlines: on a 2-core CI box busy engines starve the sidecar.
@@ -59,13 +63,13 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
                 **({"lazy_watermark_blocks": args.lazy_watermark} if args.lazy_watermark else {}),
             },
         }
-    return LLM(
+    llm = LLM(
         model=args.model,
         load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="float32",
-        block_size=32,
+        **({"block_size": args.block_size} if args.block_size else {}),
         max_model_len=1024,
         max_num_seqs=8,
         kv_cache_memory_bytes=args.kv_bytes,
@@ -75,6 +79,30 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
         disable_log_stats=False,
         tensor_parallel_size=args.tp,
     )
+    if connector:
+        args.chunk_tokens = chunk_tokens(llm, args.chunk)
+    return llm
+
+
+def chunk_tokens(llm, configured: int) -> int:
+    """Tokens per pool chunk the connector uses in this engine: the configured chunk fitted to
+    the engine's real block size, or the default derived from it."""
+    from kvoffload_connector.config import default_chunk_tokens
+
+    block = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    return -(-configured // block) * block if configured else default_chunk_tokens(block)
+
+
+def gauges() -> dict[str, float]:
+    """`vllm:kvoffload_pool_active` samples by reason label (this process's registry)."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if family.name == "vllm:kvoffload_pool_active":
+            for sample in family.samples:
+                out[sample.labels.get("reason", "")] = sample.value
+    return out
 
 
 def run(llm, batch: list[list[int]], max_tokens: int) -> list[dict]:
@@ -160,7 +188,7 @@ def pool_path_live(llm, args: argparse.Namespace, attempts: int = 3) -> tuple[in
     start the connector serves without the pool until the first registration (and every
     rank's mapped pool) reached the scheduler, and says so in its log; a test of what a
     store and a hit do starts after that window, not inside it."""
-    per_prompt = args.prompt_len // args.chunk
+    per_prompt = args.prompt_len // args.chunk_tokens
     committed = 0
     for attempt in range(1, attempts + 1):
         run(llm, prompts(args.seed + 900 + attempt, 1, args.prompt_len), 1)
@@ -176,7 +204,9 @@ def scenario_reset(args: argparse.Namespace) -> dict:
     batch = prompts(args.seed, 3, args.prompt_len)
     first = run(llm, batch, args.max_tokens)
     # Eager stores: at least every full chunk of each prompt gets committed
-    settle_pool(args.socket, min_committed=before + len(batch) * (args.prompt_len // args.chunk))
+    settle_pool(
+        args.socket, min_committed=before + len(batch) * (args.prompt_len // args.chunk_tokens)
+    )
     llm.reset_prefix_cache()
     second = run(llm, batch, args.max_tokens)
     other = run(llm, prompts(args.seed + 100, 1, args.prompt_len), args.max_tokens)
@@ -186,6 +216,9 @@ def scenario_reset(args: argparse.Namespace) -> dict:
         "other": other,
         "metrics": metrics(llm),
         "warmup_prompts": warmup_prompts,
+        "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
+        "chunk_tokens": args.chunk_tokens,
+        "pool_active": gauges(),
     }
     if args.corrupt_pool:
         # Negative control: overwrite every pool byte, then load again. If the loaded bytes
@@ -365,13 +398,33 @@ def scenario_warm_kill(args: argparse.Namespace) -> dict:
     return report
 
 
+def scenario_disabled(args: argparse.Namespace) -> dict:
+    """The same prompts through an engine with the connector configured, then without one."""
+    import gc
+
+    batch = prompts(args.seed, 3, args.prompt_len)
+    llm = make_llm(args)
+    with_connector = run(llm, batch, args.max_tokens)
+    again = run(llm, batch, args.max_tokens)  # a second pass: prefix-cache hits only
+    report = {"with": with_connector, "again": again, "pool_active": gauges()}
+    del llm
+    gc.collect()
+    plain = make_llm(args, connector=False)
+    report["without"] = run(plain, batch, args.max_tokens)
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["reset", "warm_kill", "evict", "churn"])
+    ap.add_argument("scenario", choices=["reset", "warm_kill", "evict", "churn", "disabled"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=0, help="chunk_size; 0: not configured")
+    ap.add_argument("--block-size", type=int, default=0, help="0: vLLM's default")
+    ap.add_argument(
+        "--extra-config", type=json.loads, default=None, help="more extra config keys (JSON)"
+    )
     ap.add_argument("--mode", default="eager")
     ap.add_argument("--load-mode", default="", help="the connector's default when empty")
     ap.add_argument("--seed", type=int, default=1)
@@ -392,6 +445,7 @@ def main() -> int:
         "warm_kill": scenario_warm_kill,
         "evict": scenario_evict,
         "churn": scenario_churn,
+        "disabled": scenario_disabled,
     }[args.scenario]
     report = fn(args)
     Path(args.out).write_text(json.dumps(report))

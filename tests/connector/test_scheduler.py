@@ -659,7 +659,8 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
 @pytest.mark.parametrize(
     "bad",
     [
-        {"chunk_size": 48},
+        {"chunk_size": 0},
+        {"chunk_size": "many"},
         {"mode": "sometimes"},
         {"load_mode": "eventually"},
         {"socket": ""},

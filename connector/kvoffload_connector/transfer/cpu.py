@@ -16,7 +16,7 @@ import time
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
-from kvoffload_connector.transfer.engine import (
+from kvoffload_connector.transfer.contract import (
     Direction,
     JobResult,
     TransferBatch,

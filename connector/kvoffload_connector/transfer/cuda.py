@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvoffload_connector.transfer.batch_copy import BatchCopy, CopyRuns
-from kvoffload_connector.transfer.engine import (
+from kvoffload_connector.transfer.contract import (
     BatchValidator,
     Direction,
     JobResult,

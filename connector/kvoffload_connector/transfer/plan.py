@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload_connector.transfer.engine import TransferBatch
+from kvoffload_connector.transfer.contract import TransferBatch
 
 __all__ = ["JobPlan", "Piece", "plan_pieces"]
 

@@ -1,0 +1,201 @@
+"""The connector with the pool: config, checks, then the scheduler or the worker half.
+
+Built by the facade (`connector.py`) inside a guard: anything raised here, an import of grpc,
+protobuf or our stubs included, leaves vLLM serving without the pool instead of crashing it.
+`precheck` is the part that needs no KV cache config, so the API server's metrics can say the
+same reason the engine logs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvoffload_connector import compat, guard
+from kvoffload_connector.compat import KVConnectorTransferResults
+from kvoffload_connector.config import ConnectorConfig, parse_extra_config
+from kvoffload_connector.metadata import ConnectorMeta
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class Unsupported(Exception):
+    """A setting or model the pool cannot serve; the message is the reason users see."""
+
+
+def import_deps() -> None:
+    """Import what a stock vLLM image may lack or ship too old (grpcio, protobuf, our stubs),
+    after appending the payload's own deps folder to the end of sys.path."""
+    guard.check_test_import_failures()
+    guard.add_payload_deps()
+    import google.protobuf  # noqa: F401
+    import grpc  # noqa: F401
+    from kvoffload.v1 import pool_pb2, pool_pb2_grpc  # noqa: F401
+
+
+def precheck(vllm_config: Any, kv_cache_config: Any = None) -> ConnectorConfig:
+    """Every reason to serve without the pool that is known before the halves are built;
+    raises (Unsupported, ValueError, ImportError...) with it."""
+    problem = compat.version_problem(compat.vllm_version())
+    if problem:
+        raise Unsupported(problem)
+    problem = compat.model_problem(vllm_config, kv_cache_config)
+    if problem:
+        raise Unsupported(problem)
+    sizes = set(compat.group_block_sizes(kv_cache_config))
+    if len(sizes) > 1:
+        raise Unsupported(f"KV cache groups have different block sizes {sorted(sizes)}")
+    block_size = compat.block_size(vllm_config, kv_cache_config)
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    cfg = parse_extra_config(extra, block_size)
+    import_deps()
+    return cfg
+
+
+class ActiveConnector:
+    """What the facade forwards to while the pool is in use (one role per process)."""
+
+    def __init__(self, vllm_config: Any, scheduler_role: bool, kv_cache_config: Any):
+        self.cfg = precheck(vllm_config, kv_cache_config)
+        self._kv_cache_config = kv_cache_config
+        block_size = compat.block_size(vllm_config, kv_cache_config)
+        engine = str(vllm_config.kv_transfer_config.engine_id or "engine")[:8]
+        self._scheduler = None
+        self._worker = None
+        self._load_error_blocks: set[int] = set()
+        if scheduler_role:
+            from kvoffload_connector.client import PoolClient
+            from kvoffload_connector.scheduler import OffloadScheduler
+
+            _, _, world = compat.world(vllm_config)
+            cfg = self.cfg
+            client = PoolClient(
+                cfg.socket,
+                f"{cfg.client_name}/{engine}/scheduler",
+                rpc_timeout_s=cfg.rpc_timeout_ms / 1e3,
+                reconnect_min_s=cfg.reconnect_min_ms / 1e3,
+                reconnect_max_s=cfg.reconnect_max_ms / 1e3,
+                framed=cfg.framed_session,
+            )
+            self._scheduler = OffloadScheduler(
+                cfg,
+                block_size=block_size,
+                num_groups=max(1, len(compat.group_block_sizes(kv_cache_config))),
+                world_size=world,
+                client=client,
+                max_num_batched_tokens=int(
+                    vllm_config.scheduler_config.max_num_batched_tokens or 8192
+                ),
+                windows=compat.group_windows(kv_cache_config),
+            )
+        else:
+            from kvoffload_connector.worker import OffloadWorker
+
+            self._worker = OffloadWorker(
+                self.cfg,
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+                rank=compat.worker_rank(),
+                engine_name=engine,
+            )
+
+    # -- scheduler side -------------------------------------------------------------------
+    def bind(self, kv_cache_manager: Any, gpu_block_pool: Any = None) -> None:
+        if self._scheduler is not None:
+            if kv_cache_manager is None and self._scheduler.block_pool is not None:
+                return
+            self._scheduler.bind(kv_cache_manager, gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external)
+
+    def loaded_group_ids(self) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(
+            getattr(connector_output, "kv_connector_worker_meta", None)
+        )
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]):
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_work()
+
+    # -- worker side ----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    @staticmethod
+    def _meta(md: Any) -> ConnectorMeta | None:
+        return md if isinstance(md, ConnectorMeta) else None
+
+    def start_load_kv(self, md: Any) -> None:
+        self._worker.start_load_kv(self._meta(md))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(layer_name)
+
+    def wait_for_save(self, md: Any) -> None:
+        self._worker.wait_for_save(self._meta(md))
+
+    def get_transfer_results(self, md: Any) -> KVConnectorTransferResults:
+        # vLLM 0.26 skips `wait_for_save` in steps that schedule no tokens but still binds their
+        # metadata and asks for results: submit those stores here, or their GPU blocks stay
+        # referenced by the scheduler forever. A no-op where `wait_for_save` ran (0.32+).
+        self._worker.wait_for_save(self._meta(md))
+        recving, failed, _ = self._worker.transfer_results()
+        self._load_error_blocks = self._worker.take_failed_layered_blocks()
+        return KVConnectorTransferResults(
+            finished_sending=set(), finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, md: Any) -> tuple[set[str] | None, set[str] | None]:
+        """vLLM 0.26 entry point: failures go out through get_block_ids_with_load_errors."""
+        self._worker.wait_for_save(self._meta(md))
+        recving, _, blocks = self._worker.transfer_results()
+        self._load_error_blocks = blocks | self._worker.take_failed_layered_blocks()
+        return None, recving or None
+
+    def take_load_error_blocks(self) -> set[int]:
+        blocks, self._load_error_blocks = self._load_error_blocks, set()
+        return blocks
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._worker.report() if self._worker is not None else None
+
+    # -- both -----------------------------------------------------------------------------
+    def stats(self) -> Any:
+        """Counters since the last call; None (no object built) in the common step where
+        nothing was counted: vLLM asks twice per step, so this stays off the step's cost."""
+        values: dict[str, float] = {}
+        if self._scheduler is not None and self._scheduler.stats_pending():
+            from kvoffload_connector.scheduler import as_dict
+
+            values.update(as_dict(self._scheduler.take_stats()))
+        if self._worker is not None and self._worker.stats_pending():
+            for k, v in self._worker.take_stats().items():
+                values[k] = values.get(k, 0) + v
+        if not values:
+            return None
+        from kvoffload_connector.stats import ConnectorStats
+
+        stats = ConnectorStats()
+        stats.add(values)
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,97 @@
+"""Serving without the pool, safely: the payload's dependency path, the one-time reason, and the
+status file `kvoffload stats` reads.
+
+Standard library only: the facade vLLM imports (`connector.py`) imports this module at module
+import time, and nothing here may fail to import in any vLLM image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("kvoffload_connector.connector")
+
+# Tests only: names of packages whose import must fail (comma separated), to prove that a
+# payload which cannot import leaves vLLM serving without the pool.
+FAIL_IMPORT_ENV = "KVOFFLOAD_TEST_FAIL_IMPORT"
+
+_said: set[str] = set()
+_lock = threading.Lock()
+
+
+def deps_dir() -> Path:
+    """Where a stock-image payload keeps our third-party deps (grpcio, protobuf), one folder
+    per Python: `<site>/_kvoffload_deps/cpXY` beside the `kvoffload_connector` package."""
+    pkg = Path(__file__).resolve().parent
+    return pkg.parent / "_kvoffload_deps" / f"cp{sys.version_info.major}{sys.version_info.minor}"
+
+
+def add_payload_deps(path: Path | None = None) -> str | None:
+    """Append the payload's deps folder to the END of sys.path when it exists: the image's own
+    packages win, ours only fill gaps. Returns the folder added (None: nothing to add)."""
+    d = str(path or deps_dir())
+    if not os.path.isdir(d):
+        return None
+    if d not in sys.path:
+        sys.path.append(d)
+    return d
+
+
+def check_test_import_failures() -> None:
+    """Raise the ImportError a missing package would (tests only, see FAIL_IMPORT_ENV)."""
+    names = [n.strip() for n in os.environ.get(FAIL_IMPORT_ENV, "").split(",") if n.strip()]
+    if names:
+        raise ImportError(f"No module named {names[0]!r} ({FAIL_IMPORT_ENV})")
+
+
+def say_disabled(reason: str) -> bool:
+    """Log why the pool is not used, once per process. True when this call logged it."""
+    with _lock:
+        if "disabled" in _said:
+            return False
+        _said.add("disabled")
+    log.warning("kvoffload: serving without the pool: %s", reason)
+    return True
+
+
+def status_path(socket: str, role: str, rank: int) -> Path:
+    return Path(os.path.dirname(socket) or ".") / f"connector-status-{role}-{rank}.json"
+
+
+def write_status(
+    socket: str, state: str, reason: str, role: str, rank: int, vllm_version: str
+) -> Path | None:
+    """Atomically write this connector's state beside the pool socket for `kvoffload stats`.
+    Failures are ignored (a read-only or missing folder must not matter)."""
+    try:
+        path = status_path(socket, role, rank)
+        body = {
+            "state": state,
+            "reason": reason,
+            "role": role,
+            "rank": rank,
+            "vllm_version": vllm_version,
+            "pid": os.getpid(),
+            "time": time.time(),
+        }
+        fd, tmp = tempfile.mkstemp(prefix=".connector-status-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(body, f)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return path
+    except Exception:  # noqa: BLE001 - best effort by design
+        return None

