@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok; 2 a bad setting (one line on stderr naming it); 1 `stats` could not reach a
 serving sidecar. With `--on-pool-error degrade` (what the injector sets) a bad setting or a pool
-that cannot be built does not exit: the sidecar serves degraded (degraded.py) until SIGTERM.
+that cannot be built does not exit: the sidecar serves degraded (degraded.py) until SIGTERM,
+retrying every `--pool-retry-interval` seconds when the reason can go away (no room, no pool dir).
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ def main_sidecar(argv: Sequence[str]) -> int:
     try:
         warnings = check_environment(config)
     except ConfigError as exc:
+        if config.on_pool_error == "degrade":
+            from kvoffload_sidecar.degraded import from_config_error
+
+            failure = from_config_error(exc, checking=True)
+            if failure.retryable:  # no room or no pool dir yet: serve degraded and retry
+                configure_logging(config.log_level)
+                from kvoffload_sidecar.runtime import run
+
+                return run(config, failure)
         return _refuse(early, exc, checking=True)
     configure_logging(config.log_level)
     for warning in warnings:

@@ -84,6 +84,8 @@ class SidecarConfig:
     """Framed connections served at once; more are refused (each one holds a thread)."""
     on_pool_error: str = "exit"
     """"exit" (code 2) or "degrade": serve health + Stats without a pool when none can be built."""
+    pool_retry_interval_s: float = 5.0
+    """Degraded for a reason that can go away: seconds between attempts to build the pool."""
 
     @property
     def reap_interval_s(self) -> float:
@@ -147,6 +149,11 @@ _FLAGS: tuple[_Flag, ...] = (
         "--on-pool-error",
         "when no pool can be built: exit (default, code 2) or degrade (serve health and Stats "
         "without a pool, answer Register FAILED_PRECONDITION)",
+    ),
+    _Flag(
+        "--pool-retry-interval",
+        "seconds between attempts to build the pool while degraded for a reason that can go "
+        "away (no space, no memory, pool dir not writable) (default 5)",
     ),
 )
 
@@ -267,8 +274,13 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "log_level": _parse_choice(LOG_LEVELS, upper=True),
     "max_sessions": _parse_int(1),
     "on_pool_error": _parse_choice(ON_POOL_ERROR),
+    "pool_retry_interval": _parse_seconds,
 }
-_FIELD_OF = {"client_timeout": "client_timeout_s", "detach_grace": "detach_grace_s"}
+_FIELD_OF = {
+    "client_timeout": "client_timeout_s",
+    "detach_grace": "detach_grace_s",
+    "pool_retry_interval": "pool_retry_interval_s",
+}
 
 
 def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> SidecarConfig:
@@ -407,31 +419,20 @@ def remove_stale_socket(path: Path) -> bool:
 
 
 def remove_dead_instance(config: SidecarConfig) -> list[Path]:
-    """Files of a sidecar that died in this pod (SIGKILL, OOM): its sockets and its pool file.
+    """The sockets of a sidecar that died in this pod (SIGKILL, OOM); returns those removed.
 
-    Only when no process serves `config.socket`: a live sidecar's pool is never touched. Run
-    before the pool is sized, so a size-limited emptyDir never needs room for two pools.
-    Returns what was removed.
+    Only when no process serves `config.socket`: a live sidecar is never touched. Its pool file
+    stays: vLLM may still map it, so the new pool reuses it (region.py) rather than needing room
+    for a second one in a size-limited emptyDir.
     """
     sock = config.socket
     if sock.exists() and socket_is_live(sock):
         return []
-    removed = [
+    return [
         path
         for path in (sock, sock.with_name(sock.name + FRAMED_SUFFIX))
         if remove_stale_socket(path)
     ]
-    pool_file = config.pool_dir / POOL_FILE_NAME
-    try:
-        pool_file.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove the stale pool file %s: %s", pool_file, exc)
-    else:
-        log.info("removed the stale pool file %s (its sidecar is gone)", pool_file)
-        removed.append(pool_file)
-    return removed
 
 
 @dataclass(frozen=True)

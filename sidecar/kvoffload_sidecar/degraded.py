@@ -8,6 +8,10 @@ and `--listen`), `kvoffload_pool_degraded{reason} 1` on /metrics, one log line, 
 call answered FAILED_PRECONDITION naming the reason: a connector treats a refused registration
 as "no pool" and vLLM serves without it. When even the socket cannot be served, the process
 sleeps until SIGTERM (never exits), so the container does not crash-loop.
+
+A reason that can go away (no space, no memory, a pool dir not yet writable, a pool file that
+could not be made) is retried every `--pool-retry-interval` seconds while this process serves the
+socket; once a pool is built the caller serves it (the degraded servers stop first).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import errno
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,6 +36,9 @@ from kvoffload_sidecar.config import ConfigError, remove_stale_socket, socket_is
 from kvoffload_sidecar.connector_status import read_connector_status
 from kvoffload_sidecar.metrics import MetricsHttpServer, SidecarMetrics, package_version
 from kvoffload_sidecar.server import SERVICE_NAME, add_servicer, bind_unix, new_server
+
+if TYPE_CHECKING:
+    from kvoffload_sidecar.pool import Pool
 
 log = logging.getLogger("kvoffload_sidecar")
 
@@ -43,6 +51,12 @@ _SETTING_CODES = {
     "socket": "socket",
 }
 _DIR_ERRNOS = {errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EROFS}
+# Reasons that can go away while the pod runs (memory freed, a dir mounted or made writable);
+# a bad setting, a missing NUMA node or hugetlbfs mount stay as they are: no retry.
+RETRYABLE = frozenset({"no_space", "no_memory", "pool_error", "pool_dir"})
+
+Retry = Callable[[], "Pool | None"]
+"""One more attempt at building the pool: the started Pool, or None (still degraded)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +65,10 @@ class Degraded:
 
     code: str
     reason: str
+
+    @property
+    def retryable(self) -> bool:
+        return self.code in RETRYABLE
 
     @property
     def log_line(self) -> str:
@@ -122,7 +140,36 @@ class StatsOnly(pb_grpc.KVPoolServicer):
         self.Stats = servicer.Stats  # type: ignore[method-assign]
 
 
-async def _serve(endpoints: Endpoints, degraded: Degraded, stop: asyncio.Event) -> None:
+async def _retry_until_built(retry: Retry, interval_s: float, stop: asyncio.Event) -> Pool | None:
+    """Call `retry` every `interval_s` until it builds a pool (returned) or `stop` is set."""
+    attempts = 1  # the one that failed before this process went degraded
+    while True:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+        if stop.is_set():
+            return None
+        attempts += 1
+        try:
+            pool = await asyncio.to_thread(retry)
+        except Exception:  # noqa: BLE001 - a failed attempt must never end the degraded sidecar
+            log.exception("building the pool failed (attempt %d)", attempts)
+            continue
+        if pool is None:
+            continue
+        if stop.is_set():  # SIGTERM came while building: nothing will serve it
+            pool.close()
+            return None
+        log.info("pool built after %d attempt(s); serving", attempts)
+        return pool
+
+
+async def _serve(
+    endpoints: Endpoints,
+    degraded: Degraded,
+    stop: asyncio.Event,
+    retry: Retry | None = None,
+    retry_interval_s: float = 5.0,
+) -> Pool | None:
     health_servicer = health.aio.HealthServicer()
     servicer = DegradedServicer(degraded, endpoints.socket.parent if endpoints.socket else None)
     servers: list[grpc.aio.Server] = []
@@ -175,7 +222,12 @@ async def _serve(endpoints: Endpoints, degraded: Degraded, stop: asyncio.Event) 
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         if sock is not None:
             log.info("serving health and Stats (degraded) on unix:%s", sock)
+        if retry is not None and sock is not None and degraded.retryable:
+            # Only while this process holds the socket: no other sidecar serves this pod's pool.
+            log.info("retrying to build the pool every %gs", retry_interval_s)
+            return await _retry_until_built(retry, retry_interval_s, stop)
         await stop.wait()
+        return None
     finally:
         await asyncio.gather(*(server.stop(0.2) for server in servers))
         if http is not None:
@@ -186,14 +238,20 @@ async def _serve(endpoints: Endpoints, degraded: Degraded, stop: asyncio.Event) 
 
 
 async def serve_degraded(
-    endpoints: Endpoints, degraded: Degraded, *, stop: asyncio.Event | None = None
-) -> None:
-    """Serve what can be served without a pool until `stop` or SIGTERM/SIGINT."""
+    endpoints: Endpoints,
+    degraded: Degraded,
+    *,
+    stop: asyncio.Event | None = None,
+    retry: Retry | None = None,
+    retry_interval_s: float = 5.0,
+) -> Pool | None:
+    """Serve what can be served without a pool until `stop` or SIGTERM/SIGINT (None), or until
+    `retry` built a pool (returned, started; the degraded servers are stopped by then)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    await _serve(endpoints, degraded, stop)
+    return await _serve(endpoints, degraded, stop, retry, retry_interval_s)
 
 
 def run_degraded(endpoints: Endpoints, degraded: Degraded) -> int:
@@ -201,3 +259,13 @@ def run_degraded(endpoints: Endpoints, degraded: Degraded) -> int:
     asyncio.run(serve_degraded(endpoints, degraded))
     log.info("stopped")
     return 0
+
+
+def degraded_until_built(
+    endpoints: Endpoints, degraded: Degraded, retry: Retry, retry_interval_s: float
+) -> Pool | None:
+    """Serve degraded, retrying when the reason can go away: the built Pool, or None once
+    SIGTERM/SIGINT arrived (the process then exits 0)."""
+    return asyncio.run(
+        serve_degraded(endpoints, degraded, retry=retry, retry_interval_s=retry_interval_s)
+    )

@@ -280,6 +280,7 @@ class Pool:
         self._deferred = False  # some namespace may have queued touches (`flush_deferred`)
         self._started = False
         self._started_at = clock()
+        self._stores_from = 0.0  # clock time before which no store gets a slot (quarantine)
         self.generation = secrets.token_hex(8)
         self._ready_event = threading.Event()
 
@@ -301,6 +302,16 @@ class Pool:
             self._region.open()
             self._started = True
             self._started_at = self._clock()
+            if self._region.reused:
+                # Copies the dead sidecar's clients had in flight may still land in the file for
+                # a moment: no slot is handed out for stores until they are surely done.
+                self._stores_from = self._started_at + self.settings.detach_grace_s
+        if self._region.reused:
+            log.warning(
+                "reusing the pool file of a sidecar that is gone (%s); stores start after %gs",
+                self.path,
+                self.settings.detach_grace_s,
+            )
         self._region.start_prefault()
         with self._lock:
             self._on_prefault_progress()
@@ -609,12 +620,15 @@ class Pool:
 
     def reserve_store(self, namespace_id: str, client_id: int, keys: bytes) -> StoreReservation:
         """Per key in order: PRESENT if committed or being stored; else NEW with a slot (a free
-        ready slot, else one freed by evicting unpinned victims); NO_SPACE once nothing is left."""
+        ready slot, else one freed by evicting unpinned victims); NO_SPACE once nothing is left,
+        and for every key during the quarantine after a reused pool file (`start`)."""
         with self._lock:
             self._check_serving()
             ns = self._namespace(namespace_id)
             client = self._owned_client(ns, client_id)
             packed, n_keys = check_packed(keys, ns.spec.key_size)
+            if self._stores_from and self._clock() < self._stores_from:
+                return StoreReservation(0, (_NO_SPACE,) * n_keys, ())  # a skipped store
             index, free = ns.index, ns.free
             new_slots = self._reserve_new(ns, packed, n_keys)
             if new_slots is not None:  # the usual store: every key new, distinct, slots free

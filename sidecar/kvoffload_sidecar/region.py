@@ -1,7 +1,8 @@
 """The shared-memory pool file and its background pre-fault.
 
 The sidecar creates `pool-0.shm` in the pool directory (a tmpfs/hugetlbfs mount shared with the
-vLLM container), sizes it exactly with `ftruncate` and maps it. A background thread then faults
+vLLM container), or reuses the one a dead sidecar left, sizes it exactly with `ftruncate` and maps
+it. A background thread then faults
 every page in, chunk by chunk, so the vLLM workers never take page faults on the copy path and the
 pod's memory is claimed up front. Slots become allocatable as the pre-fault passes their bytes
 (`ready_prefix`): the server serves from the first second.
@@ -12,12 +13,14 @@ advances together (a slot needs its bytes on every rank), then everything else i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import mmap
 import os
 import platform
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -144,6 +147,7 @@ class Region:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
+        self.reused = False  # open() took over a file left by a sidecar that is gone
         self.started_at = 0.0
         self.finished_at: float | None = None
 
@@ -168,7 +172,14 @@ class Region:
                 raise ValueError(f"numa node {self.numa_node} does not exist on this host")
 
     def open(self) -> None:
-        """Create (replacing a stale one), size and map the file. OSError/ValueError if unusable."""
+        """Size and map the pool file (OSError/ValueError if unusable).
+
+        A file left by a sidecar that is gone (killed, OOM; the caller checked that nobody serves
+        its socket) is reused, same inode: vLLM may still map it, and a deleted file's pages stay
+        allocated while mapped, so a new file would need room for two pools in a size-limited
+        emptyDir. Its contents are not trusted (the caller starts an empty index). Only a file
+        that cannot be reused is replaced.
+        """
         d = self.pool_dir
         if not d.is_dir():
             raise OSError(errno.ENOTDIR, f"pool dir {d} does not exist or is not a directory")
@@ -177,41 +188,82 @@ class Region:
         fstype = filesystem_type(d)
         if self.hugepages and fstype != "hugetlbfs":
             raise ValueError(f"hugepages requested but pool dir {d} is on {fstype}, not hugetlbfs")
-        # A stale pool from an earlier sidecar (killed, OOM): remove it before measuring the free
-        # space, or a size-limited emptyDir would need room for two pools. Mappings still open
-        # keep the old inode (and its memory) alive until they close.
-        self.path.unlink(missing_ok=True)
-        # Touching a page past a full tmpfs or an empty huge-page pool is SIGBUS: check first.
-        st = os.statvfs(d)
-        if st.f_blocks and st.f_bavail * st.f_frsize < self.size:
-            raise OSError(
-                errno.ENOSPC,
-                f"pool dir {d} has {st.f_bavail * st.f_frsize} bytes free, "
-                f"the pool needs {self.size}",
-            )
-        if self.hugepages and self.prefault:
-            free = free_huge_page_bytes()
-            if free is not None and free < self.size:
-                raise OSError(
-                    errno.ENOMEM,
-                    f"{free} bytes of free 2 MiB huge pages (HugePages_Free - HugePages_Rsvd), "
-                    f"the pool needs {self.size}",
-                )
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            os.fchmod(fd, 0o666)  # the vLLM container may run as another user of the pod
-            os.ftruncate(fd, self.size)
-            self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
+        fd = self._open_left_behind()
+        if fd is not None:
+            try:
+                self._check_room(os.fstat(fd).st_blocks * 512)  # a new file would need more
+                self._map(fd)
+                self.reused = True
+            except OSError as exc:
+                self._mm = None
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise  # no room: a new file would need more; kept for the next attempt
+                # It cannot be sized or mapped: a new file is the way left.
+                self.path.unlink(missing_ok=True)
+                log.warning("cannot reuse the pool file %s (%s): replaced it", self.path, exc)
+            finally:
+                os.close(fd)
+        if self._mm is None:
+            self._check_room(0)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                self._map(fd)
+            except BaseException:
+                self.path.unlink(missing_ok=True)
+                raise
+            finally:
+                os.close(fd)
         if fstype not in ("tmpfs", "hugetlbfs", "ramfs"):
             log.warning("pool dir %s is on %s, not a memory filesystem", d, fstype)
         if not self.prefault:
             self._chunk_done[:] = b"\x01" * self._nchunks
             self._done_bytes = self.size
+
+    def _map(self, fd: int) -> None:
+        """Size the file to the pool and map it shared (the fd may be closed afterwards)."""
+        with contextlib.suppress(PermissionError):  # a reused file of another owner
+            os.fchmod(fd, 0o666)  # the vLLM container may run as another user of the pod
+        if os.fstat(fd).st_size != self.size:
+            os.ftruncate(fd, self.size)
+        self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def _open_left_behind(self) -> int | None:
+        """An fd on the pool file an earlier sidecar left, to reuse; None when there is none or
+        it cannot be reused (then it is removed: a new one is created)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+        else:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_dev == os.stat(self.pool_dir).st_dev:
+                return fd
+            os.close(fd)
+            why = "not a regular file on the pool dir's filesystem"
+        self.path.unlink()  # IsADirectoryError & co: the caller reports the pool as unusable
+        log.warning("cannot reuse the pool file %s (%s): replaced it", self.path, why)
+        return None
+
+    def _check_room(self, reusable: int) -> None:
+        """ENOSPC/ENOMEM unless the pool fits: touching a page past a full tmpfs or an empty
+        huge-page pool is SIGBUS. `reusable`: bytes the reused file already holds."""
+        d = self.pool_dir
+        st = os.statvfs(d)
+        free = st.f_bavail * st.f_frsize + reusable
+        if st.f_blocks and free < self.size:
+            raise OSError(
+                errno.ENOSPC, f"pool dir {d} has {free} bytes free, the pool needs {self.size}"
+            )
+        if self.hugepages and self.prefault:
+            huge = free_huge_page_bytes()
+            if huge is not None and huge + reusable < self.size:
+                raise OSError(
+                    errno.ENOMEM,
+                    f"{huge + reusable} bytes of free 2 MiB huge pages (HugePages_Free - "
+                    f"HugePages_Rsvd, and the reused file's), the pool needs {self.size}",
+                )
 
     def start_prefault(self) -> None:
         """Start the background pre-fault (no-op when `prefault=False` or already started)."""
@@ -360,8 +412,8 @@ class Region:
                 self._populate_ok = False  # old kernel: fall back for good
         page = self.page_bytes
         n = -(-length // page)
-        # Nobody has written these pages yet (slots are not allocatable before this), so writing
-        # a zero into the first byte of each page changes no data; one C-level strided copy.
+        # No slot of these pages is allocatable yet, so writing a zero into the first byte of
+        # each page changes no data anyone reads (a reused file's bytes are not trusted).
         mm[start : start + n * page : page] = bytes(n)
 
     def _bind_numa(self) -> None:

@@ -11,8 +11,14 @@ import contextlib
 import logging
 import signal
 
-from kvoffload_sidecar.config import SidecarConfig
-from kvoffload_sidecar.degraded import Degraded, Endpoints, from_pool_error, run_degraded
+from kvoffload_sidecar.config import SidecarConfig, remove_dead_instance
+from kvoffload_sidecar.degraded import (
+    Degraded,
+    Endpoints,
+    degraded_until_built,
+    from_pool_error,
+    run_degraded,
+)
 from kvoffload_sidecar.errors import PoolError
 from kvoffload_sidecar.keymap import native_enabled
 from kvoffload_sidecar.metrics import MetricsHttpServer
@@ -94,31 +100,59 @@ def endpoints_of(config: SidecarConfig) -> Endpoints:
     return Endpoints(config.socket, config.listen, config.metrics_listen)
 
 
-def run(config: SidecarConfig) -> int:
-    """Start the Pool, serve until a signal, close the Pool; the process exit code."""
+def build_pool(config: SidecarConfig) -> Pool | Degraded:
+    """One attempt at building and starting the pool; why not when it failed."""
     pool = Pool(pool_settings(config))
     try:
         pool.start()
     except (OSError, ValueError, PoolError) as exc:
-        if config.on_pool_error == "degrade":
-            return run_degraded(endpoints_of(config), from_pool_error(exc, config.pool_dir))
-        log.error("cannot create the pool in %s: %s", config.pool_dir, exc)
-        return 2
+        return from_pool_error(exc, config.pool_dir)
+    return pool
+
+
+def run(config: SidecarConfig, failure: Degraded | None = None) -> int:
+    """Start the Pool, serve until a signal, close the Pool; the process exit code.
+
+    `failure`: the pool is already known not to fit (check_environment). Degraded with a reason
+    that can go away, the sidecar retries and serves the pool once built.
+    """
+    built = build_pool(config) if failure is None else failure
+    if isinstance(built, Degraded):
+        if config.on_pool_error != "degrade":
+            log.error("%s", built.reason)
+            return 2
+
+        def retry() -> Pool | None:
+            again = build_pool(config)
+            if isinstance(again, Pool):
+                return again
+            log.debug("still degraded: %s", again.reason)
+            return None
+
+        pool = degraded_until_built(
+            endpoints_of(config), built, retry, config.pool_retry_interval_s
+        )
+        if pool is None:
+            log.info("stopped")
+            return 0
+        remove_dead_instance(config)  # the degraded server's sockets, should any be left
+    else:
+        pool = built
     try:
         asyncio.run(serve(config, pool))
     except (OSError, RuntimeError) as exc:  # a listener that cannot bind (port taken, ...)
         if config.on_pool_error != "degrade":
             raise
-        failure: Degraded | None = Degraded("serve_error", f"cannot serve the pool: {exc}")
+        serve_failure = Degraded("serve_error", f"cannot serve the pool: {exc}")
     else:
-        failure = None
+        serve_failure = None
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):  # already draining: let pool.close() finish
             signal.signal(signum, signal.SIG_IGN)
         pool.close()
-    if failure is not None:
+    if serve_failure is not None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
-        return run_degraded(endpoints_of(config), failure)
+        return run_degraded(endpoints_of(config), serve_failure)
     log.info("stopped")
     return 0

@@ -84,6 +84,8 @@ def test_flags_parse_into_a_frozen_config(tmp_path: Path) -> None:
         "0",
         "--log-level",
         "debug",
+        "--pool-retry-interval",
+        "0.5",
     ]
     config = parse_config(argv, environ={})
     assert config == SidecarConfig(
@@ -98,6 +100,7 @@ def test_flags_parse_into_a_frozen_config(tmp_path: Path) -> None:
         client_timeout_s=2.5,
         detach_grace_s=0.0,
         log_level="DEBUG",
+        pool_retry_interval_s=0.5,
     )
     with pytest.raises(AttributeError):
         config.pool_size = 1  # type: ignore[misc]
@@ -138,6 +141,7 @@ def test_environment_fills_in_and_flags_win(tmp_path: Path) -> None:
         (["--max-namespaces", "0"], {}, "--max-namespaces"),
         (["--client-timeout", "nan"], {}, "--client-timeout"),
         (["--detach-grace", "-1"], {}, "--detach-grace"),
+        (["--pool-retry-interval", "0"], {}, "--pool-retry-interval"),
         ([], {"KVOFFLOAD_DETACH_GRACE": "soon"}, "'soon' is not a number of seconds"),
         (["--listen", "9090"], {}, "not HOST:PORT"),
         (["--metrics-listen", "host:99999"], {}, "out of range"),

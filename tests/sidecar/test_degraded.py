@@ -93,6 +93,8 @@ def test_degraded_sidecar_serves_health_and_stats_and_refuses_register(
         assert words in refused.value.details()
         log = proc.stderr()
         assert log.count(LOG_LINE) == 1, log
+        retries = code in ("no_space", "no_memory", "pool_dir", "pool_error")  # can go away
+        assert ("retrying to build the pool every 5s" in log) == retries, log
         assert LOG_LINE + stats.degraded_reason in log
         assert f'kvoffload_pool_degraded{{reason="{code}"}} 1.0' in _metrics(log)
         shown = subprocess.run(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -81,14 +82,33 @@ def test_a_second_process_sees_the_pools_bytes(make_pool, small_spec):
     assert pool.region.buffer[where + 100 : where + 105] == b"world"  # MAP_SHARED both ways
 
 
-def test_close_removes_the_file_and_a_stale_file_is_replaced(make_pool, pool_dir):
+def test_a_left_behind_file_is_reused_in_place_and_close_removes_it(make_pool, pool_dir):
     stale = pool_dir / "pool-0.shm"
     stale.write_bytes(b"junk" * 1000)
+    inode = stale.stat().st_ino
     pool = make_pool(pool_size=2 * MiB)
+    assert pool.region.reused
+    assert os.stat(pool.path).st_ino == inode  # vLLM may still map it: never a second file
     assert os.stat(pool.path).st_size == 2 * MiB
-    assert pool.region.buffer[:4] == b"\x00" * 4
+    assert stat.S_IMODE(os.stat(pool.path).st_mode) == 0o666
     pool.close()
     assert not stale.exists()
+
+
+def test_a_fresh_pool_is_not_marked_reused(make_pool, pool_dir):
+    pool = make_pool(pool_size=2 * MiB)
+    assert not pool.region.reused
+    assert pool.region.buffer[:4] == b"\x00" * 4
+
+
+def test_a_pool_file_that_cannot_be_reused_is_replaced(make_pool, pool_dir, caplog):
+    (pool_dir / "elsewhere").write_bytes(b"x")
+    (pool_dir / "pool-0.shm").symlink_to(pool_dir / "elsewhere")
+    with caplog.at_level(logging.WARNING, logger="kvoffload_sidecar.region"):
+        pool = make_pool(pool_size=2 * MiB)
+    assert not pool.region.reused and not pool.path.is_symlink()
+    assert (pool_dir / "elsewhere").read_bytes() == b"x"
+    assert "cannot reuse the pool file" in caplog.text
 
 
 def test_prefault_progress_line(make_pool, monkeypatch, caplog):

@@ -1,27 +1,52 @@
 """A sidecar killed inside its pod (SIGKILL, OOM) comes back within the emptyDir's sizeLimit.
 
 The pool dir is a real tmpfs mount sized for one pool and a small margin, as the injector sizes
-the emptyDir: the dead instance's pool file is still there when the new one starts, and must be
-removed (nobody serves the socket any more) before the new pool is sized.
+the emptyDir. vLLM keeps running while the sidecar restarts and keeps the old pool file mapped
+(here: a separate process of another uid, as the vLLM container may be), so deleting that file
+frees nothing: the new sidecar must reuse the same file (same inode) and serve at once, not
+degraded. Stores wait out a short quarantine after such a restart (late copies of the dead
+instance's clients); a sidecar degraded for lack of room retries and serves once room is back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
-from procs import Client, kvoffload_command, short_dir, socket_dir, wait_ready, wait_serving
+from kvoffload.v1 import pool_pb2 as pb
+from procs import Client, keys, kvoffload_command, short_dir, socket_dir, wait_ready, wait_serving
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
+MiB = 1 << 20
 POOL_MIB = 16
 MARGIN_MIB = 4  # far less than a second pool
+VLLM_PYTHON = Path("/work/main/.venv/bin/python")
+REUSE_LINE = "reusing the pool file of a sidecar that is gone ("
+NEW, NO_SPACE = pb.STORE_DECISION_NEW, pb.STORE_DECISION_NO_SPACE
+
+# What the connector's workers do with the pool file: map all of it shared, write a few pages,
+# keep the mapping while the sidecar comes and goes. Runs until its stdin closes.
+MAPPER = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+mm = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED)
+os.close(fd)
+for page in range(0, len(mm), len(mm) // 8):
+    mm[page] = 1
+print("mapped", len(mm), flush=True)
+sys.stdin.read()
+"""
 
 
 @pytest.fixture
@@ -46,57 +71,221 @@ def small_tmpfs() -> Iterator[Path]:
             point.rmdir()
 
 
-def start(pool_dir: Path, sock: Path, log: Path) -> subprocess.Popen[bytes]:
+def start(pool_dir: Path, sock: Path, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     argv = [
         *kvoffload_command(),
         "sidecar",
         f"--pool-size={POOL_MIB}Mi",
         f"--pool-dir={pool_dir}",
         f"--socket={sock}",
+        "--on-pool-error=degrade",  # what the injector sets
+        *extra,
     ]
     with open(log, "ab") as err:
         return subprocess.Popen(argv, stdout=err, stderr=err)
 
 
-def test_sigkilled_sidecar_restarts_serving_within_the_size_limit(small_tmpfs: Path) -> None:
+@contextlib.contextmanager
+def vllm_mapping(pool_file: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another uid's process mapping the whole pool file until the block ends."""
+    if shutil.which("setpriv") is None or not VLLM_PYTHON.exists():
+        pytest.skip("setpriv or the venv's python is missing")
+    proc = subprocess.Popen(
+        ["setpriv", "--reuid=1000", "--regid=0", "--clear-groups", "--"]
+        + [str(VLLM_PYTHON), "-c", MAPPER, str(pool_file)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("mapped"), f"{line!r} {proc.stderr.read() if proc.stderr else ''}"
+        yield proc
+    finally:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def used_bytes(point: Path) -> int:
+    """What `df` shows as used on the tmpfs."""
+    st = os.statvfs(point)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return resp.read().decode()
+
+
+def serves_a_pool(sock: Path) -> bool:
+    with Client(f"unix:{sock}", timeout=1) as client:
+        try:
+            stats = client.stats()
+        except grpc.RpcError:
+            return False
+    return bool(stats.pool_bytes) and not stats.degraded_reason
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigkilled_sidecar_restarts_serving_while_vllm_maps_the_pool(small_tmpfs: Path) -> None:
+    pool_file = small_tmpfs / "pool-0.shm"
     with socket_dir() as run:
         sock, log = run / "pool.sock", run / "sidecar.log"
         proc = start(small_tmpfs, sock, log)
         try:
-            for restart in range(4):  # the first start, then 3 restarts in a row
-                began = time.monotonic()
-                wait_serving(f"unix:{sock}", 10, alive=lambda p=proc: p.poll() is None)
-                if restart:
-                    assert time.monotonic() - began < 5, f"restart {restart} took too long"
-                with Client(f"unix:{sock}") as client:
-                    wait_ready(client)  # every page of the pool is now taken from the tmpfs
-                    client.register()
-                    assert client.lookup(b"\0" * 32) == [0]
-                assert (small_tmpfs / "pool-0.shm").stat().st_blocks * 512 >= POOL_MIB << 20
-                proc.send_signal(signal.SIGKILL)
-                proc.wait(timeout=10)
-                assert sock.exists() and (small_tmpfs / "pool-0.shm").exists()  # left behind
-                proc = start(small_tmpfs, sock, log)
+            wait_serving(f"unix:{sock}", 10, alive=lambda: proc.poll() is None)
+            with Client(f"unix:{sock}") as client:
+                wait_ready(client)
+            inode = pool_file.stat().st_ino
+            with vllm_mapping(pool_file):
+                for restart in range(1, 4):
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait(timeout=10)
+                    assert sock.exists() and pool_file.exists()  # left behind
+                    began = time.monotonic()
+                    proc = start(small_tmpfs, sock, log)
+                    wait_serving(f"unix:{sock}", 10, alive=lambda p=proc: p.poll() is None)
+                    with Client(f"unix:{sock}") as client:
+                        stats = wait_ready(client)
+                        assert stats.degraded_reason == "", stats.degraded_reason
+                        client.register()
+                        assert client.lookup(keys(0)) == [0]  # contents are not trusted
+                    took = time.monotonic() - began
+                    assert took < 5, f"restart {restart} took {took:.1f}s"
+                    assert pool_file.stat().st_ino == inode, "the pool file was replaced"
+                    used = used_bytes(small_tmpfs)
+                    assert POOL_MIB * MiB <= used < (POOL_MIB + 1) * MiB, (restart, used)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- sidecar log ---\n{log.read_text()}") from None
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=15)
-        assert "removed the stale pool file" in log.read_text()
+            stop(proc)
+        assert log.read_text().count(REUSE_LINE) == 3
 
 
-def test_a_live_sidecars_pool_is_never_removed(small_tmpfs: Path) -> None:
+def test_stores_wait_out_the_quarantine_after_a_reused_pool_file(small_tmpfs: Path) -> None:
+    grace = 3.0
+    with socket_dir() as run:
+        sock, log = run / "pool.sock", run / "sidecar.log"
+        proc = start(small_tmpfs, sock, log, f"--detach-grace={grace:g}")
+        try:
+            wait_serving(f"unix:{sock}", 10, alive=lambda: proc.poll() is None)
+            with Client(f"unix:{sock}") as client:
+                wait_ready(client)
+                client.register()
+                assert list(client.reserve_store(keys(1)).decisions) == [NEW]  # a fresh file
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            began = time.monotonic()
+            proc = start(small_tmpfs, sock, log, f"--detach-grace={grace:g}")
+            wait_serving(f"unix:{sock}", 10, alive=lambda: proc.poll() is None)
+            with Client(f"unix:{sock}") as client:
+                wait_ready(client)
+                client.register()
+                held = client.reserve_store(keys(1, 2))
+                assert time.monotonic() - began < grace, "too slow to test the quarantine"
+                assert held.store_id == 0 and not held.slots
+                assert list(held.decisions) == [NO_SPACE, NO_SPACE]
+                while list((res := client.reserve_store(keys(1, 2))).decisions) != [NEW, NEW]:
+                    assert time.monotonic() - began < grace + 5, "stores never started"
+                    time.sleep(0.1)
+                assert res.store_id and time.monotonic() - began >= grace
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- sidecar log ---\n{log.read_text()}") from None
+        finally:
+            stop(proc)
+        text = log.read_text()
+    line = f"{REUSE_LINE}{small_tmpfs / 'pool-0.shm'}); stores start after {grace:g}s"
+    assert text.count(REUSE_LINE) == 1 and line in text, text
+
+
+def test_degraded_for_no_space_retries_and_serves_once_room_is_back(small_tmpfs: Path) -> None:
+    interval = 1.0
+    blocker = small_tmpfs / "blocker"
+    blocker.write_bytes(b"\1" * (8 * MiB))  # 12 MiB left: the 16 MiB pool does not fit
+    port = free_port()
+    with socket_dir() as run:
+        sock, log = run / "pool.sock", run / "sidecar.log"
+        proc = start(
+            small_tmpfs,
+            sock,
+            log,
+            f"--pool-retry-interval={interval:g}",
+            f"--metrics-listen=127.0.0.1:{port}",
+        )
+        try:
+            wait_serving(f"unix:{sock}", 10, alive=lambda: proc.poll() is None)
+            assert 'kvoffload_pool_degraded{reason="no_space"} 1.0' in metrics(port)
+            with Client(f"unix:{sock}") as client:
+                assert "does not fit" in client.stats().degraded_reason
+                with pytest.raises(grpc.RpcError) as refused:
+                    client.register()
+                assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            time.sleep(2 * interval)  # a few failed retries while the blocker is there
+            assert "pool built after" not in log.read_text()
+            blocker.unlink()
+            freed = time.monotonic()
+            deadline = freed + 2 * interval + 3  # two intervals and the restart of the servers
+            while time.monotonic() < deadline and not serves_a_pool(sock):
+                time.sleep(0.1)
+            took = time.monotonic() - freed
+            assert took < 2 * interval + 3, f"not serving {took:.1f}s after room came back"
+            wait_serving(f"unix:{sock}", 5)
+            with Client(f"unix:{sock}") as client:
+                assert client.register().namespace_id
+                assert client.stats().degraded_reason == ""
+            assert 'kvoffload_pool_degraded{reason=""} 0.0' in metrics(port)
+            assert proc.poll() is None
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- sidecar log ---\n{log.read_text()}") from None
+        finally:
+            stop(proc)
+        text = log.read_text()
+    assert text.count("kvoffload sidecar: degraded, serving without a pool: ") == 1, text
+    assert "; serving" in text and "pool built after " in text, text
+
+
+def test_a_live_sidecars_pool_is_never_touched(small_tmpfs: Path) -> None:
     with socket_dir() as run:
         sock, log = run / "pool.sock", run / "sidecar.log"
         first = start(small_tmpfs, sock, log)
         try:
             wait_serving(f"unix:{sock}", 10, alive=lambda: first.poll() is None)
             inode = os.stat(small_tmpfs / "pool-0.shm").st_ino
-            second = start(small_tmpfs, sock, log)
-            assert second.wait(timeout=30) == 2  # refused: another process serves the socket
+            argv = [
+                *kvoffload_command(),
+                "sidecar",
+                f"--pool-size={POOL_MIB}Mi",
+                f"--pool-dir={small_tmpfs}",
+                f"--socket={sock}",
+            ]
+            second = subprocess.run(argv, capture_output=True, timeout=30, check=False)
+            assert second.returncode == 2  # refused: another process serves the socket
             assert os.stat(small_tmpfs / "pool-0.shm").st_ino == inode
             wait_serving(f"unix:{sock}", 2)
+            with Client(f"unix:{sock}") as client:
+                assert client.stats().degraded_reason == ""
         finally:
             first.send_signal(signal.SIGTERM)
             assert first.wait(timeout=15) == 0, log.read_text()
