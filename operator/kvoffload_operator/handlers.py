@@ -4,7 +4,9 @@
 - ``mutate-pods``: the admission webhook (`admission.admit_pod`, the CLI's code path);
 - reconcile on create/update/resume: rollouts (template hash) + status;
 - timer: status refresh (matched/injected/skipped pods, sidecar readiness, ``Degraded``) and a
-  Warning Event on each injected pod whose kvoffload container fails, once per pod and reason.
+  Warning Event on each degraded injected pod, once per pod and reason: a failing kvoffload
+  container, or what its sidecar answers over ``Stats`` on the pod's port 9400 (a pool it cannot
+  build, a disabled connector; `sidecar_stats`, bounded by ``--sidecar-stats-timeout``).
 No delete handler: deleting a policy leaves running pods alone; the index drops it as
 soon as the policy is marked for deletion (not when its finalizer is released), so injection
 stops at once. (The timer makes kopf hold a finalizer while the operator runs: uninstall
@@ -33,10 +35,13 @@ from kvoffload_operator.policy import (
     policy_from_resource,
 )
 from kvoffload_operator.settings import OperatorConfig, configure
+from kvoffload_operator.sidecar_reports import SidecarReport
+from kvoffload_operator.sidecar_stats import GrpcStatsSource, probe_sidecars
 from kvoffload_operator.status import (
     ContainerProblem,
     build_status,
-    container_problems,
+    degraded_problems,
+    event_for,
     injected_pods,
     invalid_status,
 )
@@ -77,6 +82,8 @@ def _refresh_status(
     api = memo.api
     enabled = memo.config.injection_enabled(api.namespace_labels(policy.namespace))
     pods = api.list_pods(policy.namespace, policy.selector.to_query())
+    mine = injected_pods(policy, pods)
+    reports = _ask_sidecars(mine, memo)
     new = build_status(
         policy,
         pods,
@@ -84,13 +91,31 @@ def _refresh_status(
         namespace_enabled=enabled,
         now=_now(),
         previous=status,
+        reports=reports,
     )
     if {k: status.get(k) for k in new} != new:
-        patch.status.update(new)
-    _report_problems(container_problems(injected_pods(policy, pods)), memo)
+        patch.status.update(status_patch(status, new))
+    _report_problems(degraded_problems(mine, reports), memo)
 
 
-EVENT_REASON = "KVOffloadContainerFailing"
+def _ask_sidecars(mine: list[Mapping[str, Any]], memo: Any) -> list[SidecarReport]:
+    """The sidecars' Stats (``memo.stats_source`` in tests); none when turned off."""
+    timeout = memo.config.sidecar_stats_timeout
+    if timeout <= 0:
+        return []
+    source = memo.get("stats_source") or GrpcStatsSource()
+    return probe_sidecars(mine, source, timeout=timeout, budget=max(5 * timeout, timeout + 1))
+
+
+def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """``new`` as a merge patch over ``old``: keys gone from a map (``skipped``,
+    ``degradedReasons``) are sent as null, or the API server would keep them."""
+    out = dict(new)
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, dict) and isinstance(before, Mapping) and key != "conditions":
+            out[key] = {**{k: None for k in before if k not in value}, **value}
+    return out
 
 
 def _report_problems(problems: list[ContainerProblem], memo: Any) -> None:
@@ -100,18 +125,8 @@ def _report_problems(problems: list[ContainerProblem], memo: Any) -> None:
     for p in problems:
         if p.key in reported:
             continue
-        memo.api.post_pod_event(
-            p.namespace,
-            p.pod,
-            p.uid,
-            f"spec.initContainers{{{p.container}}}",
-            EVENT_REASON,
-            f"kvoffload container {p.container} is in {p.reason}"
-            + (f" ({p.message})" if p.message else "")
-            + "; the pod's vLLM container waits until it runs. Fix the image, or opt the pod out "
-            '(kvoffload.io/inject: "false") to serve without kvoffload.',
-            _now(),
-        )
+        reason, message = event_for(p)
+        memo.api.post_pod_event(p.namespace, p.pod, p.uid, p.field_path, reason, message, _now())
         reported.add(p.key)
 
 

@@ -74,6 +74,10 @@ class OperatorConfig:
     """Peering priority; 0 means a random one in [1, 10000) so replicas differ."""
     status_interval: float = 30.0
     """Seconds between policy status refreshes (matched/injected pods, sidecar readiness)."""
+    sidecar_stats_timeout: float = 2.0
+    """Deadline (s) of each ``Stats`` call the status refresh makes to a running injected pod's
+    sidecar (``podIP:9400``, 16 at a time, all within 5x this); 0 asks none. A sidecar that does
+    not answer counts in ``unreachableSidecars`` only (NetworkPolicies may block the operator)."""
     api_server: str | None = None
     """Plain API URL without credentials (tests against the kmock emulator); None: in-cluster
     service account or kubeconfig."""

@@ -2,10 +2,21 @@
 
 Conditions follow ``metav1.Condition``: ``lastTransitionTime`` changes only when ``status``
 changes. ``Ready``: the policy is valid and its namespace admits injection. ``Conflicting``:
-another policy wins some of the pods this one selects (see `selection`). ``Degraded``: some
-injected pods' kvoffload containers cannot run (image pull failure, crash loop); no pod spec can
-bypass a sidecar image that cannot be pulled (the kubelet starts no later container), so the
-status names those pods and why. ``skipped``: matched pods left alone, counted per skip reason.
+another policy wins some of the pods this one selects (see `selection`). ``skipped``: matched
+pods left alone, counted per skip reason.
+
+``Degraded``: some injected pods serve worse than they could, each for its most basic cause:
+1. a kvoffload container cannot run (image pull failure, crash loop; from the pod's status): no
+   pod spec can bypass a sidecar image that cannot be pulled, so vLLM waits;
+2. else the sidecar serves without a pool (``PoolUnavailable``: its ``Stats.degraded_reason``);
+3. else a vLLM connector turned itself off (``ConnectorDisabled``: a ``connector_status`` entry
+   with state ``disabled``); when the pool is unavailable the connectors are off *because* of
+   it, so 2 hides 3 for that pod.
+The condition's reason is the worst cause present (1 as ``ImagePullFailed``/``ContainerFailing``,
+then ``PoolUnavailable``, then ``ConnectorDisabled``); its message names up to 5 pods, worst
+first, each with its own cause. ``degradedPods`` counts those pods, ``degradedReasons`` counts
+the causes, ``unreachableSidecars`` the sidecars that did not answer ``Stats`` (never a cause of
+``Degraded``: a NetworkPolicy may keep the operator out).
 """
 
 from __future__ import annotations
@@ -20,14 +31,19 @@ from kvoffload_operator.inject.decide import SIDECAR_NAME
 from kvoffload_operator.inject.render import INSTALLER_NAME
 from kvoffload_operator.policy import Policy
 from kvoffload_operator.selection import select_policy
+from kvoffload_operator.sidecar_reports import SidecarReport
 
 Condition = dict[str, Any]
 # waiting reasons of our containers that keep the pod from starting or the sidecar from serving
 FAILING_REASONS = frozenset(
     {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CrashLoopBackOff"}
 )
+PULL_REASONS = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
 OUR_CONTAINERS = (SIDECAR_NAME, INSTALLER_NAME)
 MAX_NAMED_PODS = 5  # the condition's message names this many pods, then counts the rest
+MAX_CAUSE_CHARS = 160  # one pod's cause in the condition's message
+POOL_UNAVAILABLE = "PoolUnavailable"  # the sidecar serves without a pool
+CONNECTOR_DISABLED = "ConnectorDisabled"  # a vLLM connector serves without the pool
 
 
 @dataclass(frozen=True)
@@ -38,13 +54,30 @@ class ContainerProblem:
     namespace: str
     uid: str
     container: str
-    reason: str  # the kubelet's waiting reason, e.g. ImagePullBackOff
-    message: str  # the kubelet's message (e.g. the pull error), may be empty
+    reason: str  # the kubelet's waiting reason (ImagePullBackOff...), PoolUnavailable, ...
+    message: str  # the kubelet's message (e.g. the pull error) or the sidecar's reason
 
     @property
     def key(self) -> tuple[str, str, str]:
         """Identity for reporting once: the pod (uid), the container and the reason."""
         return (self.uid or f"{self.namespace}/{self.pod}", self.container, self.reason)
+
+    @property
+    def pod_key(self) -> str:
+        return self.uid or f"{self.namespace}/{self.pod}"
+
+    @property
+    def serving(self) -> bool:
+        """From the sidecar's Stats (the pod runs, without the pool), not the pod's status."""
+        return self.reason in (POOL_UNAVAILABLE, CONNECTOR_DISABLED)
+
+    @property
+    def field_path(self) -> str:
+        """The Event's ``involvedObject.fieldPath``: our init container or the vLLM container."""
+        if not self.container:
+            return ""
+        kind = "initContainers" if self.container in OUR_CONTAINERS else "containers"
+        return f"spec.{kind}{{{self.container}}}"
 
 
 def container_problems(pods: Sequence[Mapping[str, Any]]) -> list[ContainerProblem]:
@@ -85,21 +118,129 @@ def injected_pods(policy: Policy, pods: Sequence[Mapping[str, Any]]) -> list[Map
     return [p for p in pods if _active(p) and injected_by(p) == policy.name]
 
 
+def serving_problems(reports: Sequence[SidecarReport]) -> list[ContainerProblem]:
+    """Pods whose sidecar answered that they serve without the pool: one problem per pod, the
+    pool's reason first (the connectors are off because of it), else the disabled connectors."""
+    out = []
+    for r in reports:
+        if not r.reachable:
+            continue
+        if r.degraded_reason:
+            out.append(
+                ContainerProblem(
+                    r.pod, r.namespace, r.uid, SIDECAR_NAME, POOL_UNAVAILABLE, r.degraded_reason
+                )
+            )
+        elif disabled := r.disabled_connectors:
+            causes = sorted({c.describe() for c in disabled})
+            out.append(
+                ContainerProblem(
+                    r.pod,
+                    r.namespace,
+                    r.uid,
+                    r.vllm_container,
+                    CONNECTOR_DISABLED,
+                    "; ".join(causes[:3])
+                    + (f" (+{len(causes) - 3} more)" if len(causes) > 3 else ""),
+                )
+            )
+    return out
+
+
+def _severity(problem: ContainerProblem) -> int:
+    return {POOL_UNAVAILABLE: 1, CONNECTOR_DISABLED: 2}.get(problem.reason, 0)
+
+
+def degraded_problems(
+    mine: Sequence[Mapping[str, Any]], reports: Sequence[SidecarReport] = ()
+) -> list[ContainerProblem]:
+    """Every cause of ``Degraded`` among the injected pods ``mine``, worst first (see the module
+    doc): a pod with a failing container gets no Stats-derived problem."""
+    failing = container_problems(mine)
+    blocked = {p.pod_key for p in failing}
+    live = {(p.get("metadata") or {}).get("uid") or "" for p in mine}
+    names = {
+        f"{(p.get('metadata') or {}).get('namespace', '')}/{(p.get('metadata') or {}).get('name')}"
+        for p in mine
+    }
+    served = [
+        p
+        for p in serving_problems(reports)
+        if p.pod_key not in blocked and (p.uid in live or f"{p.namespace}/{p.pod}" in names)
+    ]
+    return sorted([*failing, *served], key=_severity)  # stable: pod order kept within a cause
+
+
+def degraded_counts(problems: Sequence[ContainerProblem]) -> tuple[int, dict[str, int]]:
+    """(pods with any problem, problems per reason)."""
+    reasons: dict[str, int] = {}
+    for p in problems:
+        reasons[p.reason] = reasons.get(p.reason, 0) + 1
+    return len({p.pod_key for p in problems}), dict(sorted(reasons.items()))
+
+
+def _named(problem: ContainerProblem) -> str:
+    if not problem.serving:
+        return f"{problem.pod} ({problem.container}: {problem.reason})"
+    cause = problem.message
+    if len(cause) > MAX_CAUSE_CHARS:
+        cause = cause[: MAX_CAUSE_CHARS - 3] + "..."
+    return f"{problem.pod} ({problem.reason}: {cause})"
+
+
 def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
-    """(status, reason, message) of the ``Degraded`` condition."""
+    """(status, reason, message) of the ``Degraded`` condition; ``problems`` worst first."""
     if not problems:
-        return "False", "SidecarsRunning", "no injected pod has a failing kvoffload container"
-    named = [f"{p.pod} ({p.container}: {p.reason})" for p in problems[:MAX_NAMED_PODS]]
+        return (
+            "False",
+            "SidecarsRunning",
+            "no injected pod has a failing kvoffload container, a sidecar without its pool "
+            "or a disabled connector",
+        )
+    named = [_named(p) for p in problems[:MAX_NAMED_PODS]]
     more = len(problems) - len(named)
-    reasons = sorted({p.reason for p in problems})
+    containers = {p.reason for p in problems if not p.serving}
+    if containers:
+        reason = "ImagePullFailed" if containers <= PULL_REASONS else "ContainerFailing"
+    else:
+        reason = problems[0].reason  # PoolUnavailable before ConnectorDisabled
+    head = {
+        "ImagePullFailed": "cannot run a kvoffload container",
+        "ContainerFailing": "cannot run a kvoffload container",
+        POOL_UNAVAILABLE: "serve without the kvoffload pool",
+        CONNECTOR_DISABLED: "serve without the kvoffload pool",
+    }[reason]
+    pods = len({p.pod_key for p in problems})
     return (
         "True",
-        "ImagePullFailed"
-        if set(reasons) <= {"ImagePullBackOff", "ErrImagePull", "InvalidImageName"}
-        else "ContainerFailing",
-        f"{len(problems)} injected pod(s) cannot run a kvoffload container: "
+        reason,
+        f"{pods} injected pod(s) {head}: "
         + ", ".join(named)
         + (f" and {more} more" if more else ""),
+    )
+
+
+def event_for(problem: ContainerProblem) -> tuple[str, str]:
+    """(reason, message) of the one Warning Event posted on the pod for ``problem``."""
+    if problem.reason == POOL_UNAVAILABLE:
+        return (
+            "KVOffloadPoolUnavailable",
+            f"kvoffload sidecar serves without a pool: {problem.message}; vLLM serves without "
+            "the KV offload tier. Fix the policy's pool settings (size, numaNode, hugepages) or "
+            "the node.",
+        )
+    if problem.reason == CONNECTOR_DISABLED:
+        return (
+            "KVOffloadConnectorDisabled",
+            f"kvoffload connector disabled in vLLM: {problem.message}; vLLM serves without the "
+            "pool (tokens unchanged).",
+        )
+    return (
+        "KVOffloadContainerFailing",
+        f"kvoffload container {problem.container} is in {problem.reason}"
+        + (f" ({problem.message})" if problem.message else "")
+        + "; the pod's vLLM container waits until it runs. Fix the image, or opt the pod out "
+        '(kvoffload.io/inject: "false") to serve without kvoffload.',
     )
 
 
@@ -158,8 +299,10 @@ def build_status(
     namespace_enabled: bool,
     now: str,
     previous: Mapping[str, Any] | None = None,
+    reports: Sequence[SidecarReport] = (),
 ) -> dict[str, Any]:
-    """The ``status`` of ``policy`` given the pods of its namespace (any; filtered here)."""
+    """The ``status`` of ``policy`` given the pods of its namespace (any; filtered here) and
+    what their sidecars said over Stats (``reports``; none when not asked)."""
     matched = [
         p
         for p in pods
@@ -220,15 +363,18 @@ def build_status(
             gen,
             now,
         )
-    conditions = set_condition(
-        conditions, "Degraded", *_degraded(container_problems(mine)), gen, now
-    )
+    problems = degraded_problems(mine, reports)
+    conditions = set_condition(conditions, "Degraded", *_degraded(problems), gen, now)
+    degraded_pods, degraded_reasons = degraded_counts(problems)
     return {
         "observedGeneration": gen,
         "skipped": skipped_counts(matched),
         "matchedPods": len(matched),
         "injectedPods": len(mine),
         "readySidecars": sum(1 for p in mine if sidecar_ready(p)),
+        "degradedPods": degraded_pods,
+        "degradedReasons": degraded_reasons,
+        "unreachableSidecars": sum(1 for r in reports if not r.reachable),
         "policyHash": policy.spec_hash,
         "conditions": conditions,
     }

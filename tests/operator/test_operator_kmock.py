@@ -19,9 +19,11 @@ from tests.operator.harness import (
     POLICIES,
     decoded_patch,
     eventually,
+    free_port,
     put,
     running_operator,
 )
+from tests.sidecar.procs import sidecar_process, socket_dir
 
 pytestmark = pytest.mark.process
 
@@ -296,3 +298,126 @@ async def test_failing_sidecars_degrade_the_policy_and_get_one_event(
         await eventually(
             lambda: condition(status_of(kmock, "cache"), "Degraded").get("status") == "False"
         )
+
+
+def served_pod(name: str, port: int) -> dict[str, Any]:
+    """An injected, running pod whose sidecar answers Stats on 127.0.0.1:<port> (a real sidecar
+    process of the test: the pod's IP and its declared grpc-health port point there)."""
+    body = pod(name, {"app": "vllm"}, injected_by="cache", sidecar_ready=True)
+    body["metadata"]["uid"] = f"uid-{name}"
+    body["metadata"]["annotations"][ann.STATUS] = json.dumps(
+        {"policy": "cache", "vllmContainer": "vllm"}
+    )
+    body["status"]["podIP"] = "127.0.0.1"
+    body["spec"]["initContainers"] = [
+        {
+            "name": SIDECAR_NAME,
+            "image": "kvoffload:1",
+            "restartPolicy": "Always",
+            "ports": [{"name": "grpc-health", "containerPort": port, "protocol": "TCP"}],
+        }
+    ]
+    return body
+
+
+def degraded_status(kmock: Any, expected: str) -> Any:
+    status = status_of(kmock, "cache")
+    return condition(status, "Degraded").get("status") == expected and status
+
+
+async def test_a_sidecar_without_its_pool_degrades_the_policy_until_the_pod_goes(
+    kmock: Any, tmp_path: Path
+) -> None:
+    """A real sidecar that cannot build its pool (NUMA node 999, --on-pool-error degrade) answers
+    Stats with its reason: Degraded=True PoolUnavailable, one Event; the pod goes: it clears."""
+    port = free_port()
+    put(kmock, POLICIES, policy("cache"))
+    put(kmock, PODS, served_pod("nopool", port))
+    put(kmock, PODS, served_pod("dark", free_port()))  # nothing listens: unreachable, no cause
+    with (
+        socket_dir() as sock_dir,
+        sidecar_process(
+            tmp_path,
+            sock_dir,
+            "--on-pool-error=degrade",
+            "--numa-node=999",
+            f"--listen=127.0.0.1:{port}",
+            ready_timeout=20,
+        ),
+    ):
+        async with running_operator(
+            kmock, tmp_path, webhook_port=0, status_interval=0.3, **NO_LABEL_CHECK
+        ) as op:
+            status = await eventually(lambda: degraded_status(kmock, "True"))
+            degraded = condition(status, "Degraded")
+            assert degraded["reason"] == "PoolUnavailable"
+            assert degraded["message"].startswith(
+                "1 injected pod(s) serve without the kvoffload pool: nopool (PoolUnavailable: "
+            )
+            assert "999" in degraded["message"] and "dark" not in degraded["message"]
+            assert status["degradedPods"] == 1
+            assert status["degradedReasons"] == {"PoolUnavailable": 1}
+            assert status["unreachableSidecars"] == 1
+            (event,) = await eventually(lambda: events(kmock))
+            assert event["reason"] == "KVOffloadPoolUnavailable" and event["type"] == "Warning"
+            assert event["involvedObject"]["name"] == "nopool"
+            assert event["involvedObject"]["fieldPath"] == "spec.initContainers{kvoffload-sidecar}"
+            assert "serves without a pool" in event["message"] and "999" in event["message"]
+            await asyncio.sleep(1.0)  # several timer rounds: still one event
+            assert len(events(kmock)) == 1
+
+            await asyncio.to_thread(
+                client.CoreV1Api(op.api.api).delete_namespaced_pod,
+                "nopool",
+                NS,
+                _request_timeout=(5, 10),
+                _preload_content=False,  # the stored pod is no full Pod model (no images)
+            )
+            status = await eventually(lambda: degraded_status(kmock, "False"))
+            assert (status["degradedPods"], status["degradedReasons"]) == (0, {})
+
+
+async def test_a_disabled_connector_degrades_the_policy_until_it_is_active(
+    kmock: Any, tmp_path: Path
+) -> None:
+    """A healthy sidecar relays the connector's status file (state disabled): Degraded=True
+    ConnectorDisabled and one Event on the vLLM container; the connector turns active: cleared."""
+    port = free_port()
+    put(kmock, POLICIES, policy("cache"))
+    put(kmock, PODS, served_pod("mamba", port))
+    with (
+        socket_dir() as sock_dir,
+        sidecar_process(tmp_path, sock_dir, f"--listen=127.0.0.1:{port}", ready_timeout=20),
+    ):
+        status_file = sock_dir / "connector-status-scheduler-0.json"
+        entry = {
+            "state": "disabled",
+            "reason": "unsupported model: SSM/Mamba layers",
+            "role": "scheduler",
+            "rank": 0,
+            "vllm_version": "0.32.0",
+            "pid": 1,
+            "time": "2026-01-01T00:00:00Z",
+        }
+        status_file.write_text(json.dumps(entry))
+        async with running_operator(
+            kmock, tmp_path, webhook_port=0, status_interval=0.3, **NO_LABEL_CHECK
+        ):
+            status = await eventually(lambda: degraded_status(kmock, "True"))
+            degraded = condition(status, "Degraded")
+            assert degraded["reason"] == "ConnectorDisabled"
+            assert (
+                "mamba (ConnectorDisabled: scheduler rank 0: unsupported model: SSM/Mamba"
+                in (degraded["message"])
+            )
+            assert status["degradedReasons"] == {"ConnectorDisabled": 1}
+            assert status["unreachableSidecars"] == 0
+            (event,) = await eventually(lambda: events(kmock))
+            assert event["reason"] == "KVOffloadConnectorDisabled"
+            assert event["involvedObject"]["fieldPath"] == "spec.containers{vllm}"
+            assert "SSM/Mamba" in event["message"]
+
+            status_file.write_text(json.dumps({**entry, "state": "active", "reason": ""}))
+            status = await eventually(lambda: degraded_status(kmock, "False"))
+            assert (status["degradedPods"], status["degradedReasons"]) == (0, {})
+            assert len(events(kmock)) == 1
