@@ -1,0 +1,502 @@
+"""Run a (kvoffload-injected) pod the way the kubelet would, as real processes on this box.
+
+Why: the injection is only right if the pod it produces starts and serves as the same pod without
+kvoffload does: real uids, real size-limited emptyDirs, the real startup-probe gate, the real
+vLLM entrypoint. The harness reads whatever the manifest says; it knows no injection details.
+
+- **Pod sandbox**: a "pause" process `unshare --mount --net --propagation private sleep infinity`;
+  every mount and container process enters it (`nsenter -t PAUSE -m -n`). Each pod thus gets its
+  own `/kvoffload/...` paths, its own `/tmp` (a tmpfs) and its own loopback network (ports as the
+  manifest says, no clashes with other tests). All containers of a pod share this one mount
+  namespace: each emptyDir is mounted once, at its mountPath, which must agree between the
+  containers that mount it (checked); `readOnly` and `subPath` are not emulated.
+- **Volumes**: every `emptyDir` is a real tmpfs, `size=<sizeLimit>` (default 1Gi), `mode=0777`.
+  Other volume kinds (PVCs, Secrets) are ignored. Mount points missing on the host are created
+  and removed at stop.
+- **Checkout reachability**: the images live in this checkout. When an ancestor of the checkout
+  is not traversable by other uids (e.g. /root, mode 700), the pod's namespace gets a 0755 tmpfs
+  over that ancestor with the checkout bind-mounted back at its own path.
+- **Images** (`pod_images.py`): `kvoffload` images run from `.venv`; the connector image's
+  `/payload` is bind-mounted at `/payload`; any other image is a stock vLLM (a venv without
+  kvoffload) whose ENTRYPOINT is `vllm serve`.
+- **Containers**: init containers in order; a native sidecar (`restartPolicy: Always`) starts and
+  its startupProbe (exec; grpc as a health check over the pod's loopback) is polled like the
+  kubelet does (periodSeconds, timeoutSeconds, failureThreshold; a failed probe restarts it, as
+  the kubelet would) before the next container starts. Each runs via `setpriv --reuid --regid
+  --clear-groups` as its securityContext.runAsUser (pod's, else the image's USER: 65532 for
+  kvoffload images, 1000 for vLLM), group runAsGroup (else the uid; `# harness-uid: U:G` in the
+  manifest overrides, e.g. OpenShift's arbitrary uid with gid 0), env only from the manifest
+  (literal values) plus PATH and HOME=/tmp when unset.
+- **vLLM container**: its argv translated by `pod_translate.py`; env adds
+  `VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_CPU_OMP_THREADS_BIND=nobind` (no pinning on a shared box),
+  `OMP_NUM_THREADS=1`, `VLLM_SERVER_DEV_MODE=1` (for `/reset_prefix_cache`),
+  `VLLM_RPC_BASE_PATH=/tmp`.
+- **Stop**: SIGTERM to each process group, SIGKILL after a deadline, then the pause process (the
+  namespace and its mounts go with it), then the mount points the harness created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pod_images as images
+import pod_translate as translate
+
+KVOFFLOAD_IMAGE_USER = 65532
+VLLM_IMAGE_USER = 1000
+UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def quantity(q: str | int) -> int:
+    s = str(q)
+    for suffix, mult in UNITS.items():
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * mult)
+    return int(float(s))
+
+
+def pod_spec(doc: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metadata, spec) of the pod a manifest makes (a Pod, or a workload's pod template)."""
+    if doc["kind"] == "Pod":
+        return doc["metadata"], doc["spec"]
+    if doc["kind"] == "LeaderWorkerSet":
+        tpl = doc["spec"]["leaderWorkerTemplate"]
+        tpl = tpl.get("leaderTemplate") or tpl["workerTemplate"]
+        return tpl.get("metadata") or {}, tpl["spec"]
+    tpl = doc["spec"]["template"]
+    return tpl.get("metadata") or {}, tpl["spec"]
+
+
+def can_run_pods() -> str | None:
+    """None when this box can run pods, else why not (for a clean skip)."""
+    if os.geteuid() != 0:
+        return "the pod harness needs root (mounts, namespaces, setpriv)"
+    probe = subprocess.run(
+        ["unshare", "--mount", "--net", "--propagation", "private", "--", "sh", "-c",
+         "mount -t tmpfs -o size=1m tmpfs /mnt && umount /mnt"],
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    if probe.returncode:
+        return f"unshare/mount not permitted here: {probe.stderr.strip()}"
+    return None
+
+
+@dataclass
+class Proc:
+    """One running container process and its log."""
+
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    restarts: int = 0
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+@dataclass
+class Pod:
+    """A pod sandbox: see the module doc. Use `with Pod(doc, workdir) as pod: pod.start()`."""
+
+    doc: dict[str, Any]
+    workdir: Path
+    uid_override: tuple[int, int] | None = None
+    start_sidecars: bool = True
+    procs: dict[str, Proc] = field(default_factory=dict)
+    _pause: subprocess.Popen[bytes] | None = None
+    _created: list[Path] = field(default_factory=list)
+    _keep_restarting: set[str] = field(default_factory=set)
+    _watch: threading.Thread | None = None
+    _stopping: bool = False
+
+    def __post_init__(self) -> None:
+        self.meta, self.spec = pod_spec(self.doc)
+        self.images = images.build()
+
+    # -- sandbox ---------------------------------------------------------------------------
+    def __enter__(self) -> Pod:
+        self._pause = subprocess.Popen(
+            ["unshare", "--mount", "--net", "--propagation", "private", "sleep", "infinity"],
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 10
+        own = os.readlink("/proc/self/ns/mnt")
+        while os.readlink(f"/proc/{self._pause.pid}/ns/mnt") == own:
+            if time.monotonic() > deadline:
+                raise RuntimeError("pause process never entered its namespace")
+            time.sleep(0.01)
+        self.ns(["ip", "link", "set", "lo", "up"])
+        self._reach_checkout()
+        self.ns(["mount", "-t", "tmpfs", "-o", "size=1g,mode=1777", "tmpfs", "/tmp"])
+        self._mount_volumes()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def nsenter(self) -> list[str]:
+        assert self._pause is not None
+        return ["nsenter", "-t", str(self._pause.pid), "-m", "-n", "--"]
+
+    def ns(self, argv: Sequence[str], check: bool = True, timeout: float = 30) -> str:
+        """Run a command as root inside the pod's namespaces; its stdout."""
+        r = subprocess.run(
+            [*self.nsenter(), *argv], capture_output=True, text=True, timeout=timeout
+        )
+        if check and r.returncode:
+            raise RuntimeError(f"{shlex.join(argv)} in pod: rc {r.returncode}: {r.stderr}")
+        return r.stdout
+
+    def _mkdir(self, path: str) -> None:
+        missing = [p for p in (Path(path), *Path(path).parents) if not p.exists()]
+        for p in reversed(missing):
+            self._created.append(p)
+        self.ns(["mkdir", "-p", path])
+
+    def _reach_checkout(self) -> None:
+        root = images.ROOT
+        blocked = [p for p in reversed(root.parents) if not os.stat(p).st_mode & 0o001]
+        if not blocked and os.stat(root).st_mode & 0o001:
+            return
+        top = blocked[0] if blocked else root
+        stage = tempfile.mkdtemp(prefix="kvo-pod-stage-")
+        self._created.append(Path(stage))
+        self.ns(["mount", "--bind", str(root), stage])
+        self.ns(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(top)])
+        self.ns(["mkdir", "-p", str(root)])
+        self.ns(["mount", "--move", stage, str(root)])
+        self.ns(["chmod", "0755", str(root)])
+
+    def _containers(self) -> list[dict[str, Any]]:
+        return list(self.spec.get("initContainers") or []) + list(self.spec["containers"])
+
+    def _mount_volumes(self) -> None:
+        empty = {v["name"]: v["emptyDir"] or {} for v in self.spec.get("volumes") or []
+                 if "emptyDir" in v}  # fmt: skip
+        at: dict[str, str] = {}
+        for c in self._containers():
+            for m in c.get("volumeMounts") or []:
+                if m["name"] in empty:
+                    prev = at.setdefault(m["name"], m["mountPath"])
+                    if prev != m["mountPath"]:
+                        raise ValueError(
+                            f"volume {m['name']} mounted at {prev} and {m['mountPath']}: "
+                            "this harness shares one mount namespace per pod"
+                        )
+        for name, path in at.items():
+            size = quantity(empty[name].get("sizeLimit", "1Gi"))
+            self._mkdir(path)
+            self.ns(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0777", "tmpfs", path])
+        if any(self._image_kind(c) == "payload" for c in self._containers()):
+            self._mkdir("/payload")
+            self.ns(["mount", "--bind", "-o", "ro", str(self.images.payload), "/payload"])
+
+    # -- containers ------------------------------------------------------------------------
+    @staticmethod
+    def _image_kind(c: Mapping[str, Any]) -> str:
+        image = c.get("image", "")
+        if "kvoffload-connector" in image:
+            return "payload"
+        if "kvoffload" in image:
+            return "kvoffload"
+        return "vllm"
+
+    def _ids(self, c: Mapping[str, Any]) -> tuple[int, int]:
+        kind = self._image_kind(c)
+        if kind == "vllm" and self.uid_override:
+            return self.uid_override
+        sc = {**(self.spec.get("securityContext") or {}), **(c.get("securityContext") or {})}
+        default = VLLM_IMAGE_USER if kind == "vllm" else KVOFFLOAD_IMAGE_USER
+        uid = int(sc.get("runAsUser", default))
+        return uid, int(sc.get("runAsGroup", uid))
+
+    def _env(self, c: Mapping[str, Any]) -> dict[str, str]:
+        kind = self._image_kind(c)
+        bin_dir = self.images.vllm_bin if kind == "vllm" else self.images.sidecar_bin
+        env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"}
+        env.update({e["name"]: str(e["value"]) for e in c.get("env") or [] if "value" in e})
+        if kind == "vllm":
+            env.update(
+                VLLM_CPU_KVCACHE_SPACE="1",
+                VLLM_CPU_OMP_THREADS_BIND="nobind",
+                OMP_NUM_THREADS="1",
+                VLLM_SERVER_DEV_MODE="1",
+                VLLM_RPC_BASE_PATH="/tmp",
+            )
+        return env
+
+    def argv_of(self, c: Mapping[str, Any]) -> list[str]:
+        if self._image_kind(c) == "vllm":
+            return translate.translate(c)
+        return translate.kubelet_argv(c)
+
+    def _wrap(self, c: Mapping[str, Any], argv: Sequence[str]) -> list[str]:
+        uid, gid = self._ids(c)
+        env = [f"{k}={v}" for k, v in self._env(c).items()]
+        return [
+            *self.nsenter(),
+            "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--",
+            "env", "-i", *env, *argv,
+        ]  # fmt: skip
+
+    def spawn(self, c: Mapping[str, Any]) -> Proc:
+        name = c["name"]
+        old = self.procs.get(name)
+        log = self.workdir / f"{name}.log"
+        out: BinaryIO = open(log, "ab")  # noqa: SIM115 (the child owns it)
+        out.write(f"--- start {time.strftime('%T')} {shlex.join(self.argv_of(c))}\n".encode())
+        out.flush()
+        popen = subprocess.Popen(
+            self._wrap(c, self.argv_of(c)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd="/",
+            start_new_session=True,
+        )
+        out.close()
+        proc = Proc(name, popen, log, restarts=(old.restarts + 1) if old else 0)
+        self.procs[name] = proc
+        return proc
+
+    def probe_once(self, c: Mapping[str, Any], probe: Mapping[str, Any]) -> bool:
+        timeout = float(probe.get("timeoutSeconds", 1))
+        if "exec" in probe:
+            try:
+                r = subprocess.run(
+                    self._wrap(c, probe["exec"]["command"]),
+                    capture_output=True,
+                    timeout=timeout,
+                )
+            except subprocess.TimeoutExpired:
+                return False
+            return r.returncode == 0
+        if "grpc" in probe:
+            port = probe["grpc"]["port"]
+            code = (
+                "import grpc,sys;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;"
+                f"ch=grpc.insecure_channel('127.0.0.1:{port}');"
+                f"r=g.HealthStub(ch).Check(h.HealthCheckRequest(),timeout={timeout});"
+                "sys.exit(0 if r.status==h.HealthCheckResponse.SERVING else 1)"
+            )
+            r = subprocess.run(
+                [*self.nsenter(), str(images.VENV / "bin" / "python"), "-c", code],
+                capture_output=True,
+                timeout=timeout + 10,
+            )
+            return r.returncode == 0
+        raise ValueError(f"probe kind not emulated: {sorted(probe)}")
+
+    def start_sidecar(self, c: Mapping[str, Any]) -> Proc:
+        """Start a native sidecar and gate on its startupProbe like the kubelet (a probe that
+        fails `failureThreshold` times restarts the container and gates again)."""
+        proc = self.spawn(c)
+        probe = c.get("startupProbe")
+        if not probe:
+            return proc
+        period = float(probe.get("periodSeconds", 10))
+        time.sleep(float(probe.get("initialDelaySeconds", 0)))
+        for _ in range(int(probe.get("failureThreshold", 3))):
+            if self.probe_once(c, probe):
+                return proc
+            time.sleep(period)
+        raise RuntimeError(f"startupProbe of {c['name']} never passed:\n{proc.text()[-3000:]}")
+
+    def run_init(self, c: Mapping[str, Any], timeout: float = 120) -> None:
+        proc = self.spawn(c)
+        rc = proc.popen.wait(timeout=timeout)
+        if rc:
+            raise RuntimeError(f"init container {c['name']} exited {rc}:\n{proc.text()}")
+
+    def start(self) -> Proc:
+        """Init containers in order (native sidecars gated on their startupProbe), then the
+        main containers; returns the (first) vLLM container's process."""
+        for c in self.spec.get("initContainers") or []:
+            if c.get("restartPolicy") == "Always":
+                if self.start_sidecars:
+                    self.start_sidecar(c)
+            else:
+                self.run_init(c)
+        main = [self.spawn(c) for c in self.spec["containers"]]
+        return next(p for p, c in zip(main, self.spec["containers"], strict=True)
+                    if self._image_kind(c) == "vllm")  # fmt: skip
+
+    def sidecar(self) -> dict[str, Any]:
+        inits = self.spec.get("initContainers") or []
+        return next(
+            c for c in inits if c.get("restartPolicy") == "Always" and "kvoffload" in c["image"]
+        )
+
+    def vllm_container(self) -> dict[str, Any]:
+        return next(c for c in self.spec["containers"] if self._image_kind(c) == "vllm")
+
+    def restart_always(self, name: str, backoff: float = 1.0) -> None:
+        """Emulate restartPolicy Always for container `name`: restart it whenever it exits."""
+        self._keep_restarting.add(name)
+        if self._watch is None:
+            self._watch = threading.Thread(target=self._watcher, args=(backoff,), daemon=True)
+            self._watch.start()
+
+    def _watcher(self, backoff: float) -> None:
+        by_name = {c["name"]: c for c in self._containers()}
+        while not self._stopping:
+            for name in list(self._keep_restarting):
+                p = self.procs.get(name)
+                if p is not None and not p.alive() and not self._stopping:
+                    time.sleep(backoff)
+                    if not self._stopping:
+                        self.spawn(by_name[name])
+            time.sleep(0.1)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.popen.pid, sig)
+        if sig == signal.SIGKILL:
+            p.popen.wait(timeout=10)
+
+    def stop(self, term_s: float = 20) -> None:
+        self._stopping = True
+        if self._watch is not None:
+            self._watch.join(timeout=5)
+        for p in self.procs.values():
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+        end = time.monotonic() + term_s
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.popen.wait(timeout=max(0.1, end - time.monotonic()))
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, signal.SIGKILL)  # stragglers of the group too
+            p.popen.wait(timeout=10)
+        if self._pause is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._pause.pid, signal.SIGKILL)
+            self._pause.wait(timeout=10)
+            self._pause = None
+        for p in reversed(self._created):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        self._created.clear()
+
+    # -- serving ---------------------------------------------------------------------------
+    def curl(
+        self, method: str, path: str, body: Any = None, timeout: float = 60
+    ) -> tuple[int, str]:
+        """An HTTP request to the vLLM container over the pod's loopback."""
+        argv = ["curl", "-s", "-m", str(timeout), "-X", method, "-w", "\n%{http_code}"]
+        if body is not None:
+            argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+        r = subprocess.run(
+            [*self.nsenter(), *argv, f"http://127.0.0.1:{translate.PORT}{path}"],
+            capture_output=True,
+            text=True,
+            timeout=timeout + 10,
+        )
+        text, _, code = r.stdout.rpartition("\n")
+        return int(code or 0), text
+
+    def wait_serving(self, engine: Proc, timeout: float = 300) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if not engine.alive():
+                raise RuntimeError(
+                    f"vLLM exited {engine.popen.returncode}:\n{engine.text()[-6000:]}"
+                )
+            if self.curl("GET", "/health", timeout=2)[0] == 200:
+                return
+            time.sleep(1)
+        raise TimeoutError(f"vLLM not serving after {timeout} s:\n{engine.text()[-6000:]}")
+
+    def model_name(self) -> str:
+        code, text = self.curl("GET", "/v1/models")
+        assert code == 200, text
+        return str(json.loads(text)["data"][0]["id"])
+
+    def complete(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy completions of token-id prompts; the generated token ids."""
+        model = self.model_name()
+        out = []
+        for p in prompts:
+            body = {
+                "model": model,
+                "prompt": list(p),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "return_token_ids": True,
+            }
+            code, text = self.curl("POST", "/v1/completions", body)
+            assert code == 200, f"completion failed: {code} {text}"
+            out.append(list(json.loads(text)["choices"][0]["token_ids"]))
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        code, text = self.curl("POST", "/reset_prefix_cache")
+        assert code == 200, f"reset_prefix_cache: {code} {text}"
+
+    def pool_stats(self, socket: str) -> dict[str, Any] | None:
+        """`kvoffload stats --json` inside the pod (None when the sidecar does not answer)."""
+        r = subprocess.run(
+            [*self.nsenter(), str(images.VENV / "bin" / "kvoffload"), "stats", "--json",
+             "--socket", socket, "--timeout", "5"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )  # fmt: skip
+        return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
+
+
+def pool_hits(stats: Mapping[str, Any] | None) -> int:
+    return sum(int(ns.get("hit_blocks", 0)) for ns in (stats or {}).get("namespaces", []))
+
+
+def socket_of(sidecar: Mapping[str, Any]) -> str:
+    for a in [*(sidecar.get("command") or []), *(sidecar.get("args") or [])]:
+        if a.startswith("--socket="):
+            return a.split("=", 1)[1]
+    words = [*(sidecar.get("command") or []), *(sidecar.get("args") or [])]
+    return words[words.index("--socket") + 1]
+
+
+def pool_dir_of(sidecar: Mapping[str, Any]) -> str:
+    for a in sidecar.get("args") or []:
+        if a.startswith("--pool-dir="):
+            return a.split("=", 1)[1]
+    words = list(sidecar.get("args") or [])
+    return words[words.index("--pool-dir") + 1]
+
+
+def harness_uid(text: str) -> tuple[int, int] | None:
+    """`# harness-uid: U:G` in a manifest's header (OpenShift's arbitrary uid), else None."""
+    for line in text.splitlines():
+        if line.startswith("# harness-uid:"):
+            u, g = line.split(":", 1)[1].strip().split(":")
+            return int(u), int(g)
+    return None
+
+
+@contextlib.contextmanager
+def running(doc: dict[str, Any], workdir: Path, **kw: Any) -> Iterator[tuple[Pod, Proc]]:
+    """A started, serving pod; stopped (and cleaned) on exit."""
+    with Pod(doc, workdir, **kw) as pod:
+        engine = pod.start()
+        pod.wait_serving(engine)
+        yield pod, engine

@@ -1,0 +1,351 @@
+"""Realistic vLLM pods through `kvoffload inject` and the pod harness (issue 17).
+
+- every fixture's decision (the real CLI, as a subprocess) matches its `# expect:` line, and a
+  skipped pod is unchanged apart from the skip annotation;
+- every injected server pod serves with pool hits in round 2 and the tokens of the same pod
+  without kvoffload (baselines cached per translated engine argv: most fixtures share one);
+- pod-level faults on one injected fixture end with the engine serving and identical tokens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pod_harness as harness
+import pod_translate as translate
+import pytest
+import yaml
+
+HERE = Path(__file__).resolve().parent
+MANIFESTS = sorted((HERE / "manifests").glob("*.yaml"))
+POLICY = HERE / "policy.yaml"
+KVOFFLOAD = harness.images.VENV / "bin" / "kvoffload"
+SKIP_ANNOTATION = "kvoffload.io/skip-reason"
+FAULT_FIXTURE = HERE / "manifests" / "args-only-vllm-openai.yaml"
+MAX_TOKENS = 8
+PROMPT_LEN = 900  # > one chunk (4 blocks of 128 at CPU defaults) so every prompt stores one
+
+
+def prompts(seed: int, n: int = 2) -> list[list[int]]:
+    x = seed * 7919 + 17
+    out = []
+    for _ in range(n):
+        toks = []
+        for _ in range(PROMPT_LEN):
+            x = (x * 1103515245 + 12345) % (1 << 31)
+            toks.append(3 + x % 500)
+        out.append(toks)
+    return out
+
+
+PROMPT_SETS = {name: prompts(i) for i, name in enumerate(
+    ("round", "missing", "mid_store", "mid_load", "restarted", "socket", "truncated"))}  # fmt: skip
+
+
+def expectation(path: Path) -> tuple[str, str | None]:
+    for line in path.read_text().splitlines():
+        if line.startswith("# expect:"):
+            words = line.split(":", 1)[1].split()
+            return words[0], (words[1] if len(words) > 1 else None)
+    raise AssertionError(f"{path.name} has no '# expect:' line")
+
+
+def inject(path: Path) -> list[dict[str, Any]]:
+    r = subprocess.run(
+        [str(KVOFFLOAD), "inject", "-f", str(path), "--policy", str(POLICY)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, f"kvoffload inject {path.name}: rc {r.returncode}\n{r.stderr}"
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def is_server(doc: dict[str, Any]) -> bool:
+    _, spec = harness.pod_spec(doc)
+    c = next(c for c in spec["containers"] if harness.Pod._image_kind(c) == "vllm")
+    try:
+        translate.translate(c)
+    except ValueError:
+        return False
+    return True
+
+
+INJECTED = [p for p in MANIFESTS if expectation(p)[0] == "inject"]
+SERVERS = [p for p in INJECTED if is_server(load(p))]
+
+
+# -- decisions (fast) ---------------------------------------------------------------------------
+@pytest.mark.pod
+@pytest.mark.process
+def test_at_least_15_fixtures_with_sources() -> None:
+    assert len(MANIFESTS) >= 15
+    for p in MANIFESTS:
+        head = p.read_text().split("\napiVersion", 1)[0]
+        assert "# source: " in head and "http" in head, f"{p.name}: no source URL"
+
+
+@pytest.mark.pod
+@pytest.mark.process
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.stem)
+def test_decision(path: Path) -> None:
+    verdict, reason = expectation(path)
+    (out,) = inject(path)
+    original = load(path)
+    meta, _ = harness.pod_spec(out)
+    annotations = meta.get("annotations") or {}
+    if verdict == "inject":
+        assert (meta.get("labels") or {}).get("kvoffload.io/injected") == "true", annotations
+        assert SKIP_ANNOTATION not in annotations
+        return
+    assert annotations.get(SKIP_ANNOTATION) == reason, annotations
+    assert _without_skip_annotation(out) == original, "a skipped pod changed"
+
+
+def _without_skip_annotation(node: Any) -> Any:
+    """`node` without any `kvoffload.io/skip-reason` annotation (and annotations left empty)."""
+    if isinstance(node, list):
+        return [_without_skip_annotation(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if k == "annotations" and isinstance(v, dict) and SKIP_ANNOTATION in v:
+            v = {a: b for a, b in v.items() if a != SKIP_ANNOTATION}
+            if not v:
+                continue
+        v = _without_skip_annotation(v)
+        if k == "metadata" and v == {}:
+            continue  # created only to hold the skip annotation
+        out[k] = v
+    return out
+
+
+# -- running pods -------------------------------------------------------------------------------
+_NOT_RUNNABLE = harness.can_run_pods()
+needs_pods = pytest.mark.skipif(_NOT_RUNNABLE is not None, reason=str(_NOT_RUNNABLE))
+_BASELINES: dict[tuple[str, ...], dict[str, list[list[int]]]] = {}
+
+
+def engine_key(doc: dict[str, Any]) -> tuple[str, ...]:
+    """The translated engine flags without kvoffload's (entry form and TP 1 normalised)."""
+    _, spec = harness.pod_spec(doc)
+    c = next(c for c in spec["containers"] if harness.Pod._image_kind(c) == "vllm")
+    words = translate.without_kvoffload(translate.translate(c))
+    if words[0].rsplit("/", 1)[-1] in translate.SHELLS:
+        words = translate.shlex.split(words[-1])
+    start = translate._engine_start(words) or 0
+    flags = [w for w in words[start:] if w not in ("--model", str(translate.TINY_MODEL))]
+    text = " ".join(flags).replace("--tensor-parallel-size 1", "")
+    return tuple(text.split())
+
+
+def baseline(path: Path, workdir: Path) -> dict[str, list[list[int]]]:
+    """Tokens of every prompt set from the pod WITHOUT kvoffload (cached per engine argv)."""
+    doc = load(path)
+    key = engine_key(doc)
+    if key not in _BASELINES:
+        uid = harness.harness_uid(path.read_text())
+        with harness.running(doc, workdir / "baseline", uid_override=uid) as (pod, _):
+            _BASELINES[key] = {n: pod.complete(p, MAX_TOKENS) for n, p in PROMPT_SETS.items()}
+    return _BASELINES[key]
+
+
+def settle(pod: harness.Pod, socket: str, at_least: int, max_s: float = 30) -> dict[str, Any]:
+    """Stats once `at_least` slots are committed and none is reserved (stores are async)."""
+    end = time.monotonic() + max_s
+    stats: dict[str, Any] | None = None
+    while time.monotonic() < end:
+        stats = pod.pool_stats(socket)
+        nss = (stats or {}).get("namespaces", [])
+        if sum(n["committed_slots"] for n in nss) >= at_least and not any(
+            n["reserved_slots"] for n in nss
+        ):
+            break
+        time.sleep(0.2)
+    return stats or {}
+
+
+def workdir_for(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    d = tmp_path_factory.mktemp(name)
+    (d / "baseline").mkdir()
+    return d
+
+
+@pytest.mark.pod
+@pytest.mark.process
+@pytest.mark.vllm
+@pytest.mark.slow
+@needs_pods
+@pytest.mark.parametrize("path", SERVERS, ids=lambda p: p.stem)
+def test_injected_pod_serves_with_pool_hits(
+    path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    wd = workdir_for(tmp_path_factory, path.stem)
+    want = baseline(path, wd)["round"]
+    (doc,) = inject(path)
+    uid = harness.harness_uid(path.read_text())
+    with harness.running(doc, wd, uid_override=uid) as (pod, engine):
+        socket = harness.socket_of(pod.sidecar())
+        first = pod.complete(PROMPT_SETS["round"], MAX_TOKENS)
+        settle(pod, socket, at_least=len(PROMPT_SETS["round"]))
+        before = harness.pool_hits(pod.pool_stats(socket))
+        pod.reset_prefix_cache()
+        second = pod.complete(PROMPT_SETS["round"], MAX_TOKENS)
+        hits = harness.pool_hits(pod.pool_stats(socket)) - before
+        assert first == want and second == want, "tokens differ from the pod without kvoffload"
+        assert hits > 0, f"no pool hits in round 2:\n{engine.text()[-3000:]}"
+        assert engine.alive()
+
+
+# -- faults at pod level --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fault_pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[harness.Pod, Any]]:
+    if _NOT_RUNNABLE:
+        pytest.skip(_NOT_RUNNABLE)
+    wd = workdir_for(tmp_path_factory, "faults")
+    want = baseline(FAULT_FIXTURE, wd)
+    (doc,) = inject(FAULT_FIXTURE)
+    with harness.running(doc, wd) as (pod, engine):
+        pod.restart_always(pod.sidecar()["name"])
+        yield pod, (engine, want)
+
+
+def _during(pod: harness.Pod, name: str, action: Any, delay: float) -> list[list[int]]:
+    """Complete prompt set `name` while `action()` runs `delay` seconds into the request."""
+    result: dict[str, Any] = {}
+
+    def go() -> None:
+        result["tokens"] = pod.complete(PROMPT_SETS[name], MAX_TOKENS)
+
+    t = threading.Thread(target=go)
+    t.start()
+    time.sleep(delay)
+    action()
+    t.join(timeout=180)
+    assert not t.is_alive(), "request wedged after the fault"
+    return result["tokens"]
+
+
+def _wait_sidecar_back(pod: harness.Pod, restarts: int, max_s: float = 30) -> None:
+    sidecar = pod.sidecar()
+    end = time.monotonic() + max_s
+    while time.monotonic() < end:
+        p = pod.procs[sidecar["name"]]
+        if (
+            p.restarts >= restarts
+            and p.alive()
+            and pod.probe_once(sidecar, sidecar["startupProbe"])
+        ):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"sidecar not back:\n{pod.procs[sidecar['name']].text()[-3000:]}")
+
+
+FAULTS = [pytest.mark.pod, pytest.mark.process, pytest.mark.vllm, pytest.mark.slow, needs_pods]
+
+
+def _mark(f: Any) -> Any:
+    for m in FAULTS:
+        f = m(f)
+    return f
+
+
+@_mark
+def test_fault_sidecar_missing_at_start(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The kubelet never started the sidecar (image pull failure): vLLM serves without it."""
+    wd = workdir_for(tmp_path_factory, "missing")
+    want = baseline(FAULT_FIXTURE, wd)["missing"]
+    (doc,) = inject(FAULT_FIXTURE)
+    with harness.running(doc, wd, start_sidecars=False) as (pod, engine):
+        assert pod.complete(PROMPT_SETS["missing"], MAX_TOKENS) == want
+        pod.reset_prefix_cache()
+        assert pod.complete(PROMPT_SETS["missing"], MAX_TOKENS) == want
+        assert engine.alive()
+
+
+@_mark
+def test_fault_sidecar_killed_mid_store(fault_pod: Any) -> None:
+    pod, (engine, want) = fault_pod
+    name = pod.sidecar()["name"]
+    got = _during(pod, "mid_store", lambda: pod.kill(name), delay=0.5)
+    assert got == want["mid_store"]
+    _wait_sidecar_back(pod, restarts=1)
+    assert pod.complete(PROMPT_SETS["mid_store"], MAX_TOKENS) == want["mid_store"]
+    assert engine.alive()
+
+
+@_mark
+def test_fault_sidecar_killed_mid_load(fault_pod: Any) -> None:
+    pod, (engine, want) = fault_pod
+    name = pod.sidecar()["name"]
+    socket = harness.socket_of(pod.sidecar())
+    restarts = pod.procs[name].restarts
+    assert pod.complete(PROMPT_SETS["mid_load"], MAX_TOKENS) == want["mid_load"]
+    settle(pod, socket, at_least=2)
+    pod.reset_prefix_cache()
+    got = _during(pod, "mid_load", lambda: pod.kill(name), delay=0.2)
+    assert got == want["mid_load"]
+    _wait_sidecar_back(pod, restarts=restarts + 1)
+    assert engine.alive()
+
+
+@_mark
+def test_fault_sidecar_restarted_serves_again(fault_pod: Any) -> None:
+    """After the kubelet restarted the sidecar, the engine uses the fresh pool again."""
+    pod, (engine, want) = fault_pod
+    socket = harness.socket_of(pod.sidecar())
+    _wait_sidecar_back(pod, restarts=1)
+    hits = 0
+    for _ in range(5):  # the connector re-registers on its own schedule
+        assert pod.complete(PROMPT_SETS["restarted"], MAX_TOKENS) == want["restarted"]
+        settle(pod, socket, at_least=2, max_s=10)
+        before = harness.pool_hits(pod.pool_stats(socket))
+        pod.reset_prefix_cache()
+        assert pod.complete(PROMPT_SETS["restarted"], MAX_TOKENS) == want["restarted"]
+        hits = harness.pool_hits(pod.pool_stats(socket)) - before
+        if hits > 0:
+            break
+        time.sleep(2)
+    assert hits > 0, f"no pool hits after the restart:\n{engine.text()[-3000:]}"
+
+
+@_mark
+def test_fault_socket_replaced_by_plain_file(fault_pod: Any) -> None:
+    pod, (engine, want) = fault_pod
+    socket = harness.socket_of(pod.sidecar())
+    name = pod.sidecar()["name"]
+    restarts = pod.procs[name].restarts
+    pod.ns(["sh", "-c", f"rm -f {socket} && echo not-a-socket > {socket} && chmod 666 {socket}"])
+    pod.kill(name)  # the engine must reconnect to a path that is now a plain file
+    for _ in range(2):
+        assert pod.complete(PROMPT_SETS["socket"], MAX_TOKENS) == want["socket"]
+        pod.reset_prefix_cache()
+    _wait_sidecar_back(pod, restarts=restarts + 1)
+    assert pod.complete(PROMPT_SETS["socket"], MAX_TOKENS) == want["socket"]
+    assert engine.alive()
+
+
+@_mark
+def test_fault_pool_file_truncated(fault_pod: Any) -> None:
+    """`truncate -s 0` on the pool file under a live sidecar and engine (both mmap it)."""
+    pod, (engine, want) = fault_pod
+    sidecar = pod.sidecar()
+    pool_dir = harness.pool_dir_of(sidecar)
+    assert pod.complete(PROMPT_SETS["truncated"], MAX_TOKENS) == want["truncated"]
+    settle(pod, harness.socket_of(sidecar), at_least=2)
+    pod.ns(["sh", "-c", f'for f in {pool_dir}/*; do truncate -s 0 "$f"; done'])
+    for _ in range(2):
+        pod.reset_prefix_cache()
+        assert engine.alive(), f"engine died after the truncate:\n{engine.text()[-4000:]}"
+        assert pod.complete(PROMPT_SETS["truncated"], MAX_TOKENS) == want["truncated"]
+    assert engine.alive(), f"engine died after the truncate:\n{engine.text()[-4000:]}"
