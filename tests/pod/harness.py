@@ -143,7 +143,7 @@ class Pod:
             time.sleep(0.01)
         self.ns(["ip", "link", "set", "lo", "up"])
         self._reach_checkout()
-        self.ns(["mount", "-t", "tmpfs", "-o", "size=1g,mode=1777", "tmpfs", "/tmp"])
+        self._private_tmp()
         self._mount_volumes()
         return self
 
@@ -182,6 +182,22 @@ class Pod:
         self.ns(["mkdir", "-p", str(root)])
         self.ns(["mount", "--move", stage, str(root)])
         self.ns(["chmod", "0755", str(root)])
+
+    def _private_tmp(self) -> None:
+        """The pod's own `/tmp` (a tmpfs). A checkout under /tmp (CI may clone there) would vanish
+        under it, so it is staged outside /tmp first and moved back onto the same path."""
+        root = images.ROOT
+        if Path("/tmp") not in root.parents:
+            self.ns(["mount", "-t", "tmpfs", "-o", "size=1g,mode=1777", "tmpfs", "/tmp"])
+            return
+        stage = tempfile.mkdtemp(
+            prefix="kvo-pod-tmp-stage-", dir="/run" if os.path.isdir("/run") else "/"
+        )
+        self._created.append(Path(stage))
+        self.ns(["mount", "--rbind", str(root), stage])
+        self.ns(["mount", "-t", "tmpfs", "-o", "size=1g,mode=1777", "tmpfs", "/tmp"])
+        self.ns(["mkdir", "-p", str(root)])
+        self.ns(["mount", "--move", stage, str(root)])
 
     def _containers(self) -> list[dict[str, Any]]:
         return list(self.spec.get("initContainers") or []) + list(self.spec["containers"])
