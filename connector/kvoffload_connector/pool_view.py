@@ -8,6 +8,11 @@ is done ``ready`` is False and the connector reports misses instead of waiting.
 
 Piece boundaries fall on slot and page boundaries, so no slot straddles two registrations and a
 copy of a whole slot (or of a run of slots inside one piece) is one registered range.
+
+A file shrunk under the mapping (``truncate``, a full tmpfs cleaned up by hand) turns every touch
+of the bytes past its new end into SIGBUS, which kills the vLLM worker. The view keeps the file
+open so ``intact()`` (one ``fstat``, ~1 µs) can tell before a step's copies whether the mapping
+is still backed; the worker checks it once per step that has jobs and drops the view when not.
 """
 
 from __future__ import annotations
@@ -37,7 +42,14 @@ class PoolView:
 
     ``tensor`` is ``[slot_count, slot_bytes]`` over the mapping (writes go to the file, visible to
     every process that maps it). ``base_ptr`` is slot 0's address. Not thread-safe except for
-    ``ready``, which the registration thread sets.
+    ``ready``, which the registration thread sets, and ``intact``.
+
+    Remaining race: ``intact()`` is a check, not a lock. A truncate that lands between the check
+    and a copy (or while an async copy of an earlier step still runs) still faults: SIGBUS for a
+    CPU copy. Only a person or a bug shrinks the pool file, the window is the length of one
+    step's copies, and after the first check that fails nothing touches the mapping again.
+    On CUDA the registered (pinned) pages outlive the truncate, so DMA copies do not fault there;
+    CPU-side touches would, and the check keeps them off.
     """
 
     def __init__(self, path: str, offset: int, slot_bytes: int, slot_count: int) -> None:
@@ -57,6 +69,25 @@ class PoolView:
         self._device: torch.device | None = None
         self.error = ""  # why registration failed; empty while fine
         self._closed = False
+        self._fd = -1  # the pool file, kept open for `intact` (fstat)
+
+    @property
+    def needed_bytes(self) -> int:
+        """File size the mapping needs: its end offset in the file."""
+        return self.offset + self.slot_count * self.slot_bytes
+
+    def file_size(self) -> int:
+        """Current size of the mapped file (-1 when closed or it cannot be read)."""
+        if self._fd < 0:
+            return -1
+        try:
+            return os.fstat(self._fd).st_size
+        except OSError:
+            return -1
+
+    def intact(self) -> bool:
+        """Whether the file still covers the whole mapping (touching it cannot SIGBUS)."""
+        return not self._closed and self.file_size() >= self.needed_bytes
 
     @classmethod
     def open(cls, path: str, offset: int, slot_bytes: int, slot_count: int) -> PoolView:
@@ -73,7 +104,7 @@ class PoolView:
             raise ValueError(f"pool offset {offset} is not a multiple of the page size {_PAGE}")
         length = slot_bytes * slot_count
         view = cls(path, offset, slot_bytes, slot_count)
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             if offset + length > size:
@@ -88,8 +119,10 @@ class PoolView:
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
                 offset=offset,
             )
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        view._fd = fd
         # a normal tensor even when opened inside vLLM's inference_mode: engine threads write it
         with torch.inference_mode(False):
             flat = torch.frombuffer(view._mm, dtype=torch.uint8, count=length)
@@ -148,6 +181,8 @@ class PoolView:
             for first, end in self.pieces():
                 if self._stop.is_set():
                     return
+                if not self.intact():  # registering faults the pages in: SIGBUS past the end
+                    raise RuntimeError(f"the pool file {self.path} shrank under the mapping")
                 ptr = self.base_ptr + first * self.slot_bytes
                 nbytes = (end - first) * self.slot_bytes
                 rc = int(cudart.cudaHostRegister(ptr, nbytes, 0))
@@ -183,6 +218,9 @@ class PoolView:
             with contextlib.suppress(BufferError):
                 self._mm.close()
             self._mm = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _piece_bytes(slot_bytes: int) -> int:

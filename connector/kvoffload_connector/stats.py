@@ -30,6 +30,7 @@ COUNTERS = (
     "store_seconds",
     "failed_loads",
     "failed_stores",
+    "pool_file_lost",  # the pool file shrank under a worker's mapping: it dropped the view
 )
 
 
@@ -102,6 +103,10 @@ class PromMetrics(KVConnectorPromMetrics):
         "failed_loads": (
             "kvoffload_connector_failed_loads_total",
             "Loads that failed (recomputed by vLLM)",
+        ),
+        "pool_file_lost": (
+            "kvoffload_connector_pool_file_lost_total",
+            "Times a worker found the pool file shrunk under its mapping and dropped it",
         ),
     }
 

@@ -12,6 +12,14 @@ mapped, device-registered pool exist every job fails fast (a miss / a dropped
 store). A job carries the pool generation its slots belong to; if the
 sidecar recreated the pool, jobs for the other generation fail and the
 worker re-maps after re-registering.
+
+Before a step's copies touch the pool the worker checks that the pool file
+still covers its mapping (`PoolView.intact`): a file truncated under it would
+turn the copies into SIGBUS and kill vLLM. When it does not, the step's loads
+fail (vLLM recomputes), its stores are dropped, the view is unmapped, and the
+worker serves without the pool until the sidecar rebuilds the file under a
+new generation (it then ends every session: the worker re-registers and maps
+again).
 """
 
 from __future__ import annotations
@@ -204,6 +212,22 @@ class OffloadWorker:
             self._reconnect_queued = True
             self._rpc.submit(self._reconnect)
 
+    def _check_pool(self) -> None:
+        """Step thread, before a step's copies: drop the view when the pool file no longer
+        covers it (touching it would SIGBUS); the step's jobs then fail as not ready."""
+        pool = self.pool
+        if pool is None or pool.intact():
+            return
+        log.warning(
+            "kvoffload: the pool file %s shrank under the mapping (%d < %d bytes); "
+            "serving without the pool until the sidecar rebuilds it",
+            pool.path,
+            pool.file_size(),
+            pool.needed_bytes,
+        )
+        self._stats["pool_file_lost"] = self._stats.get("pool_file_lost", 0) + 1
+        self._close_engine()  # waits for copies in flight (the CPU engine fails them unrun)
+
     @property
     def ready(self) -> bool:
         return self.engine is not None and self.pool is not None and self.pool.ready
@@ -217,6 +241,8 @@ class OffloadWorker:
                 self.engine.new_step()
         if meta is None:
             return
+        if meta.loads:
+            self._check_pool()
         for job in meta.loads:
             blocks = [b for t in job.transfers for b in t.gpu_blocks]
             if not self.ready or job.generation != self.generation:
@@ -281,6 +307,8 @@ class OffloadWorker:
         if meta is None or meta is self._saved_meta:
             return
         self._saved_meta = meta  # a reference, not an id(): a freed object's id can come back
+        if meta.stores:
+            self._check_pool()
         for job in meta.stores:
             if not self.ready or job.generation != self.generation:
                 self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1

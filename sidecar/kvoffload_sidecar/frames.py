@@ -153,6 +153,16 @@ class FramedSessions:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
 
+    def close_all(self) -> int:
+        """Shut every open connection (their sessions end and detach); keep accepting.
+        Returns how many."""
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv(): the session ends
+        return len(conns)
+
     def _accept_forever(self, listener: socket.socket) -> None:
         while True:
             try:

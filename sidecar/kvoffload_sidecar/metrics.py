@@ -158,7 +158,12 @@ class PoolCollector(Collector):
         prefaulted.add_metric([], float(stats.prefaulted_bytes))
         ready = GaugeMetricFamily("kvoffload_pool_ready", "1 once the whole pool is pre-faulted.")
         ready.add_metric([], 1.0 if stats.pool_ready else 0.0)
-        yield from (size, prefaulted, ready)
+        rebuilds = CounterMetricFamily(
+            "kvoffload_pool_rebuilds",
+            "Times the pool file was truncated, removed or replaced under the sidecar and rebuilt.",
+        )
+        rebuilds.add_metric([], float(self._pool.rebuilds))
+        yield from (size, prefaulted, ready, rebuilds)
         spec_info = GaugeMetricFamily(
             "kvoffload_namespace_info",
             "Spec of each namespace (value 1).",

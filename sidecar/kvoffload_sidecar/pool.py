@@ -282,6 +282,7 @@ class Pool:
         self._started_at = clock()
         self._stores_from = 0.0  # clock time before which no store gets a slot (quarantine)
         self.generation = secrets.token_hex(8)
+        self.rebuilds = 0  # times the pool file was rebuilt after it changed under us
         self._ready_event = threading.Event()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -330,6 +331,54 @@ class Pool:
         with self._lock:
             self._started = False
             self._draining = True
+
+    def check_file(self) -> bool:
+        """The reaper tick: when the pool file was truncated, removed or replaced under us,
+        rebuild the pool in place (file sized and pre-faulted again, a new generation, every
+        namespace and client forgotten: the contents are gone). True when it rebuilt; the
+        caller then ends every session, so the connectors register again and re-map."""
+        with self._lock:
+            if not self._started or self._draining:
+                return False
+            problem = self._region.file_problem()
+        if problem is None:
+            return False
+        self._region.stop_prefault()  # before re-sizing: it must not touch a short file
+        with self._lock:
+            if not self._started or self._draining:
+                return False
+            old = self.generation
+            for ns in list(self._namespaces.values()):
+                self._drop_namespace(ns)
+            self._ready_event.clear()
+            self.generation = secrets.token_hex(8)
+            now = self._clock()
+            # Copies a connector still had in flight may land in the file for a moment.
+            self._stores_from = now + self.settings.detach_grace_s
+            self.rebuilds += 1
+            try:
+                self._region.rebuild()
+            except (OSError, ValueError) as exc:
+                self._started = False  # every call answers FAILED_PRECONDITION from now on
+                log.error(
+                    "the pool file %s %s and cannot be rebuilt (%s): serving without a pool",
+                    self.path,
+                    problem,
+                    exc,
+                )
+                return True
+        log.warning(
+            "the pool file %s %s under the sidecar: rebuilt it (generation %s -> %s), its "
+            "contents are gone; connectors register again",
+            self.path,
+            problem,
+            old,
+            self.generation,
+        )
+        self._region.start_prefault()
+        with self._lock:
+            self._on_prefault_progress()
+        return True
 
     def begin_drain(self) -> None:
         """Refuse new registrations and reservations (Unavailable); commits/releases still work."""

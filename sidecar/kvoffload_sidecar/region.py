@@ -9,6 +9,10 @@ pod's memory is claimed up front. Slots become allocatable as the pre-fault pass
 
 Pre-fault order: first the regions of registered namespaces, interleaved so every rank's region
 advances together (a slot needs its bytes on every rank), then everything else in file order.
+
+The file is in a directory other containers write to: someone may truncate, remove or replace it.
+`file_problem` tells (the pool's reaper tick asks), `rebuild` sizes and maps it again, and the
+pre-fault checks the file still covers a chunk before touching it (past the end is SIGBUS).
 """
 
 from __future__ import annotations
@@ -144,6 +148,8 @@ class Region:
         self._done_bytes = 0
         self._priority: tuple[tuple[int, int], ...] = ()
         self._mm: mmap.mmap | None = None
+        self._fd = -1  # the mapped file, kept open to notice it shrink (fstat)
+        self._inode: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the mapped file
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -226,6 +232,9 @@ class Region:
         if os.fstat(fd).st_size != self.size:
             os.ftruncate(fd, self.size)
         self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        st = os.fstat(fd)
+        self._fd = os.dup(fd)  # the caller closes `fd`; this one (not inherited) lives on
+        self._inode = (st.st_dev, st.st_ino)
 
     def _open_left_behind(self) -> int | None:
         """An fd on the pool file an earlier sidecar left, to reuse; None when there is none or
@@ -281,14 +290,62 @@ class Region:
 
     def close(self) -> None:
         """Stop the pre-fault thread, unmap, remove the file."""
+        self.stop_prefault()
+        self._unmap()
+        self.path.unlink(missing_ok=True)
+
+    def stop_prefault(self) -> None:
+        """Stop the pre-fault thread (call without the lock: the thread takes it per chunk)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
+
+    def _unmap(self) -> None:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
-        self.path.unlink(missing_ok=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    # -- the file under us -------------------------------------------------------------------
+
+    def _file_size(self) -> int:
+        try:
+            return os.fstat(self._fd).st_size if self._fd >= 0 else -1
+        except OSError:
+            return -1
+
+    def file_problem(self) -> str | None:
+        """Why the mapped file no longer backs the pool (shrunk, removed, replaced); None when
+        it does. One stat and one fstat."""
+        if self._fd < 0:
+            return None
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return "was removed"
+        except OSError as exc:
+            return f"cannot be read ({exc.strerror or exc})"
+        if (st.st_dev, st.st_ino) != self._inode:
+            return "was replaced by another file"
+        size = self._file_size()
+        if size < self.size:
+            return f"shrank to {size} of {self.size} bytes"
+        return None
+
+    def rebuild(self) -> None:
+        """Size and map the file at `path` again (the one there, or a new one) and forget what
+        was pre-faulted; `stop_prefault()` first, then `start_prefault()` after. Lock held.
+        OSError/ValueError when it cannot (the pool then stays unusable)."""
+        self._unmap()
+        self._stop.clear()
+        self.error = None
+        self.finished_at = None
+        self._chunk_done = bytearray(self._nchunks)
+        self._done_bytes = 0
+        self.open()
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -349,6 +406,16 @@ class Region:
                     break
                 start = c * self._chunk
                 length = min(self._chunk, self.size - start)
+                if self._file_size() < start + length:  # touching past the end is SIGBUS
+                    self.error = "the pool file shrank under the mapping"
+                    log.warning(
+                        "pool pre-fault paused at %d of %d bytes: the pool file %s shrank "
+                        "under the mapping (the reaper rebuilds it)",
+                        self._done_bytes,
+                        self.size,
+                        self.path,
+                    )
+                    break
                 self._touch(start, length)
                 with self._lock:
                     self._chunk_done[c] = 1

@@ -41,10 +41,17 @@ def pool_settings(config: SidecarConfig) -> PoolSettings:
     )
 
 
-async def reap_forever(pool: Pool, interval_s: float) -> None:
-    """Reap clients that went idle without a session; errors are logged, never fatal."""
+async def reap_forever(pool: Pool, interval_s: float, sidecar: SidecarServer | None = None) -> None:
+    """Reap clients that went idle without a session, and rebuild a pool file truncated or
+    replaced under us (then end every session: the connectors register again and re-map to the
+    new generation); errors are logged, never fatal."""
     while True:
         await asyncio.sleep(interval_s)
+        try:
+            if pool.check_file() and sidecar is not None:
+                await sidecar.end_sessions()
+        except Exception:  # noqa: BLE001
+            log.exception("checking the pool file failed")
         try:
             reaped = pool.reap_idle_clients()
         except Exception:  # noqa: BLE001
@@ -76,7 +83,7 @@ async def serve(config: SidecarConfig, pool: Pool, *, stop: asyncio.Event | None
             extra,
             "native" if native_enabled() else "dict",
         )
-        reaper = asyncio.create_task(reap_forever(pool, config.reap_interval_s))
+        reaper = asyncio.create_task(reap_forever(pool, config.reap_interval_s, sidecar))
         await stop.wait()
         log.info(
             "draining: %d open session(s), grace %.1fs",

@@ -148,6 +148,8 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         self.open_sessions = 0  # gRPC Session streams and framed connections
         self._sessions_lock = threading.Lock()  # framed connections open and close in threads
         self.session_socket_name = ""  # the framed socket's file name, told to registrants
+        self._session_tasks: set[asyncio.Task[Any]] = set()  # open gRPC Session handlers
+        self._ending: set[asyncio.Task[Any]] = set()  # of those, cancelled by cancel_sessions
         self.status_dir: Path | None = None  # where connectors write their status files
 
     # -- handlers: one per method, shared by unary calls and the Session stream ------------------
@@ -270,6 +272,9 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         del request_iterator  # read with context.read(), so the handler is a plain coroutine
         client_id = 0
         self.session_opened()
+        task = asyncio.current_task()
+        if task is not None:
+            self._session_tasks.add(task)
         try:
             first = await context.read()
             if first is grpc.aio.EOF:
@@ -285,9 +290,25 @@ class PoolServicer(pb_grpc.KVPoolServicer):
                     return
                 await context.write(call(request, client_id))
                 flush()  # bookkeeping the answer did not need (policy touches), after sending
+        except asyncio.CancelledError:
+            if task not in self._ending:
+                raise
+            # `cancel_sessions`: a cancelled handler alone leaves the stream open; end it
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the pool was rebuilt: register")
         finally:
+            self._ending.discard(task)
+            self._session_tasks.discard(task)
             self.session_closed()
             self.end_session(client_id)
+
+    def cancel_sessions(self) -> int:
+        """End every open gRPC Session stream (the pool was rebuilt: its clients are gone);
+        the connectors see the stream end and register again. Returns how many."""
+        tasks = list(self._session_tasks)
+        for task in tasks:
+            self._ending.add(task)
+            task.cancel()
+        return len(tasks)
 
     # -- the session protocol, shared by the gRPC stream and the framed socket (frames.py) -------
 
@@ -422,6 +443,14 @@ class SidecarServer:
         if self.tcp_server is not None:
             await self.tcp_server.start()
         await self.set_serving(True)
+
+    async def end_sessions(self) -> None:
+        """End every open session, gRPC and framed (after the pool was rebuilt)."""
+        ended = self.servicer.cancel_sessions()
+        if self.frames is not None:
+            ended += self.frames.close_all()
+        if ended:
+            log.info("ended %d session(s): their connectors register again", ended)
 
     async def drain(self, grace: float) -> None:
         """NOT_SERVING, refuse new reservations, give open sessions up to `grace` s, then stop.

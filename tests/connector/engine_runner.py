@@ -10,6 +10,8 @@ Scenarios (each writes a JSON report; the test asserts on it):
 - `churn`: preemptions, aborts and pool hits in two rounds; the pool once idle.
 - `disabled`: prompts through an engine whose connector is configured (and may be disabled),
   then through a second engine without a connector: the two must agree.
+- `truncate`: P stored and hit, the pool file truncated under the engine, P again (same
+  tokens, the engine alive), then rounds until P hits the rebuilt pool.
 Block size and chunk are vLLM's and the connector's defaults unless --block-size / --chunk say.
 Engines are started with `if __name__ == "__main__"` (vLLM spawns its workers).
 """
@@ -239,6 +241,43 @@ def scenario_reset(args: argparse.Namespace) -> dict:
     return report
 
 
+def scenario_truncate(args: argparse.Namespace) -> dict:
+    """P (miss, stored), P again (hit); then `truncate -s 0` on the pool file and P again right
+    away (the worker must see the short file, fail the loads and recompute: no SIGBUS), up to 3
+    times until the connector counted a lost pool file (the sidecar's rebuild may win the race);
+    then P in rounds until it hits again (the sidecar rebuilt the pool, the worker re-mapped)."""
+    llm = make_llm(args)
+    pool_path_live(llm, args)
+    batch = prompts(args.seed, 2, args.prompt_len)
+    first = run(llm, batch, args.max_tokens)
+    settle_pool(args.socket, min_committed=len(batch) * (args.prompt_len // args.chunk_tokens))
+    llm.reset_prefix_cache()
+    hit = run(llm, batch, args.max_tokens)
+    after, lost = [], 0.0
+    for _ in range(3):
+        os.truncate(args.truncate_pool, 0)
+        llm.reset_prefix_cache()
+        after.append(run(llm, batch, args.max_tokens))
+        lost = metrics(llm).get("kvoffload_connector_pool_file_lost_total", 0.0)
+        if lost:
+            break
+    rounds = []
+    for _ in range(20):
+        time.sleep(0.5)
+        llm.reset_prefix_cache()
+        rounds.append(run(llm, batch, args.max_tokens))
+        if all(o["cached"] >= 256 for o in rounds[-1]):
+            break
+    return {
+        "first": first,
+        "hit": hit,
+        "after": after,
+        "rounds": rounds,
+        "metrics": metrics(llm),
+        "pool_size": os.path.getsize(args.truncate_pool),
+    }
+
+
 def scenario_evict(args: argparse.Namespace) -> dict:
     """Lazy mode: P, then filler traffic evicts P from the small GPU cache, then P again."""
     llm = make_llm(args)
@@ -416,7 +455,9 @@ def scenario_disabled(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["reset", "warm_kill", "evict", "churn", "disabled"])
+    ap.add_argument(
+        "scenario", choices=["reset", "warm_kill", "evict", "churn", "disabled", "truncate"]
+    )
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket", required=True)
     ap.add_argument("--out", required=True)
@@ -439,6 +480,7 @@ def main() -> int:
     ap.add_argument("--lazy-watermark", type=int, default=0)
     ap.add_argument("--sidecar-pid-file", default="")
     ap.add_argument("--corrupt-pool", default="", help="pool file to overwrite (reset scenario)")
+    ap.add_argument("--truncate-pool", default="", help="pool file to truncate (truncate)")
     args = ap.parse_args()
     fn = {
         "reset": scenario_reset,
@@ -446,6 +488,7 @@ def main() -> int:
         "evict": scenario_evict,
         "churn": scenario_churn,
         "disabled": scenario_disabled,
+        "truncate": scenario_truncate,
     }[args.scenario]
     report = fn(args)
     Path(args.out).write_text(json.dumps(report))

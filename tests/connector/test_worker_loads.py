@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 from kvoffload_connector.config import parse_extra_config
-from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, LoadJob
+from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, LoadJob, StoreJob
 from kvoffload_connector.worker import OffloadWorker
 
 
@@ -55,6 +55,26 @@ def test_failed_async_load_fails_its_request(worker):
     assert report is not None and report.failed == {7: 1}
 
 
+class _IntactPool:
+    """Stands in for a mapped PoolView whose file covers it (`intact`)."""
+
+    ready = True
+
+    def __init__(self, intact: bool = True):
+        self._intact = intact
+        self.closed = False
+        self.path, self.needed_bytes = "/pool/pool-0.shm", 4096
+
+    def intact(self) -> bool:
+        return self._intact and not self.closed
+
+    def file_size(self) -> int:
+        return 4096 if self._intact else 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
 class _RecordingEngine:
     """Stands in for the CUDA engine (no GPU here): records which waits the worker asks for."""
 
@@ -75,6 +95,47 @@ class _RecordingEngine:
 
     def new_step(self):
         self.calls.append(("new_step", None))
+
+    def submit(self, job_id, direction, batches):
+        self.calls.append(("submit", job_id))
+
+    def wait(self, job_ids):
+        self.calls.append(("wait", tuple(job_ids)))
+        return []
+
+    def shutdown(self):
+        self.calls.append(("shutdown", None))
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["async", "layered"])
+def test_a_pool_file_shrunk_under_the_mapping_fails_the_step_untouched(worker, layered, caplog):
+    """The file no longer covers the mapping: nothing is submitted (a copy would SIGBUS), the
+    loads fail as vLLM expects per mode, stores are dropped, the view is closed, one line says
+    why, and the next steps fail fast without saying it again."""
+    engine, pool = _RecordingEngine(), _IntactPool(intact=False)
+    worker.engine, worker.pool, worker.generation = engine, pool, "gen-1"
+    with caplog.at_level("WARNING", logger="kvoffload_connector.worker"):
+        worker.start_load_kv(_load(layered=layered))
+        store = StoreJob(8, 1, "ns", (GroupTransfer(0, (1,), (2,), (0,)),), "gen-1")
+        worker.wait_for_save(ConnectorMeta(stores=(store,)))
+        worker.start_load_kv(_load(layered=layered))
+    assert ("submit_layered", 7) not in engine.calls and ("submit", 8) not in engine.calls
+    assert ("shutdown", None) in engine.calls and pool.closed
+    assert worker.pool is None and worker.engine is None and not worker.ready
+    said = [r.getMessage() for r in caplog.records if "shrank under the mapping" in r.getMessage()]
+    assert said == [
+        "kvoffload: the pool file /pool/pool-0.shm shrank under the mapping (0 < 4096 bytes); "
+        "serving without the pool until the sidecar rebuilds it"
+    ]
+    recving, failed, blocks = worker.transfer_results()
+    if layered:
+        assert (failed, blocks) == (set(), set())
+        assert worker.take_failed_layered_blocks() == {5, 6, 9}
+    else:
+        assert recving == {"req"} and failed == {"req"} and blocks == {5, 6, 9}
+    report = worker.report()
+    assert report is not None and report.failed == {7: 2, 8: 1} and not report.done
+    assert worker.take_stats()["pool_file_lost"] == 1
 
 
 def _graph_config(
@@ -129,7 +190,7 @@ def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, config, longest_quer
     w = OffloadWorker(cfg, vllm_config=config, kv_cache_config=None, rank=0)
     try:
         engine = _RecordingEngine()
-        w.engine, w.pool, w.generation = engine, SimpleNamespace(ready=True), "gen-1"
+        w.engine, w.pool, w.generation = engine, _IntactPool(), "gen-1"
         meta = _load(layered=True)
         w.start_load_kv(ConnectorMeta(loads=meta.loads, longest_query=longest_query))
         for i in range(2):

@@ -337,15 +337,78 @@ def test_fault_socket_replaced_by_plain_file(fault_pod: Any) -> None:
 
 @_mark
 def test_fault_pool_file_truncated(fault_pod: Any) -> None:
-    """`truncate -s 0` on the pool file under a live sidecar and engine (both mmap it)."""
+    """`truncate -s 0` on the pool file under a live sidecar and engine (both mmap it).
+
+    The next pool hit finds the file short: the worker fails that load (vLLM recomputes, same
+    tokens) instead of touching the mapping (SIGBUS would kill the engine), says why once, and
+    serves without the pool; the sidecar rebuilds the file under a new generation on its reaper
+    tick, the connector registers and maps again, and hits come back. The sidecar's rebuild may
+    win the race with the engine's next step (then the connector never sees a short file): the
+    truncate is repeated, at most 3 times, until the engine saw one."""
     pod, (engine, want) = fault_pod
     sidecar = pod.sidecar()
+    socket = harness.socket_of(sidecar)
     pool_dir = harness.pool_dir_of(sidecar)
-    assert pod.complete(PROMPT_SETS["truncated"], MAX_TOKENS) == want["truncated"]
-    settle(pod, harness.socket_of(sidecar), at_least=2)
-    pod.ns(["sh", "-c", f'for f in {pool_dir}/*; do truncate -s 0 "$f"; done'])
-    for _ in range(2):
+    prompts_, tokens = PROMPT_SETS["truncated"], want["truncated"]
+    _pool_serving(pod, socket)  # an earlier fault test may have left the sidecar degraded
+    line = "shrank under the mapping"
+    seen = engine.text().count(line)
+    for _ in range(3):
+        _stored(pod, socket, prompts_, tokens)  # the next round hits the pool
+        generation = (pod.pool_stats(socket) or {}).get("pool_generation")
         pod.reset_prefix_cache()
+        pod.ns(["sh", "-c", f'for f in {pool_dir}/*; do truncate -s 0 "$f"; done'])
+        assert pod.complete(prompts_, MAX_TOKENS) == tokens
         assert engine.alive(), f"engine died after the truncate:\n{engine.text()[-4000:]}"
-        assert pod.complete(PROMPT_SETS["truncated"], MAX_TOKENS) == want["truncated"]
-    assert engine.alive(), f"engine died after the truncate:\n{engine.text()[-4000:]}"
+        if engine.text().count(line) > seen:
+            break
+    log = engine.text()
+    said = [ln for ln in log.splitlines() if line in ln]
+    assert len(said) > seen, f"the connector never said why:\n{log[-4000:]}"
+    assert "serving without the pool until the sidecar rebuilds it" in said[-1], said[-1]
+    assert len(said) == seen + 1, said  # once, not once per job or step
+    # the sidecar rebuilt its pool (a new generation) and the engine gets hits from it again
+    end = time.monotonic() + 15
+    while (pod.pool_stats(socket) or {}).get("pool_generation") in (generation, None):
+        assert time.monotonic() < end, pod.procs[sidecar["name"]].text()[-3000:]
+        time.sleep(0.5)
+    assert "rebuilt it (generation" in pod.procs[sidecar["name"]].text()
+    hits = 0
+    for _ in range(5):  # the connector re-registers and re-maps on its own schedule
+        _stored(pod, socket, prompts_, tokens)
+        before = harness.pool_hits(pod.pool_stats(socket))
+        pod.reset_prefix_cache()
+        assert pod.complete(prompts_, MAX_TOKENS) == tokens
+        hits = harness.pool_hits(pod.pool_stats(socket)) - before
+        if hits > 0:
+            break
+        time.sleep(2)
+    assert hits > 0, f"no pool hits after the rebuild:\n{engine.text()[-3000:]}"
+    assert engine.alive()
+
+
+def _pool_serving(pod: harness.Pod, socket: str) -> None:
+    """Make sure the sidecar serves a pool: one degraded by an earlier test (a plain file at
+    its socket path) is given its socket path back and restarted."""
+    stats = pod.pool_stats(socket) or {}
+    if stats.get("pool_bytes") and not stats.get("degraded_reason"):
+        return
+    name = pod.sidecar()["name"]
+    restarts = pod.procs[name].restarts
+    pod.ns(["sh", "-c", f"[ -S {socket} ] || rm -f {socket}"])
+    pod.kill(name)
+    _wait_sidecar_back(pod, restarts=restarts + 1)
+    stats = pod.pool_stats(socket) or {}
+    assert stats.get("pool_bytes") and not stats.get("degraded_reason"), stats
+
+
+def _stored(pod: harness.Pod, socket: str, prompts_: Any, tokens: Any, rounds: int = 5) -> None:
+    """Complete `prompts_` (asserting `tokens`) until the pool holds their chunks: right after
+    the engine starts, or after a rebuild, the connector serves without the pool for a moment."""
+    for _ in range(rounds):
+        assert pod.complete(prompts_, MAX_TOKENS) == tokens
+        nss = settle(pod, socket, at_least=len(prompts_), max_s=10).get("namespaces", [])
+        if sum(n["committed_slots"] for n in nss) >= len(prompts_):
+            return
+        pod.reset_prefix_cache()
+    raise AssertionError(f"nothing stored in {rounds} rounds: {pod.pool_stats(socket)}")

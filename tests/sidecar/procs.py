@@ -224,7 +224,9 @@ class ServerThread:
         async def build() -> Any:
             sidecar = create_server(self.config, self.pool)
             await sidecar.start()
-            self._reaper = asyncio.create_task(reap_forever(self.pool, self.config.reap_interval_s))
+            self._reaper = asyncio.create_task(
+                reap_forever(self.pool, self.config.reap_interval_s, sidecar)
+            )
             return sidecar
 
         self.sidecar = self.call(build())

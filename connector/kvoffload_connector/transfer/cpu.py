@@ -41,6 +41,7 @@ class CpuTorchEngine:
                 f"pool slots of {pool.slot_bytes} bytes < layout's {layout.slot_bytes}"
             )
         self._layout = layout
+        self._pool = pool
         self._slot_count = pool.slot_count
         flat_pool = pool.tensor.view(-1)
         # per group: [(gpu view [num_blocks, n], pool view [slots, chunk, n])] per region
@@ -134,6 +135,8 @@ class CpuTorchEngine:
         self, job_id: int, direction: Direction, batches: tuple, nbytes: int, t0: float
     ) -> None:
         try:
+            if not self._pool.intact():  # a copy past the file's end would SIGBUS this process
+                raise RuntimeError(f"the pool file {self._pool.path} shrank under the mapping")
             for b in batches:
                 self._copy(direction, b)
             result = JobResult(job_id, True, nbytes, time.perf_counter() - t0)
