@@ -365,7 +365,11 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
         )
     if sock.exists() or sock.is_symlink():
         if not stat.S_ISSOCK(sock.lstat().st_mode):
-            raise _error(flag["socket"], where, f"{str(sock)!r} exists and is not a socket")
+            if config.on_pool_error != "degrade":
+                raise _error(flag["socket"], where, f"{str(sock)!r} exists and is not a socket")
+            # In a pod (the injector sets degrade) the run dir is this sidecar's own emptyDir:
+            # whatever sits at its socket path is in the way, not someone else's data.
+            warnings.append(f"{str(sock)!r} exists and is not a socket: replacing it")
         if socket_is_live(sock):
             raise _error(flag["socket"], where, f"another process is serving on {str(sock)!r}")
 
@@ -428,11 +432,26 @@ def remove_dead_instance(config: SidecarConfig) -> list[Path]:
     sock = config.socket
     if sock.exists() and socket_is_live(sock):
         return []
+    owned = config.on_pool_error == "degrade"
     return [
         path
         for path in (sock, sock.with_name(sock.name + FRAMED_SUFFIX))
-        if remove_stale_socket(path)
+        if remove_stale_socket(path) or (owned and _remove_non_socket(path))
     ]
+
+
+def _remove_non_socket(path: Path) -> bool:
+    """Remove a file or link that is not a socket at one of our socket paths (degrade mode only:
+    a pod's run dir belongs to its sidecar); True when removed."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISSOCK(mode) or stat.S_ISDIR(mode):
+        return False
+    path.unlink()
+    log.warning("removed %s: not a socket, and the sidecar serves there", path)
+    return True
 
 
 @dataclass(frozen=True)

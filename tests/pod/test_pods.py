@@ -333,6 +333,9 @@ def test_fault_socket_replaced_by_plain_file(fault_pod: Any) -> None:
     _wait_sidecar_back(pod, restarts=restarts + 1)
     assert pod.complete(PROMPT_SETS["socket"], MAX_TOKENS) == want["socket"]
     assert engine.alive()
+    # the restarted sidecar took its socket path back (the run dir is its own) and has a pool
+    stats = pod.pool_stats(socket) or {}
+    assert stats.get("pool_bytes") and not stats.get("degraded_reason"), stats
 
 
 @_mark

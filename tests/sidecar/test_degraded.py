@@ -228,3 +228,34 @@ def test_a_listen_port_taken_degrades_instead_of_crashing(tmp_path: Path) -> Non
             assert proc.terminate() == 0
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("which", ["grpc", "framed"])
+def test_degrade_mode_replaces_a_plain_file_at_its_socket_path(tmp_path: Path, which: str) -> None:
+    """In a pod the run dir is the sidecar's own: a plain file left at a socket path (a script,
+    a bad restart) must not leave the sidecar without its socket for the pod's whole life."""
+    with socket_dir() as sock_dir:
+        sock = sock_dir / "pool.sock"
+        squatter = sock if which == "grpc" else sock.with_name("pool.sock.session")
+        squatter.write_text("not a socket\n")
+        with (
+            sidecar_process(tmp_path, sock_dir, "--on-pool-error", "degrade") as proc,
+            Client(proc.target) as client,
+        ):
+            assert client.stats().degraded_reason == ""
+            client.register()
+            assert "not a socket" in proc.stderr()
+            assert squatter.is_socket()
+
+
+def test_exit_mode_still_refuses_a_plain_file_at_its_socket_path(tmp_path: Path) -> None:
+    with socket_dir() as sock_dir:
+        (sock_dir / "pool.sock").write_text("someone's file\n")
+        run = subprocess.run(
+            [*kvoffload_command(), "sidecar", "--pool-size", "16Mi", "--pool-dir", str(tmp_path),
+             "--socket", str(sock_dir / "pool.sock")],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert run.returncode == 2, run.stderr
+        assert "exists and is not a socket" in run.stderr
+        assert (sock_dir / "pool.sock").read_text() == "someone's file\n"
