@@ -273,6 +273,59 @@ def test_fault_sidecar_missing_at_start(tmp_path_factory: pytest.TempPathFactory
         assert engine.alive()
 
 
+def _sidecar_of(doc: dict[str, Any]) -> dict[str, Any]:
+    _, spec = harness.pod_spec(doc)
+    return next(c for c in spec["initContainers"] if c.get("restartPolicy") == "Always")
+
+
+@_mark
+def test_fault_sidecar_that_never_serves_holds_vllm_only_until_the_probe_deadline(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A hung sidecar (here one that never opens its socket) gates vLLM only until its startup
+    probe's deadline (`spec.sidecar.startupTimeoutSeconds`, 5 s by default); then vLLM starts
+    and serves the same tokens without the pool."""
+    wd = workdir_for(tmp_path_factory, "hung")
+    want = baseline(FAULT_FIXTURE, wd)["missing"]
+    (doc,) = inject(FAULT_FIXTURE)
+    sidecar = _sidecar_of(doc)
+    probe = sidecar["startupProbe"]["exec"]["command"]
+    deadline = float(probe[probe.index("--deadline") + 1])
+    sidecar["command"], sidecar["args"] = ["sleep", "infinity"], []
+    with harness.Pod(doc, wd) as pod:
+        began = time.monotonic()
+        engine = pod.start()  # init containers, the gated sidecar, then vLLM
+        held = time.monotonic() - began
+        pod.wait_serving(engine)
+        assert deadline - 1 <= held <= deadline + 6, f"vLLM held {held:.1f}s, deadline {deadline}"
+        assert pod.complete(PROMPT_SETS["missing"], MAX_TOKENS) == want
+        pod.reset_prefix_cache()
+        assert pod.complete(PROMPT_SETS["missing"], MAX_TOKENS) == want
+        assert engine.alive()
+
+
+@_mark
+def test_fault_sidecar_without_a_pool_serves_degraded_and_vllm_serves(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A sidecar that cannot build its pool (a NUMA node the machine lacks) starts degraded:
+    vLLM is not held back, serves the same tokens, and the reason is in `kvoffload stats`."""
+    wd = workdir_for(tmp_path_factory, "degraded")
+    want = baseline(FAULT_FIXTURE, wd)["missing"]
+    (doc,) = inject(FAULT_FIXTURE)
+    sidecar = _sidecar_of(doc)
+    sidecar["args"] = [*sidecar["args"], "--numa-node=999"]
+    with harness.running(doc, wd) as (pod, engine):
+        for _ in range(2):
+            assert pod.complete(PROMPT_SETS["missing"], MAX_TOKENS) == want
+            pod.reset_prefix_cache()
+        stats = pod.pool_stats(harness.socket_of(sidecar)) or {}
+        assert "node 999" in stats.get("degraded_reason", ""), stats
+        log = pod.procs[sidecar["name"]].text()
+        assert log.count("kvoffload sidecar: degraded, serving without a pool: ") == 1, log
+        assert engine.alive()
+
+
 @_mark
 def test_fault_sidecar_killed_mid_store(fault_pod: Any) -> None:
     pod, (engine, want) = fault_pod
