@@ -16,6 +16,7 @@ pool socket for `kvoffload stats`, and the `vllm:kvoffload_pool_active` gauge.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -89,6 +90,8 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._impl: Any = None
         self.disabled_reason = ""
+        self._config_for_status = vllm_config
+        self._pending_no_pool = ""  # sent once to the scheduler after this rank lost its pool
         scheduler_role = role == KVConnectorRole.SCHEDULER
         role_name = "scheduler" if scheduler_role else "worker"
         rank = 0
@@ -194,8 +197,38 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        if self._impl is not None:
+        """Maps this rank's pool for its KV caches. A layout the connector cannot map (a KV
+        cache shape of a vLLM or model it was not written for) must not stop vLLM: this rank
+        then serves without the pool, and tells the scheduler so requests never wait for it."""
+        if self._impl is None:
+            return
+        try:
             self._impl.register_kv_caches(kv_caches)
+        except Exception as exc:  # noqa: BLE001 - no job ran yet: dropping the rank is safe
+            self._disable_worker(exc)
+
+    def _disable_worker(self, exc: BaseException) -> None:
+        self.disabled_reason = f"cannot register the KV caches: {_reason(exc)}"
+        log.debug("kvoffload: register_kv_caches failed", exc_info=True)
+        guard.say_disabled(self.disabled_reason)
+        impl, self._impl = self._impl, None
+        self._pending_no_pool = self.disabled_reason
+        with contextlib.suppress(Exception):  # best effort: nothing was mapped or submitted
+            impl.shutdown()
+        try:
+            from kvoffload_connector.compat import worker_rank
+
+            rank = worker_rank()
+        except Exception:  # noqa: BLE001
+            rank = 0
+        guard.write_status(
+            _socket_of(self._config_for_status),
+            "disabled",
+            self.disabled_reason,
+            "worker",
+            rank,
+            _vllm_version(),
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self._impl is not None:
@@ -234,8 +267,20 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> Any:
         if self._impl is None:
-            return None
+            return self._take_no_pool_report()
         return self._impl.build_connector_worker_meta()
+
+    def _take_no_pool_report(self) -> Any:
+        """Once, after this rank gave up its pool: a report telling the scheduler so."""
+        reason, self._pending_no_pool = self._pending_no_pool, ""
+        if not reason:
+            return None
+        try:
+            from kvoffload_connector.metadata import WorkerReport
+
+            return WorkerReport(no_pool=reason)
+        except Exception:  # noqa: BLE001
+            return None
 
     # -- both -----------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> Any:

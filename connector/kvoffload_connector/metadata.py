@@ -90,6 +90,9 @@ class WorkerReport(WorkerMetadataBase):
     # rank -> pool mapped and registered with the device; sent when it changes. Until every
     # rank is ready the scheduler answers misses and plans no stores (no doomed jobs).
     ready: Mapping[int, bool] = field(default_factory=dict)
+    # Set once when a rank found no pool to register with (sidecar refused or away, a KV cache
+    # layout it cannot map): the scheduler stops holding requests for a first registration.
+    no_pool: str = ""
 
     def aggregate(self, other: WorkerReport) -> WorkerReport:  # type: ignore[override]
         return WorkerReport(
@@ -97,7 +100,14 @@ class WorkerReport(WorkerMetadataBase):
             failed=_merge(self.failed, other.failed),
             registration=self.registration or other.registration,
             ready={**self.ready, **other.ready},
+            no_pool=self.no_pool or other.no_pool,
         )
 
     def is_empty(self) -> bool:
-        return not self.done and not self.failed and self.registration is None and not self.ready
+        return (
+            not self.done
+            and not self.failed
+            and self.registration is None
+            and not self.ready
+            and not self.no_pool
+        )

@@ -144,6 +144,9 @@ class OffloadScheduler:
         self._reservations_in_flight = 0
         self._lookups_in_flight = 0
         self._registration: Registration | None = None
+        self._no_pool = (
+            ""  # a worker's reason for having no pool (stops the first-registration wait)
+        )
         self._ready: dict[int, bool] = {}  # rank -> pool ready (empty: not reported yet)
         self._first_query_at: float | None = None
         self._told_unusable = ""  # the reason last logged for serving without the pool
@@ -264,9 +267,12 @@ class OffloadScheduler:
             log.info("kvoffload: serving without the pool (lookups miss, stores drop): %s", reason)
 
     def _may_wait_for_registration(self) -> bool:
-        """Before the first registration, requests wait (bounded) instead of missing."""
+        """Before the first registration, requests wait (bounded) instead of missing; not once a
+        rank said it found no pool (a degraded sidecar, a layout it cannot map)."""
         if self._registration is not None and self.client.registrations > 0:
             return False  # registered before: the sidecar is away, do not wait for it
+        if self._no_pool:
+            return False
         now = self._clock()
         if self._first_query_at is None:
             self._first_query_at = now
@@ -760,6 +766,10 @@ class OffloadScheduler:
         if report is None:
             return
         self._ready.update(report.ready)
+        if report.no_pool and not self._no_pool:
+            self._no_pool = report.no_pool
+            log.info("kvoffload: a worker found no pool (%s); requests do not wait for it",
+                     report.no_pool)  # fmt: skip
         if report.registration is not None and report.registration != self._registration:
             reg = self._registration = report.registration
             self._rpc.submit(lambda: self._register(reg))

@@ -91,6 +91,7 @@ class OffloadWorker:
         self._lock = threading.Lock()
         self._reconnect_queued = False
         self._report_registration: Registration | None = None
+        self._report_no_pool = ""  # why the first registration found no pool (sent once)
         self._reported_ready: bool | None = None
         self._jobs: dict[int, tuple[str, str, int, str]] = {}  # id -> (kind, req, store id, ns)
         self._saved_meta: ConnectorMeta | None = None  # the metadata whose stores went out
@@ -147,8 +148,10 @@ class OffloadWorker:
                 self.cfg.socket,
                 e,
             )
+            self._report_no_pool = f"no pool from the sidecar: {e}"
         except (OSError, ValueError) as e:
             log.warning("kvoffload: cannot map the pool region: %s", e)
+            self._report_no_pool = f"cannot map the pool region: {e}"
 
     def _apply(self, reg: RegisterResult) -> None:
         """Step thread: adopt a (re-)registration, re-mapping when the pool changed."""
@@ -375,16 +378,18 @@ class OffloadWorker:
 
     def report(self) -> WorkerReport | None:
         reg, self._report_registration = self._report_registration, None
+        no_pool, self._report_no_pool = self._report_no_pool, ""
         ready = self.ready
         changed = ready != self._reported_ready
         self._reported_ready = ready
-        if not self._done and not self._failed and reg is None and not changed:
+        if not self._done and not self._failed and reg is None and not changed and not no_pool:
             return None
         out = WorkerReport(
             done=self._done,
             failed=self._failed,
             registration=reg,
             ready={self.rank: ready} if changed or reg is not None else {},
+            no_pool=no_pool,
         )
         self._done, self._failed = {}, {}
         return out

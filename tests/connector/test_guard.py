@@ -197,6 +197,32 @@ def test_active_connector_writes_active_status(tmp_path, fresh_guard, caplog):
         conn.shutdown()
 
 
+def test_kv_caches_the_worker_cannot_map_disable_that_rank_and_tell_the_scheduler(
+    tmp_path, fresh_guard, caplog
+):
+    """A KV cache layout the connector was not written for (here: not tensors at all) must not
+    stop vLLM at registration: the rank serves without the pool, says why once, and its next
+    worker report tells the scheduler, so requests never wait for its registration."""
+    with caplog.at_level(logging.WARNING, logger="kvoffload_connector"):
+        conn = _build(tmp_path, role=KVConnectorRole.WORKER)
+        assert conn.active, conn.disabled_reason
+        conn.register_kv_caches({"model.layers.0.attn": object()})
+    assert not conn.active
+    assert conn.disabled_reason.startswith("cannot register the KV caches: ")
+    said = _said(caplog)
+    assert len(said) == 1 and "cannot register the KV caches" in said[0], said
+    status = _status(tmp_path, "worker")
+    assert status["state"] == "disabled" and "cannot register" in status["reason"]
+    report = conn.build_connector_worker_meta()
+    assert report.no_pool == conn.disabled_reason
+    assert conn.build_connector_worker_meta() is None  # said once
+    conn.start_load_kv(None)
+    conn.wait_for_save()
+    assert conn.get_finished({"r1"}) == (None, None)
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.shutdown()
+
+
 def test_status_write_failure_is_ignored(tmp_path, fresh_guard):
     conn = KVOffloadConnector(
         _vllm_config({"socket": "/proc/no/such/dir/pool.sock", "mode": "x"}),

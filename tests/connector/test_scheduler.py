@@ -539,6 +539,24 @@ def test_first_registration_is_awaited_then_lookups_flow():
     assert s.get_num_new_matched_tokens(req, 0) == (256, False)  # default: layered load
 
 
+def test_a_worker_without_a_pool_stops_the_wait_for_a_first_registration():
+    """A degraded sidecar refuses the workers' registration: requests must not sit out
+    register_wait_ms (a minute here) for a registration that is not coming; they miss at once."""
+    fake = FakePool()
+    fake.up = False
+    fake.registrations = 0
+    cfg = parse_extra_config({"chunk_size": CHUNK, "register_wait_ms": 60000}, BS)
+    s = OffloadScheduler(cfg, block_size=BS, num_groups=1, world_size=1, client=fake)
+    req = Request("r", list(range(300)))
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # waiting for a registration
+    s.update_connector_output(WorkerReport(no_pool="no pool from the sidecar: degraded"))
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # a miss now, not a wait
+    assert WorkerReport(no_pool="x").aggregate(WorkerReport()).no_pool == "x"
+    assert not WorkerReport(no_pool="x").is_empty()
+
+
 def test_worker_report_aggregates_ranks():
     a = WorkerReport(done={1: 1}, failed={2: 1})
     b = WorkerReport(done={1: 1, 3: 1})
