@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,14 +25,23 @@ from pathlib import Path
 import grpc
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
-from procs import Client, keys, kvoffload_command, short_dir, socket_dir, wait_ready, wait_serving
+from procs import (
+    Client,
+    keys,
+    kvoffload_command,
+    short_dir,
+    socket_dir,
+    stop_process,
+    wait_ready,
+    wait_serving,
+)
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
 MiB = 1 << 20
 POOL_MIB = 16
 MARGIN_MIB = 4  # far less than a second pool
-VLLM_PYTHON = Path("/work/main/.venv/bin/python")
+VLLM_PYTHON = Path(sys.executable)  # this checkout's venv (on /usr/bin/python3: other uids run it)
 REUSE_LINE = "reusing the pool file of a sidecar that is gone ("
 NEW, NO_SPACE = pb.STORE_DECISION_NEW, pb.STORE_DECISION_NO_SPACE
 
@@ -139,16 +149,6 @@ def serves_a_pool(sock: Path) -> bool:
     return bool(stats.pool_bytes) and not stats.degraded_reason
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def test_sigkilled_sidecar_restarts_serving_while_vllm_maps_the_pool(small_tmpfs: Path) -> None:
     pool_file = small_tmpfs / "pool-0.shm"
     with socket_dir() as run:
@@ -180,7 +180,7 @@ def test_sigkilled_sidecar_restarts_serving_while_vllm_maps_the_pool(small_tmpfs
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- sidecar log ---\n{log.read_text()}") from None
         finally:
-            stop(proc)
+            stop_process(proc)
         assert log.read_text().count(REUSE_LINE) == 3
 
 
@@ -214,7 +214,7 @@ def test_stores_wait_out_the_quarantine_after_a_reused_pool_file(small_tmpfs: Pa
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- sidecar log ---\n{log.read_text()}") from None
         finally:
-            stop(proc)
+            stop_process(proc)
         text = log.read_text()
     line = f"{REUSE_LINE}{small_tmpfs / 'pool-0.shm'}); stores start after {grace:g}s"
     assert text.count(REUSE_LINE) == 1 and line in text, text
@@ -260,7 +260,7 @@ def test_degraded_for_no_space_retries_and_serves_once_room_is_back(small_tmpfs:
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n--- sidecar log ---\n{log.read_text()}") from None
         finally:
-            stop(proc)
+            stop_process(proc)
         text = log.read_text()
     assert text.count("kvoffload sidecar: degraded, serving without a pool: ") == 1, text
     assert "; serving" in text and "pool built after " in text, text
