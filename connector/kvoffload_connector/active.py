@@ -72,14 +72,7 @@ class ActiveConnector:
 
             _, _, world = compat.world(vllm_config)
             cfg = self.cfg
-            client = PoolClient(
-                cfg.socket,
-                f"{cfg.client_name}/{engine}/scheduler",
-                rpc_timeout_s=cfg.rpc_timeout_ms / 1e3,
-                reconnect_min_s=cfg.reconnect_min_ms / 1e3,
-                reconnect_max_s=cfg.reconnect_max_ms / 1e3,
-                framed=cfg.framed_session,
-            )
+            client = PoolClient.from_config(cfg, f"{cfg.client_name}/{engine}/scheduler")
             self._scheduler = OffloadScheduler(
                 cfg,
                 block_size=block_size,

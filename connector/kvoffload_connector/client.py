@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from kvoffload.v1 import pool_pb2, pool_pb2_grpc
@@ -29,6 +30,9 @@ from kvoffload_connector.errors import PoolUnavailable
 from kvoffload_connector.framed import FramedSession
 from kvoffload_connector.keys import SpecFields, pack, unpack_slots
 from kvoffload_connector.session import OrderedSession
+
+if TYPE_CHECKING:
+    from kvoffload_connector.config import ConnectorConfig
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +235,18 @@ class PoolClient:
         self.registration: RegisterResult | None = None
         self.key_size = 0
         self.registrations = 0  # successful (re-)registrations, for tests and logs
+
+    @classmethod
+    def from_config(cls, cfg: ConnectorConfig, client_name: str) -> PoolClient:
+        """The client a connector half uses: socket, deadlines and transport from its config."""
+        return cls(
+            cfg.socket,
+            client_name,
+            rpc_timeout_s=cfg.rpc_timeout_ms / 1e3,
+            reconnect_min_s=cfg.reconnect_min_ms / 1e3,
+            reconnect_max_s=cfg.reconnect_max_ms / 1e3,
+            framed=cfg.framed_session,
+        )
 
     # -- connection -----------------------------------------------------------------
     def _open(self) -> pool_pb2_grpc.KVPoolStub:

@@ -72,14 +72,7 @@ class OffloadWorker:
         self.kv_cache_config = kv_cache_config
         self.block_size = compat.block_size(vllm_config, kv_cache_config)
         self.chunk_blocks = cfg.chunk_tokens // self.block_size
-        self.client = PoolClient(
-            cfg.socket,
-            f"{cfg.client_name}/{engine_name}/rank-{rank}",
-            rpc_timeout_s=cfg.rpc_timeout_ms / 1e3,
-            reconnect_min_s=cfg.reconnect_min_ms / 1e3,
-            reconnect_max_s=cfg.reconnect_max_ms / 1e3,
-            framed=cfg.framed_session,
-        )
+        self.client = PoolClient.from_config(cfg, f"{cfg.client_name}/{engine_name}/rank-{rank}")
         self._rpc = RpcThread(f"kvoffload-rank{rank}-rpc")
         self.layout: CanonicalLayout | None = None
         self.device: torch.device | None = None

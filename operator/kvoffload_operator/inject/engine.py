@@ -193,22 +193,15 @@ def conflicts(container: Mapping[str, Any]) -> Site | None:
     name = container.get("name")
     env = _env_values(container)
     texts = [*argv(container), *env.values()]
-    for text in texts:
-        m = _KV_TRANSFER_RE.search(text)
-        if m:
-            return Site(
-                False,
-                problem=Problem.HAS_KV_TRANSFER_CONFIG,
-                message=f"container {name!r} already configures a KV connector ({m.group(0)})",
-            )
-    for text in texts:
-        m = _KV_OFFLOAD_RE.search(text)
-        if m:
-            return Site(
-                False,
-                problem=Problem.HAS_KV_OFFLOADING,
-                message=f"container {name!r} already uses vLLM's KV offloading ({m.group(0)})",
-            )
+    for pattern, problem, what in (
+        (_KV_TRANSFER_RE, Problem.HAS_KV_TRANSFER_CONFIG, "already configures a KV connector"),
+        (_KV_OFFLOAD_RE, Problem.HAS_KV_OFFLOADING, "already uses vLLM's KV offloading"),
+    ):
+        for text in texts:
+            m = pattern.search(text)
+            if m:
+                message = f"container {name!r} {what} ({m.group(0)})"
+                return Site(False, problem=problem, message=message)
     simple = env.get("VLLM_USE_SIMPLE_KV_OFFLOAD")
     if simple is not None and simple.strip().lower() not in _FALSY:
         return Site(
