@@ -218,8 +218,9 @@ class PoolClient:
         *,
         rpc_timeout_s: float = 1.0,
         reconnect_min_s: float = 0.1,
-        reconnect_max_s: float = 5.0,
+        reconnect_max_s: float = 0.5,
         framed: bool = True,
+        keep_attached: bool = False,
     ):
         self.socket_path = socket_path
         self.framed = framed  # use the sidecar's framed socket for the session when offered
@@ -235,6 +236,10 @@ class PoolClient:
         self.registration: RegisterResult | None = None
         self.key_size = 0
         self.registrations = 0  # successful (re-)registrations, for tests and logs
+        self._socket_id: tuple[int, int] | None = None  # (dev, inode) of the socket registered on
+        self._closed = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._keep_attached = keep_attached
 
     @classmethod
     def from_config(cls, cfg: ConnectorConfig, client_name: str) -> PoolClient:
@@ -246,6 +251,7 @@ class PoolClient:
             reconnect_min_s=cfg.reconnect_min_ms / 1e3,
             reconnect_max_s=cfg.reconnect_max_ms / 1e3,
             framed=cfg.framed_session,
+            keep_attached=True,
         )
 
     # -- connection -----------------------------------------------------------------
@@ -276,6 +282,7 @@ class PoolClient:
         """Register (or re-register) and open the session; raises PoolUnavailable."""
         with self._lock:
             self._register_args = (spec, num_ranks, slot_bytes_per_rank)
+            self._start_keeper()
             return self._register()
 
     def remember(self, spec: SpecFields, num_ranks: int, slot_bytes_per_rank: int) -> None:
@@ -283,11 +290,49 @@ class PoolClient:
         with self._lock:
             self._register_args = (spec, num_ranks, slot_bytes_per_rank)
             self.key_size = spec.key_size
+            self._start_keeper()
+
+    # -- staying attached -------------------------------------------------------------
+    KEEPER_PERIOD_S = 0.2
+
+    def _start_keeper(self) -> None:
+        """Lock held: with `keep_attached`, a daemon thread re-registers on its own when the
+        sidecar comes back (restart, upgrade), so an idle engine's next request already finds
+        the pool instead of missing while the first step reconnects."""
+        if self._keep_attached and self._keeper is None and not self._closed.is_set():
+            self._keeper = threading.Thread(
+                target=self._keep, name="kvoffload-keep-attached", daemon=True
+            )
+            self._keeper.start()
+
+    def _keep(self) -> None:
+        while not self._closed.wait(self.KEEPER_PERIOD_S):
+            try:
+                if self.connected:
+                    if self._socket_id is None or self._socket_now() == self._socket_id:
+                        continue
+                    # Another process bound the socket: this session talks to a dead sidecar
+                    # (an idle session does not notice by itself).
+                    with self._lock:
+                        if self.connected and self._socket_now() != self._socket_id:
+                            log.info("kvoffload: the sidecar at %s restarted", self.socket_path)
+                            self._close_channel()
+                self.ensure()
+            except Exception:  # noqa: BLE001 - the keeper must never die of one bad turn
+                log.debug("kvoffload: keep-attached turn failed", exc_info=True)
+
+    def _socket_now(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.socket_path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
 
     def _register(self) -> RegisterResult:
         assert self._register_args is not None
         spec, num_ranks, slot_bytes = self._register_args
         stub = self._open()
+        socket_id = self._socket_now()
         try:
             resp = stub.Register(
                 pool_pb2.RegisterRequest(
@@ -307,6 +352,7 @@ class PoolClient:
                 raise
             raise PoolUnavailable(f"register: {e.code()}: {e.details()}") from None
         self.backoff.reset()
+        self._socket_id = socket_id
         self.key_size = spec.key_size
         self.registrations += 1
         self.registration = RegisterResult(
@@ -370,6 +416,7 @@ class PoolClient:
                 return False
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             self._close_channel()
             self.registration = None

@@ -58,7 +58,7 @@ class ConnectorConfig:
     rpc_timeout_ms: int = 1000  # deadline of every other RPC
     register_wait_ms: int = 5000  # how long a request may wait for the first registration
     reconnect_min_ms: int = 100  # first reconnect backoff, doubled up to reconnect_max_ms
-    reconnect_max_ms: int = 5000
+    reconnect_max_ms: int = 500  # at most this long between attempts: back within ~1 s
     lazy_watermark_blocks: int = 0  # lazy mode: blocks at the free-queue head to protect (0=auto)
     store_decode: bool = True  # also store chunks filled by generated tokens
     # A request alone in the engine gets its lookup answered inside the scheduling call that

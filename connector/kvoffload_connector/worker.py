@@ -81,6 +81,7 @@ class OffloadWorker:
         self.generation: str | None = None
         self.namespace_id = ""
         self._new_registration: RegisterResult | None = None  # set by the rpc thread
+        self._applied: RegisterResult | None = None  # the registration the step thread uses
         self._lock = threading.Lock()
         self._reconnect_queued = False
         self._report_registration: Registration | None = None
@@ -170,6 +171,7 @@ class OffloadWorker:
                 )
             self.generation = reg.generation
         self.namespace_id = reg.namespace_id
+        self._applied = reg
         self._report_registration = Registration(
             self.spec, self.num_ranks, self.layout.slot_bytes, reg.namespace_id, reg.generation
         )
@@ -199,10 +201,14 @@ class OffloadWorker:
     def _maybe_reconnect(self) -> None:
         with self._lock:
             reg, self._new_registration = self._new_registration, None
+        current = self.client.registration  # the client's keeper may have re-registered
+        if reg is None and current is not None and current is not self._applied:
+            reg = current
         if reg is not None:
             try:
                 self._apply(reg)
             except (OSError, ValueError) as e:
+                self._applied = reg  # said once; the next registration tries again
                 log.warning("kvoffload: cannot map the pool region: %s", e)
         if self.spec is not None and not self.client.connected and not self._reconnect_queued:
             self._reconnect_queued = True

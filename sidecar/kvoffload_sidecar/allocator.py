@@ -52,6 +52,30 @@ class FreeSlots:
         self._fresh = 0  # first never-allocated slot
         self._ready = 0  # slots [0, ready) are pre-faulted
 
+    @classmethod
+    def adopted(cls, slot_count: int, used: np.ndarray, withheld: np.ndarray) -> FreeSlots:
+        """The free list of an adopted namespace: every slot below the highest used or withheld
+        one that is neither is free (its pages were faulted in when it was first handed out);
+        the ones above are handed out as the pre-fault passes them, as in a new pool."""
+        free = cls(slot_count)
+        taken = np.concatenate([used, withheld]).astype(np.intp, copy=False)
+        if not len(taken):
+            return free
+        fresh = int(taken.max()) + 1
+        mask = np.ones(fresh, bool)
+        mask[taken] = False
+        gaps = np.flatnonzero(mask)[::-1]  # LIFO: the lowest free slot is handed out first
+        free._fresh = fresh
+        free._reserve_room(len(gaps))
+        free._freed[: len(gaps)] = gaps
+        free._top = len(gaps)
+        return free
+
+    @property
+    def fresh(self) -> int:
+        """Slots at or above this were never handed out."""
+        return self._fresh
+
     @property
     def ready(self) -> int:
         """Slots whose bytes are pre-faulted on every rank (allocatable once free)."""

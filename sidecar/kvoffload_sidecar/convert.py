@@ -179,3 +179,12 @@ def stats_to_proto(
         )
     out.uptime_seconds = stats.uptime_seconds
     out.version = version
+    a, found = stats.adoption, out.adoption
+    found.outcome = a.outcome
+    found.reason = a.reason
+    found.format_version = a.format_version
+    found.adopted_blocks = a.adopted_blocks
+    found.adopted_namespaces = a.adopted_namespaces
+    found.discarded_blocks.update(a.discarded)
+    found.adopt_seconds = a.seconds
+    found.boots = a.boots

@@ -245,6 +245,24 @@ class SlotIndex:
         self.counts.reserved += len(slots)
         return list(slots)
 
+    def adopt(self, packed: bytes, slots: np.ndarray) -> None:
+        """Committed blocks read back from the pool file (distinct keys and slots, the index
+        still empty): FREE -> COMMITTED in one pass."""
+        n = len(slots)
+        if not n:
+            return
+        self._ensure(int(slots.max()))
+        if self._state_v[slots].any() or len(self._slot_of):
+            raise ValueError("adopting into an index that is in use")
+        slots64 = np.ascontiguousarray(slots, dtype=np.int64)
+        if self.key_size is not None and hasattr(self._slot_of, "insert_new"):
+            if not self._slot_of.insert_new(packed, slots64):
+                raise ValueError("adopted keys repeat")
+        else:  # pragma: no cover - an index built without a key size is never adopted
+            raise ValueError("adoption needs an index with a key size")
+        self._state_v[slots] = _COMMITTED
+        self.counts.committed += n
+
     def open_store(
         self, store_id: int, client_id: int, slots: Slots, keys: Sequence[PoolKey]
     ) -> StoreRecord:

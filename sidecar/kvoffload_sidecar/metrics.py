@@ -23,6 +23,9 @@ from prometheus_client import CollectorRegistry, Histogram, Info, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvoffload_sidecar import persist
+from kvoffload_sidecar.persist import Adoption
+
 if TYPE_CHECKING:
     from kvoffload_sidecar.pool import NamespaceStats, Pool, PoolStats
 
@@ -139,6 +142,41 @@ NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
 )
 
 
+def _adoption_metrics(adoption: Adoption, generation: str) -> Iterator[Metric]:
+    """What this sidecar's start found in the pool file: kept, discarded and why, how long."""
+    info = GaugeMetricFamily(
+        "kvoffload_pool_info",
+        "The pool file this sidecar serves (value 1): generation (kept across restarts that "
+        "adopt the file), format version, and what the start did with the file found.",
+        labels=["generation", "format_version", "outcome"],
+    )
+    info.add_metric([generation, str(persist.FORMAT_VERSION), adoption.outcome], 1.0)
+    adopted = GaugeMetricFamily(
+        "kvoffload_pool_adopted_blocks",
+        "Committed blocks this sidecar adopted from the pool file at start.",
+    )
+    adopted.add_metric([], float(adoption.adopted_blocks))
+    discarded = GaugeMetricFamily(
+        "kvoffload_pool_discarded_blocks",
+        "Records of the pool file not adopted at start, per reason (torn, reserved, duplicate; "
+        "namespace counts unreadable namespace records).",
+        labels=["reason"],
+    )
+    for reason, n in sorted(adoption.discarded.items()):
+        discarded.add_metric([reason], float(n))
+    seconds = GaugeMetricFamily(
+        "kvoffload_pool_adoption_seconds",
+        "Seconds this sidecar spent reading the pool file's index at start.",
+    )
+    seconds.add_metric([], adoption.seconds)
+    boots = GaugeMetricFamily(
+        "kvoffload_pool_boots",
+        "Sidecar processes that have served this pool file, this one included.",
+    )
+    boots.add_metric([], float(adoption.boots))
+    yield from (info, adopted, discarded, seconds, boots)
+
+
 class PoolCollector(Collector):
     """Reads one `Pool.stats()` per scrape and yields every table metric from it."""
 
@@ -164,6 +202,7 @@ class PoolCollector(Collector):
         )
         rebuilds.add_metric([], float(self._pool.rebuilds))
         yield from (size, prefaulted, ready, rebuilds)
+        yield from _adoption_metrics(stats.adoption, stats.pool_generation)
         spec_info = GaugeMetricFamily(
             "kvoffload_namespace_info",
             "Spec of each namespace (value 1).",

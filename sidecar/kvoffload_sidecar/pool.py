@@ -17,14 +17,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import compress, repeat
 from operator import is_
 from pathlib import Path
 
 import numpy as np
 
-from kvoffload_sidecar import allocator
+from kvoffload_sidecar import allocator, persist
 from kvoffload_sidecar.allocator import FreeSlots
 from kvoffload_sidecar.errors import (
     FailedPrecondition,
@@ -43,9 +43,11 @@ from kvoffload_sidecar.keys import (
     derive_namespace,
     split_keys,
 )
+from kvoffload_sidecar.persist import Adoption, NamespaceLayout, SlotTable
 from kvoffload_sidecar.policies import CachePolicy, make_policy
+from kvoffload_sidecar.policies.base import consume
 from kvoffload_sidecar.policies.factory import resolve_policy
-from kvoffload_sidecar.region import ALIGN_BYTES, PrefaultGate, Region, align_down
+from kvoffload_sidecar.region import PrefaultGate, Region
 
 __all__ = [
     "LoadPin",
@@ -170,6 +172,7 @@ class PoolStats:
     pool_generation: str
     namespaces: tuple[NamespaceStats, ...]
     uptime_seconds: float
+    adoption: Adoption = field(default_factory=Adoption)  # what the start found in the file
 
 
 @dataclass(slots=True)
@@ -206,6 +209,10 @@ class _Namespace:
     free: FreeSlots
     policy: CachePolicy
     last_used: float
+    layout: NamespaceLayout
+    table: SlotTable  # the slot records in the pool file (persist.py)
+    withheld: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))  # slots reserved
+    # when the last sidecar died: free once the grace is over
     clients: set[int] = field(default_factory=set)
     counters: _Counters = field(default_factory=_Counters)
     touches: list[bytes] = field(default_factory=list)  # deferred, packed keys, in call order
@@ -269,13 +276,18 @@ class Pool:
             gate=prefault_gate,
             on_progress=self._on_prefault_progress,
         )
-        self._partition_bytes = align_down(s.pool_size // s.max_namespaces, ALIGN_BYTES)
+        self._geometry = persist.geometry(s.pool_size, s.max_namespaces, s.hugepages)
         self._partitions: list[NamespaceId | None] = [None] * s.max_namespaces
         self._namespaces: dict[NamespaceId, _Namespace] = {}
         self._clients: dict[int, _Client] = {}
-        self._next_client = 1
-        self._next_pin = 1
-        self._next_store = 1
+        # Ids start at a random base per process: a connector's late call with an id of the
+        # sidecar instance before (a store commit, a pin release) can never name one of ours.
+        self._next_client = self._id_base()
+        self._next_pin = self._id_base()
+        self._next_store = self._id_base()
+        self._commit_seq = persist.FIRST_SEQ  # next commit record's sequence number
+        self._evict_from = 0.0  # clock time before which adopted blocks are not evicted
+        self.adoption = Adoption()
         self._draining = False
         self._deferred = False  # some namespace may have queued touches (`flush_deferred`)
         self._started = False
@@ -284,6 +296,10 @@ class Pool:
         self.generation = secrets.token_hex(8)
         self.rebuilds = 0  # times the pool file was rebuilt after it changed under us
         self._ready_event = threading.Event()
+
+    @staticmethod
+    def _id_base() -> int:
+        return (secrets.randbits(30) << 32) | 1
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -303,16 +319,7 @@ class Pool:
             self._region.open()
             self._started = True
             self._started_at = self._clock()
-            if self._region.reused:
-                # Copies the dead sidecar's clients had in flight may still land in the file for
-                # a moment: no slot is handed out for stores until they are surely done.
-                self._stores_from = self._started_at + self.settings.detach_grace_s
-        if self._region.reused:
-            log.warning(
-                "reusing the pool file of a sidecar that is gone (%s); stores start after %gs",
-                self.path,
-                self.settings.detach_grace_s,
-            )
+            self._open_index()
         self._region.start_prefault()
         with self._lock:
             self._on_prefault_progress()
@@ -325,9 +332,111 @@ class Pool:
             self.settings.eviction,
         )
 
-    def close(self) -> None:
-        """Stop the pre-fault, unmap and remove the file. The pool is unusable afterwards."""
-        self._region.close()
+    def _open_index(self) -> None:
+        """Lock held, file mapped: adopt the index the sidecar before us left in the file
+        (persist.py), or start a new one. Sets `generation` and `adoption`."""
+        t0 = time.perf_counter()
+        region, geom = self._region, self._geometry
+        buf = region.buffer
+        found = persist.read_header(buf, geom) if region.reused else None
+        grace = self.settings.detach_grace_s
+        if found is not None and found.problem is None:
+            self.generation = found.generation
+            adoption = Adoption("adopted", "", found.format_version, boots=found.boots + 1)
+            persist.count_boot(buf, geom, adoption.boots)
+            for partition in range(geom.max_namespaces):
+                layout = persist.read_namespace(buf, geom, partition, self.generation)
+                if isinstance(layout, str):
+                    log.warning("partition %d: namespace not adopted: %s", partition, layout)
+                    adoption.add_discards({"namespace": 1})
+                elif layout is not None:
+                    self._adopt_namespace(layout, adoption)
+            # Loads the dead instance's clients had in flight may still read adopted blocks,
+            # and stores write slots it had reserved: no eviction, and those slots stay
+            # withheld, for the grace. Free slots take stores at once.
+            self._evict_from = self._started_at + grace
+        else:
+            if found is None:
+                adoption = Adoption("new", "no pool file was left: created one")
+            else:
+                adoption = Adoption("discarded", found.problem or "", found.format_version)
+                # Copies the dead sidecar's clients had in flight may still land in the file
+                # for a moment: no slot is handed out for stores until they are surely done.
+                self._stores_from = self._started_at + grace
+            persist.write_header(buf, geom, self.generation)
+        adoption.seconds = time.perf_counter() - t0
+        self.adoption = adoption
+        if adoption.outcome == "adopted":
+            log.warning(
+                "adopted the pool file %s (boot %d, generation %s): %d committed blocks in %d "
+                "namespace(s) in %.3f s; not adopted: %s",
+                self.path,
+                adoption.boots,
+                self.generation,
+                adoption.adopted_blocks,
+                adoption.adopted_namespaces,
+                adoption.seconds,
+                adoption.discarded or "none",
+            )
+        elif adoption.outcome == "discarded":
+            log.warning(
+                "discarded the contents of the pool file %s: %s; stores start after %gs",
+                self.path,
+                adoption.reason,
+                grace,
+            )
+
+    def _adopt_namespace(self, layout: NamespaceLayout, adoption: Adoption) -> None:
+        """Lock held: a namespace read back from the file, with its committed blocks."""
+        table = SlotTable(self._region.buffer, layout)
+        scan = table.scan()
+        spec = layout.spec
+        index = SlotIndex(layout.slot_count, layout.num_ranks, spec.key_size)
+        index.adopt(scan.packed, scan.slots)
+        policy = make_policy(self.settings.eviction, layout.slot_count)
+        n = len(scan.slots)
+        consume(map(policy.insert, split_keys(scan.packed, spec.key_size, max_keys=max(n, 1))))
+        ns = _Namespace(
+            namespace_id=layout.namespace_id,
+            spec=spec,
+            num_ranks=layout.num_ranks,
+            slot_bytes_per_rank=layout.slot_bytes_per_rank,
+            partition=layout.partition,
+            regions=self._regions_of(layout),
+            index=index,
+            free=FreeSlots.adopted(layout.slot_count, scan.slots, scan.withheld),
+            policy=policy,
+            last_used=self._clock(),
+            layout=layout,
+            table=table,
+            withheld=scan.withheld,
+        )
+        self._partitions[layout.partition] = ns.namespace_id
+        self._namespaces[ns.namespace_id] = ns
+        self._commit_seq = max(self._commit_seq, scan.max_seq + 1)
+        adoption.adopted_blocks += n
+        adoption.adopted_namespaces += 1
+        adoption.add_discards(scan.discarded)
+        self._set_prefault_priority()
+        self._update_ready(ns)
+
+    def _regions_of(self, layout: NamespaceLayout) -> tuple[RankRegion, ...]:
+        path = str(self.path)
+        return tuple(
+            RankRegion(
+                r, path, layout.rank_offset(r), layout.slot_bytes_per_rank, layout.slot_count
+            )
+            for r in range(layout.num_ranks)
+        )
+
+    def close(self, *, remove: bool = False) -> None:
+        """Stop the pre-fault and unmap; the pool is unusable afterwards. The file stays (the
+        next sidecar of the pod adopts it) unless `remove`."""
+        with self._lock:
+            self._namespaces.clear()  # their slot tables are views of the mapping
+            self._clients.clear()
+            self._partitions = [None] * len(self._partitions)
+        self._region.close(remove=remove)
         with self._lock:
             self._started = False
             self._draining = True
@@ -356,8 +465,10 @@ class Pool:
             # Copies a connector still had in flight may land in the file for a moment.
             self._stores_from = now + self.settings.detach_grace_s
             self.rebuilds += 1
+            self._evict_from = 0.0
             try:
                 self._region.rebuild()
+                persist.write_header(self._region.buffer, self._geometry, self.generation)
             except (OSError, ValueError) as exc:
                 self._started = False  # every call answers FAILED_PRECONDITION from now on
                 log.error(
@@ -379,6 +490,11 @@ class Pool:
         with self._lock:
             self._on_prefault_progress()
         return True
+
+    def open_stores(self) -> int:
+        """Store reservations not yet committed or aborted (all namespaces)."""
+        with self._lock:
+            return sum(len(ns.index.stores) for ns in self._namespaces.values())
 
     def begin_drain(self) -> None:
         """Refuse new registrations and reservations (Unavailable); commits/releases still work."""
@@ -474,31 +590,31 @@ class Pool:
         slot_bytes_per_rank: int,
         now: float,
     ) -> _Namespace:
-        per_rank = align_down(self._partition_bytes // num_ranks, ALIGN_BYTES)
-        slot_count = min(per_rank // slot_bytes_per_rank, MAX_SLOTS)
-        if slot_count < 1:
+        geom = self._geometry
+        if persist.plan_namespace(geom, 0, spec, num_ranks, slot_bytes_per_rank) is None:
             raise ResourceExhausted(
-                f"a partition of {self._partition_bytes} bytes holds no slot of "
-                f"{num_ranks} x {slot_bytes_per_rank} bytes (each rank's region is 2 MiB aligned)"
+                f"a partition of {geom.partition_bytes} bytes holds no slot of {num_ranks} x "
+                f"{slot_bytes_per_rank} bytes (each rank's region is aligned to {geom.align} "
+                "bytes, and the partition keeps its slot table)"
             )
         partition = self._take_partition(now)
-        base = partition * self._partition_bytes
-        path = str(self.path)
-        regions = tuple(
-            RankRegion(r, path, base + r * per_rank, slot_bytes_per_rank, slot_count)
-            for r in range(num_ranks)
-        )
+        layout = persist.plan_namespace(geom, partition, spec, num_ranks, slot_bytes_per_rank)
+        assert layout is not None  # every partition has the same size
+        slot_count = layout.slot_count
+        table = persist.write_namespace(self._region.buffer, layout, self.generation)
         ns = _Namespace(
             namespace_id=namespace_id,
             spec=spec,
             num_ranks=num_ranks,
             slot_bytes_per_rank=slot_bytes_per_rank,
             partition=partition,
-            regions=regions,
+            regions=self._regions_of(layout),
             index=SlotIndex(slot_count, num_ranks, spec.key_size),
             free=FreeSlots(slot_count),
             policy=make_policy(self.settings.eviction, slot_count),
             last_used=now,
+            layout=layout,
+            table=table,
         )
         self._partitions[partition] = namespace_id
         self._namespaces[namespace_id] = ns
@@ -572,11 +688,30 @@ class Pool:
         `client_timeout_s`; returns how many."""
         with self._lock:
             now = self._clock()
+            if self._evict_from and now >= self._evict_from:
+                self._end_adoption_grace()
             idle = [c for c in self._clients.values() if not self._is_live(c, now)]
             for client in idle:
                 log.info("reaping idle client %d (%s)", client.client_id, client.name)
                 self._forget_client(client)
             return len(idle)
+
+    def _end_adoption_grace(self) -> None:
+        """Lock held: the dead instance's copies are surely done: withheld slots become free,
+        adopted blocks evictable."""
+        self._evict_from = 0.0
+        intact = self._region.intact()
+        for ns in self._namespaces.values():
+            if len(ns.withheld):
+                if intact:
+                    ns.table.mark(ns.withheld, persist.FREE)
+                ns.free.release_many(ns.withheld)
+                ns.withheld = np.zeros(0, np.intp)
+
+    def _mark_free(self, ns: _Namespace, slots: Sequence[int] | np.ndarray) -> None:
+        """Lock held: aborted store slots are free in the file's table too."""
+        if self._region.intact():
+            ns.table.mark(slots, persist.FREE)
 
     def _is_live(self, client: _Client, now: float) -> bool:
         if client.sessions > 0:
@@ -590,7 +725,9 @@ class Pool:
         for pin_id in client.pins:
             ns.index.unpin(pin_id)
         for store_id in client.stores:
-            ns.free.release_many(ns.index.abort_store(store_id))
+            slots = ns.index.abort_store(store_id)
+            self._mark_free(ns, slots)
+            ns.free.release_many(slots)
         ns.clients.discard(client.client_id)
         del self._clients[client.client_id]
 
@@ -678,9 +815,12 @@ class Pool:
             packed, n_keys = check_packed(keys, ns.spec.key_size)
             if self._stores_from and self._clock() < self._stores_from:
                 return StoreReservation(0, (_NO_SPACE,) * n_keys, ())  # a skipped store
+            if not self._region.intact():  # the reaper rebuilds the file; writing it is SIGBUS
+                return StoreReservation(0, (_NO_SPACE,) * n_keys, ())
             index, free = ns.index, ns.free
             new_slots = self._reserve_new(ns, packed, n_keys)
             if new_slots is not None:  # the usual store: every key new, distinct, slots free
+                ns.table.mark(new_slots, persist.RESERVED)  # before any byte is written
                 store_id = self._next_store
                 self._next_store += 1
                 index.open_store_packed(store_id, client.client_id, new_slots, packed)
@@ -708,6 +848,7 @@ class Pool:
             decisions = _store_decisions(key_list, stored, fresh[len(slots) :], unique)
             store_id = 0
             if slot_list:
+                ns.table.mark(slot_list, persist.RESERVED)  # before any byte is written
                 store_id = self._next_store
                 self._next_store += 1
                 index.open_store(store_id, client.client_id, slots, stored)
@@ -745,6 +886,8 @@ class Pool:
         O(log n) refused calls, ending with every evictable victim gone when n is out of reach.
         """
         self._apply_touches(ns)
+        if self._evict_from and self._clock() < self._evict_from:
+            return  # adopted blocks may still be read by the dead instance's clients' loads
         ask = n
         while n > 0 and ask > 0:
             victims = ns.policy.evict(ask, protected)
@@ -771,6 +914,9 @@ class Pool:
                 insert = ns.policy.insert
                 for key in keys:
                     insert(key)
+                if self._region.intact():  # the commit record: visible after a restart too
+                    ns.table.commit(record.slots, b"".join(keys), self._commit_seq)
+                    self._commit_seq += 1
                 ns.counters.stored_blocks += len(keys)
                 client = self._clients.get(record.client_id)
                 if client is not None:
@@ -785,6 +931,7 @@ class Pool:
             self._check_id(store_id, "store id")
             record = ns.index.stores.get(store_id)
             slots = ns.index.abort_store(store_id)
+            self._mark_free(ns, slots)
             ns.free.release_many(slots)
             if record is not None:
                 client = self._clients.get(record.client_id)
@@ -806,6 +953,7 @@ class Pool:
                 pool_generation=self.generation,
                 namespaces=tuple(self._ns_stats(ns, now) for ns in self._namespaces.values()),
                 uptime_seconds=now - self._started_at,
+                adoption=replace(self.adoption, discarded=dict(self.adoption.discarded)),
             )
 
     def _ns_stats(self, ns: _Namespace, now: float) -> NamespaceStats:
@@ -850,14 +998,17 @@ class Pool:
 
     def _check_namespace(self, ns: _Namespace) -> None:
         nid, index = ns.namespace_id, ns.index
+        withheld = set(ns.withheld.tolist())
         try:
-            index.check(ns.free.free_slots())
+            index.check(ns.free.free_slots() | withheld)
         except AssertionError as e:
             raise AssertionError(f"namespace {nid}: {e}") from None
-        ready = ns.free.ready
-        for slot in range(ready, ns.slot_count):
+        assert not (withheld & ns.free.free_slots()), f"{nid}: a withheld slot is free"
+        for slot in range(max(ns.free.ready, ns.free.fresh), ns.slot_count):
             assert index.state(slot) == SlotState.FREE, f"{nid}: slot {slot} used before ready"
         committed = index.committed_keys()
+        if self._region.intact():
+            self._check_table(ns, committed)
         self._apply_touches(ns)
         held = set(ns.policy.keys())
         assert len(held) == len(ns.policy), f"{nid}: policy holds a key twice"
@@ -878,6 +1029,28 @@ class Pool:
         assert client_stores == set(index.stores), f"{nid}: reserved slots of no live store id"
         for store_id, record in index.stores.items():
             assert record.client_id in ns.clients, f"{nid}: store {store_id} of a gone client"
+
+    @staticmethod
+    def _check_table(ns: _Namespace, committed: set[PoolKey]) -> None:
+        """The file's records agree with the index: every committed key has a valid record in
+        its slot (more valid records may remain in free slots: evicted, intact blocks); every
+        reserved slot is marked reserved."""
+        scan = ns.table.scan()
+        recorded = dict(
+            zip(
+                scan.slots.tolist(),
+                split_keys(scan.packed, ns.spec.key_size, max_keys=max(1, len(scan.slots))),
+                strict=True,
+            )
+        )
+        for key in committed:
+            slot = ns.index.find(key)
+            assert recorded.get(slot) == key, f"{ns.namespace_id}: slot {slot} has no record"
+        for record in ns.index.stores.values():
+            for slot in _slot_list(record.slots):
+                assert ns.table.state[slot] == persist.RESERVED, (
+                    f"{ns.namespace_id}: reserved slot {slot} is not marked in the file"
+                )
 
     def flush_deferred(self) -> None:
         """Apply the deferred policy touches of lookups and loads now.
@@ -969,6 +1142,10 @@ class Pool:
                 raise InvalidArgument(f"more than {MAX_KEYS_PER_CALL} keys in one lookup")
             out.append((packed, n))
         return out
+
+
+def _slot_list(slots: Sequence[int] | np.ndarray) -> list[int]:
+    return slots.tolist() if isinstance(slots, np.ndarray) else list(slots)
 
 
 def _is_int(value: object) -> bool:

@@ -195,9 +195,11 @@ class Region:
         if self.hugepages and fstype != "hugetlbfs":
             raise ValueError(f"hugepages requested but pool dir {d} is on {fstype}, not hugetlbfs")
         fd = self._open_left_behind()
+        allocated = 0
         if fd is not None:
             try:
-                self._check_room(os.fstat(fd).st_blocks * 512)  # a new file would need more
+                allocated = os.fstat(fd).st_blocks * 512
+                self._check_room(allocated)  # a new file would need more
                 self._map(fd)
                 self.reused = True
             except OSError as exc:
@@ -221,7 +223,10 @@ class Region:
                 os.close(fd)
         if fstype not in ("tmpfs", "hugetlbfs", "ramfs"):
             log.warning("pool dir %s is on %s, not a memory filesystem", d, fstype)
-        if not self.prefault:
+        # A reused file whose every page is allocated needs no pre-fault: the pool never reads
+        # KV bytes through its own mapping, and the pages the vLLM side maps are there.
+        whole = self.reused and not self.hugepages and allocated >= self.size
+        if not self.prefault or whole:
             self._chunk_done[:] = b"\x01" * self._nchunks
             self._done_bytes = self.size
 
@@ -288,11 +293,13 @@ class Region:
             )
             self._thread.start()
 
-    def close(self) -> None:
-        """Stop the pre-fault thread, unmap, remove the file."""
+    def close(self, *, remove: bool = False) -> None:
+        """Stop the pre-fault thread and unmap; remove the file only when asked (a pool file
+        left behind is what the pod's next sidecar adopts)."""
         self.stop_prefault()
         self._unmap()
-        self.path.unlink(missing_ok=True)
+        if remove:
+            self.path.unlink(missing_ok=True)
 
     def stop_prefault(self) -> None:
         """Stop the pre-fault thread (call without the lock: the thread takes it per chunk)."""
@@ -303,7 +310,8 @@ class Region:
 
     def _unmap(self) -> None:
         if self._mm is not None:
-            self._mm.close()
+            with contextlib.suppress(BufferError):  # a slot table's view still holds it:
+                self._mm.close()  # unmapped when the view goes
             self._mm = None
         if self._fd >= 0:
             os.close(self._fd)
@@ -316,6 +324,11 @@ class Region:
             return os.fstat(self._fd).st_size if self._fd >= 0 else -1
         except OSError:
             return -1
+
+    def intact(self) -> bool:
+        """The mapped file still covers the whole pool (one fstat): writing a page past its end
+        would be SIGBUS."""
+        return self._fd >= 0 and self._file_size() >= self.size
 
     def file_problem(self) -> str | None:
         """Why the mapped file no longer backs the pool (shrunk, removed, replaced); None when
@@ -477,10 +490,17 @@ class Region:
                 if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                     raise
                 self._populate_ok = False  # old kernel: fall back for good
+        # Old kernel: allocate the pages without touching their bytes (an adopted pool's blocks
+        # and slot table live in them); where fallocate is not supported either, a new file's
+        # pages get a zero in their first byte (nothing there is in use yet).
+        try:
+            os.posix_fallocate(self._fd, start, length)
+            return
+        except OSError:
+            if self.reused:
+                return
         page = self.page_bytes
         n = -(-length // page)
-        # No slot of these pages is allocatable yet, so writing a zero into the first byte of
-        # each page changes no data anyone reads (a reused file's bytes are not trusted).
         mm[start : start + n * page : page] = bytes(n)
 
     def _bind_numa(self) -> None:

@@ -453,11 +453,12 @@ class SidecarServer:
             log.info("ended %d session(s): their connectors register again", ended)
 
     async def drain(self, grace: float) -> None:
-        """NOT_SERVING, refuse new reservations, give open sessions up to `grace` s, then stop.
+        """NOT_SERVING, refuse new reservations, give open stores up to `grace` s, then stop.
 
-        Calls keep being answered while sessions finish (reads, commits, releases; reservations
-        answer UNAVAILABLE); the server stops as soon as no session is open, so a health Watch
-        or an idle channel does not hold shutdown for the whole grace period.
+        Calls keep being answered meanwhile (reads, commits, releases; reservations answer
+        UNAVAILABLE); the server stops as soon as no session is open or no store is left to
+        commit: the pool file stays, and the next sidecar adopts what was committed, so a
+        restart or an image upgrade waits only for the copies in flight, not for vLLM to go.
         """
         if self._stopped:
             return
@@ -465,7 +466,11 @@ class SidecarServer:
         await self.health.enter_graceful_shutdown()
         self.pool.begin_drain()
         deadline = asyncio.get_running_loop().time() + grace
-        while self.servicer.open_sessions and asyncio.get_running_loop().time() < deadline:
+        while (
+            self.servicer.open_sessions
+            and self.pool.open_stores()
+            and asyncio.get_running_loop().time() < deadline
+        ):
             await asyncio.sleep(DRAIN_POLL_S)
         stops = [self.server.stop(FINAL_GRACE_S)]
         if self.frames is not None:

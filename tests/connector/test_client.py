@@ -133,8 +133,31 @@ def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar, framed):
     while not c.ensure() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert c.connected and c.registrations == 2
-    assert c.registration.generation != first.generation  # a new pool: workers re-map
+    # The restarted sidecar adopted the pool file: same generation, workers keep their mapping.
+    assert c.registration.generation == first.generation
     assert c.lookup([keys(1)]) == [0]
+    c.close()
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_the_keeper_reattaches_an_idle_client_within_a_second(sidecar, framed):
+    """A client nobody calls (an idle engine) registers again on its own once the sidecar is
+    back, and finds the blocks the restarted sidecar adopted."""
+    c = PoolClient(sidecar.socket, "test/w", framed=framed, keep_attached=True)
+    reg = c.register(SPEC, 1, 8192)
+    stored = c.reserve_store(keys(1, 2))
+    assert c.commit_store(reg.namespace_id, stored.store_id, 0) is True
+    sidecar.kill()
+    sidecar.start()  # returns once the new sidecar serves
+    serving = time.monotonic()
+    while c.registrations < 2 and time.monotonic() - serving < 5:
+        time.sleep(0.01)
+    took = time.monotonic() - serving
+    assert c.registrations == 2 and c.connected, "the keeper never re-registered"
+    assert took < 1.0, f"re-attached {took:.2f} s after the sidecar served again"
+    assert c.registration.generation == reg.generation
+    assert c.lookup([keys(1, 2)]) == [2]  # the adopted blocks
     c.close()
 
 

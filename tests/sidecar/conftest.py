@@ -106,13 +106,19 @@ def vector_min(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     return allocator.VECTOR_MIN
 
 
+INDEX_ROOM = 16 << 10
+"""What the pool file keeps besides slots in the tests' small pools: its 4 KiB header, and per
+partition a 4 KiB namespace header, a page of spec and a page of slot table (persist.py). The
+default test pool is 8 MiB of slots plus this: 8 slots of 1 MiB, 4 per rank with tp 2."""
+
+
 @pytest.fixture
 def make_pool(pool_dir: Path) -> Iterator[Callable[..., Pool]]:
     pools: list[Pool] = []
 
     def make(*, start: bool = True, clock=None, prefault_gate=None, **overrides: object) -> Pool:
         settings: dict[str, object] = dict(
-            pool_size=8 * MiB, pool_dir=pool_dir, prefault_chunk_bytes=1 * MiB
+            pool_size=8 * MiB + INDEX_ROOM, pool_dir=pool_dir, prefault_chunk_bytes=1 * MiB
         )
         settings.update(overrides)
         kwargs: dict[str, object] = {"prefault_gate": prefault_gate}

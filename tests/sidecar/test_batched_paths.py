@@ -289,11 +289,15 @@ def test_random_histories_match_the_key_by_key_rules(make_pool, small_spec, name
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_numpy_and_loop_paths_give_identical_answers(make_pool, small_spec, tmp_path, name):
+def test_numpy_and_loop_paths_give_identical_answers(
+    make_pool, small_spec, tmp_path, name, monkeypatch
+):
     """The same seeded history of 2..80-key calls (repeats, partial hits, eviction, pins of
     repeated keys) against a pool whose index and allocator take the numpy paths from 2 slots
     up, one that loops over every batch, and (where it is built) one whose key map is the
-    native one: every answer and every counter is the same."""
+    native one: every answer and every counter is the same. (Ids start at 1 in every pool
+    here, not at a random base per process, so that answers compare.)"""
+    monkeypatch.setattr(Pool, "_id_base", staticmethod(lambda: 1))
     kinds = [(1, False), (1 << 30, False)] + ([(1, True)] if keymap.NativeKeyMap else [])
     pools, regs = {}, {}
     for vector_min, native in kinds:
@@ -397,6 +401,7 @@ def test_deferred_touches_evict_exactly_like_immediate_ones(
     use: a pool flushed after every call and one never flushed evict the same keys and end with
     the same policy order."""
     monkeypatch.setattr(pool_module, "DEFER_TOUCH_MIN", 2)  # queue from 2 keys up, not 256
+    monkeypatch.setattr(Pool, "_id_base", staticmethod(lambda: 1))  # ids compare across pools
     pools = []
     for d in ("flushed", "queued"):
         (tmp_path / d).mkdir()

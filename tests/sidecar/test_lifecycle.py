@@ -80,11 +80,17 @@ def test_sigterm_drains_and_exits_zero(sidecar: SidecarProc) -> None:
         pin = session.send(
             reserve_load=pb.ReserveLoadRequest(namespace_id=reg.namespace_id, keys=keys(1, 2))
         )
+        ns = reg.namespace_id
+        in_flight = session.send(
+            reserve_store=pb.ReserveStoreRequest(namespace_id=ns, keys=keys(5))
+        )
+        store_id = in_flight.reserve_store.store_id
+        assert store_id
         start = time.monotonic()
         sidecar.proc.send_signal(signal.SIGTERM)
         _wait_for(lambda: NOT_SERVING in statuses, 5, "NOT_SERVING on the health watch")
-        # During the grace period the open session still works, but new reservations are refused.
-        ns = reg.namespace_id
+        # While a store is in flight the open session still works, but new reservations are
+        # refused; its commit ends the drain (the pool file stays for the next sidecar).
         refused = session.send(reserve_store=pb.ReserveStoreRequest(namespace_id=ns, keys=keys(3)))
         assert refused.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
         hit = session.send(
@@ -99,14 +105,16 @@ def test_sigterm_drains_and_exits_zero(sidecar: SidecarProc) -> None:
         with pytest.raises(grpc.RpcError) as info:
             client.reserve_store(keys(4))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        session.close()  # the client lets go: nothing left to wait for
+        commit = pb.CommitStoreRequest(namespace_id=ns, store_id=store_id, rank=0)
+        assert session.send(commit_store=commit).commit_store.visible  # nothing left to wait for
+        session.close()
         rc = sidecar.terminate(timeout=10)
     elapsed = time.monotonic() - start
     watcher.join(timeout=5)
     assert rc == 0, sidecar.stderr()
     assert elapsed < 3.0, f"drain took {elapsed:.1f}s (a health Watch must not hold it)"
     assert statuses[:1] == [SERVING]
-    assert not pool_file.exists()
+    assert pool_file.exists()  # kept: the pod's next sidecar adopts it (an upgrade loses nothing)
     assert not sidecar.socket.exists()
     assert "draining" in sidecar.stderr()
 

@@ -106,4 +106,4 @@ def test_full_pool_memory_is_bounded(shm_dir: Path) -> None:
             assert attributable <= 1.02 * POOL_SIZE + BASELINE_LIMIT, full
             client.release(pin.pin_id)
         assert proc.terminate() == 0
-        assert not pool_file.exists()
+        assert pool_file.exists()  # kept for the next sidecar of the pod

@@ -72,16 +72,20 @@ def reg(pool, small_spec) -> Registration:
 def test_register_describes_rank_regions_in_the_pool_file(make_pool, small_spec):
     pool = make_pool(pool_size=16 * MiB)
     reg = pool.register(small_spec(tp_size=2), 2, 1 * MiB, "engine-0/rank-0")
-    assert reg.client_id == 1 and len(reg.namespace_id) == 32
+    assert reg.client_id > 0 and len(reg.namespace_id) == 32
+    # The partition keeps its slot table (and the pool its header) at the end: of 8 MiB a
+    # rank, 7 slots remain; rank regions are page aligned, back to back.
+    per_rank = reg.regions[1].offset
+    assert per_rank % 4096 == 0 and 7 * MiB <= per_rank < 8 * MiB
     assert [(r.rank, r.offset, r.slot_bytes, r.slot_count) for r in reg.regions] == [
-        (0, 0, 1 * MiB, 8),
-        (1, 8 * MiB, 1 * MiB, 8),
+        (0, 0, 1 * MiB, 7),
+        (1, per_rank, 1 * MiB, 7),
     ]
     assert all(r.path == str(pool.path) for r in reg.regions)
     assert reg.pool_generation == pool.generation and len(reg.pool_generation) == 16
     # A second process of the same engine gets the next client id and the same regions.
     again = pool.register(small_spec(tp_size=2), 2, 1 * MiB, "engine-0/rank-1")
-    assert again.client_id == 2 and again.regions == reg.regions
+    assert again.client_id == reg.client_id + 1 and again.regions == reg.regions
 
 
 def test_each_pool_has_its_own_generation(make_pool, tmp_path, small_spec):
@@ -422,7 +426,7 @@ def test_slots_become_allocatable_as_the_prefault_passes_them(make_pool, small_s
     stats = pool.stats()
     assert (stats.prefaulted_bytes, stats.pool_ready) == (3 * MiB, False)
     assert stats.namespaces[0].evicted_blocks == 1
-    gate.step(5)
+    gate.step(6)  # the 8 slot chunks and the last one, which holds the index
     assert pool.wait_ready(5) and pool.stats().pool_ready
     assert store(pool, reg, *range(5, 10)) == (NEW,) * 5
     pool.check_invariants()

@@ -67,7 +67,7 @@ def test_changed_file_is_rebuilt_with_a_new_generation_and_an_empty_index(
             path.write_bytes(b"x" * 100)
     assert pool.check_file() is True
     assert pool.generation != old and pool.rebuilds == 1
-    assert path.stat().st_size == 8 * MiB
+    assert path.stat().st_size == pool.settings.pool_size
     assert pool.region.file_problem() is None
     assert pool.wait_ready(30), pool.region.error
     assert pool.stats().namespaces == ()  # the contents are gone: nothing claims otherwise
@@ -137,4 +137,4 @@ def test_rebuild_while_prefaulting_restarts_the_prefault(make_pool) -> None:
     gate.close()  # the thread runs on, finds the file short and stops; then the reaper rebuilds
     assert pool.check_file() is True
     assert pool.wait_ready(30), pool.region.error
-    assert (pool.path.parent / POOL_FILE_NAME).stat().st_size == 8 * MiB
+    assert (pool.path.parent / POOL_FILE_NAME).stat().st_size == pool.settings.pool_size

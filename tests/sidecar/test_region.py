@@ -51,8 +51,8 @@ def test_strided_fallback_for_kernels_without_populate_write(make_pool, pool_dir
 def test_no_prefault_mode_leaves_the_file_sparse(make_pool, pool_dir):
     pool = make_pool(pool_size=64 * MiB, prefault=False)
     assert pool.stats().pool_ready  # every slot is ready at once (bench/test mode)
-    if on_tmpfs(pool_dir):
-        assert os.stat(pool.path).st_blocks == 0
+    if on_tmpfs(pool_dir):  # only the index's header page is written
+        assert os.stat(pool.path).st_blocks * 512 <= 16 << 10
 
 
 @pytest.mark.process
@@ -82,7 +82,7 @@ def test_a_second_process_sees_the_pools_bytes(make_pool, small_spec):
     assert pool.region.buffer[where + 100 : where + 105] == b"world"  # MAP_SHARED both ways
 
 
-def test_a_left_behind_file_is_reused_in_place_and_close_removes_it(make_pool, pool_dir):
+def test_a_left_behind_file_is_reused_in_place_and_close_keeps_it(make_pool, pool_dir):
     stale = pool_dir / "pool-0.shm"
     stale.write_bytes(b"junk" * 1000)
     inode = stale.stat().st_ino
@@ -92,6 +92,8 @@ def test_a_left_behind_file_is_reused_in_place_and_close_removes_it(make_pool, p
     assert os.stat(pool.path).st_size == 2 * MiB
     assert stat.S_IMODE(os.stat(pool.path).st_mode) == 0o666
     pool.close()
+    assert stale.stat().st_ino == inode  # kept: the pod's next sidecar adopts it
+    pool.close(remove=True)
     assert not stale.exists()
 
 

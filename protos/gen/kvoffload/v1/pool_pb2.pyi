@@ -260,7 +260,7 @@ class RpcLatency(_message.Message):
     def __init__(self, method: _Optional[str] = ..., count: _Optional[int] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pool_bytes", "prefaulted_bytes", "pool_ready", "eviction_policy", "pool_generation", "namespaces", "rpc_latency", "uptime_seconds", "version", "degraded_reason", "connector_status")
+    __slots__ = ("pool_bytes", "prefaulted_bytes", "pool_ready", "eviction_policy", "pool_generation", "namespaces", "rpc_latency", "uptime_seconds", "version", "degraded_reason", "connector_status", "adoption")
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFAULTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_READY_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class StatsResponse(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_STATUS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTION_FIELD_NUMBER: _ClassVar[int]
     pool_bytes: int
     prefaulted_bytes: int
     pool_ready: bool
@@ -283,7 +284,35 @@ class StatsResponse(_message.Message):
     version: str
     degraded_reason: str
     connector_status: str
-    def __init__(self, pool_bytes: _Optional[int] = ..., prefaulted_bytes: _Optional[int] = ..., pool_ready: _Optional[bool] = ..., eviction_policy: _Optional[str] = ..., pool_generation: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., rpc_latency: _Optional[_Iterable[_Union[RpcLatency, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., connector_status: _Optional[str] = ...) -> None: ...
+    adoption: PoolAdoption
+    def __init__(self, pool_bytes: _Optional[int] = ..., prefaulted_bytes: _Optional[int] = ..., pool_ready: _Optional[bool] = ..., eviction_policy: _Optional[str] = ..., pool_generation: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., rpc_latency: _Optional[_Iterable[_Union[RpcLatency, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., connector_status: _Optional[str] = ..., adoption: _Optional[_Union[PoolAdoption, _Mapping]] = ...) -> None: ...
+
+class PoolAdoption(_message.Message):
+    __slots__ = ("outcome", "reason", "format_version", "adopted_blocks", "adopted_namespaces", "discarded_blocks", "adopt_seconds", "boots")
+    class DiscardedBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ADOPT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BOOTS_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    reason: str
+    format_version: int
+    adopted_blocks: int
+    adopted_namespaces: int
+    discarded_blocks: _containers.ScalarMap[str, int]
+    adopt_seconds: float
+    boots: int
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., format_version: _Optional[int] = ..., adopted_blocks: _Optional[int] = ..., adopted_namespaces: _Optional[int] = ..., discarded_blocks: _Optional[_Mapping[str, int]] = ..., adopt_seconds: _Optional[float] = ..., boots: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("seq", "lookup", "reserve_load", "release", "reserve_store", "commit_store", "abort_store", "attach")

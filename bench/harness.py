@@ -1,0 +1,128 @@
+"""What every benchmark here shares: the machine it ran on, spreads, a printed table, the JSON.
+
+A benchmark measures, then calls `report(name, rows, extra, out)`: the table goes to stdout and
+the JSON (machine, date, commit, rows, extra) to `out`. Spreads are `spread(values)`: the
+median with min/p99/max, never a lone mean. `rotations(items, rounds)` gives side-by-side
+orders for A/B runs (each item first once per cycle), so drift does not favour one side.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["machine", "percentile", "report", "rotations", "spread", "table"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def machine() -> dict[str, Any]:
+    """Where a number was measured: host, CPUs, GPU when there is one, commit, date (UTC)."""
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        info["commit"] = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = ""
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
+        if gpu:
+            info["gpu"] = gpu.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), nearest rank; nan for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def spread(values: Iterable[float]) -> dict[str, float]:
+    """n, median, min, p99, max of `values` (nan fields when empty)."""
+    vals = [float(v) for v in values]
+    if not vals:
+        nan = float("nan")
+        return {"n": 0, "p50": nan, "min": nan, "p99": nan, "max": nan}
+    return {
+        "n": len(vals),
+        "p50": statistics.median(vals),
+        "min": min(vals),
+        "p99": percentile(vals, 99),
+        "max": max(vals),
+    }
+
+
+def rotations(items: Sequence[Any], rounds: int) -> list[list[Any]]:
+    """`rounds` orders of `items`, rotating which goes first (A B C, B C A, C A B, ...)."""
+    n = len(items)
+    return [[items[(r + i) % n] for i in range(n)] for r in range(rounds)] if n else []
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """A plain text table of `rows` (dicts), columns in first-seen order unless given."""
+    if not rows:
+        return "(no rows)"
+    cols = list(columns) if columns else list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(out)
+
+
+def report(
+    name: str,
+    rows: Sequence[dict[str, Any]],
+    out: str | Path | None,
+    *,
+    extra: dict[str, Any] | None = None,
+    columns: Sequence[str] | None = None,
+) -> dict[str, Any]:
+    """Print `rows` as a table under `name`, write the JSON to `out` (when given); the JSON."""
+    payload = {"benchmark": name, "machine": machine(), "rows": list(rows), **(extra or {})}
+    print(f"\n== {name} ==")
+    print(table(rows, columns))
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+    return payload
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value:  # nan
+            return "-"
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
+    return str(value)
