@@ -74,6 +74,9 @@ class SidecarConfig:
     """Seconds after which a client with no session and no call is reaped (pins released)."""
     detach_grace_s: float = 2.0
     """Seconds a client's pins and reservations outlive its last session (in-flight copies)."""
+    reserved_hold_s: float = 30.0
+    """After adopting a pool: seconds the slots a dead sidecar had reserved for stores stay out
+    of use (a copy its engines queued may still land in them)."""
     framed_sessions: bool = True
     """Also serve the Session protocol without gRPC on `<socket>.session` (frames.py)."""
     log_level: str = "INFO"
@@ -138,6 +141,11 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag(
         "--detach-grace",
         "seconds a client's pins and reservations outlive its last session (default 2; 0: none)",
+    ),
+    _Flag(
+        "--reserved-hold",
+        "after adopting the pool file of a dead sidecar, seconds its reserved slots stay out of "
+        "use (default 30)",
     ),
     _Flag(
         "--framed-sessions",
@@ -271,6 +279,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_namespaces": _parse_int(1),
     "client_timeout": _parse_seconds,
     "detach_grace": _parse_grace,
+    "reserved_hold": _parse_grace,
     "log_level": _parse_choice(LOG_LEVELS, upper=True),
     "max_sessions": _parse_int(1),
     "on_pool_error": _parse_choice(ON_POOL_ERROR),
@@ -279,6 +288,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
 _FIELD_OF = {
     "client_timeout": "client_timeout_s",
     "detach_grace": "detach_grace_s",
+    "reserved_hold": "reserved_hold_s",
     "pool_retry_interval": "pool_retry_interval_s",
 }
 

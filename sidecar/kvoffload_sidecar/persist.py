@@ -240,7 +240,7 @@ def read_header(buf: mmap.mmap, geom: PoolGeometry) -> FoundHeader:
     raw = bytes(buf[off : off + _POOL_HDR.size])
     magic, version, max_ns, size, part, align, gen = _POOL_HDR.unpack(raw)
     if magic != POOL_MAGIC:
-        return FoundHeader(0, "", 0, "the file holds no pool index")
+        return FoundHeader(0, "", 0, "the file holds no pool index (or the pool size changed)")
     if version not in READABLE_VERSIONS:
         newer = "newer" if version > FORMAT_VERSION else "older"
         return FoundHeader(

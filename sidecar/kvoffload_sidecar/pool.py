@@ -86,6 +86,9 @@ class PoolSettings:
     # A client whose last session ended keeps its pins and open store reservations this long:
     # copies its engine still had in flight on those slots cannot race their next owner.
     detach_grace_s: float = 2.0
+    # After adopting a pool: slots the dead sidecar had reserved for stores stay out this long
+    # (at least the grace): a copy its engines queued, then stalled, may still land in them.
+    reserved_hold_s: float = 30.0
     prefault: bool = True  # False: sparse file, every slot ready at once. TEST/BENCH ONLY.
 
 
@@ -287,6 +290,7 @@ class Pool:
         self._next_store = self._id_base()
         self._commit_seq = persist.FIRST_SEQ  # next commit record's sequence number
         self._evict_from = 0.0  # clock time before which adopted blocks are not evicted
+        self._withhold_until = 0.0  # clock time until which slots reserved at death stay out
         self.adoption = Adoption()
         self._draining = False
         self._deferred = False  # some namespace may have queued touches (`flush_deferred`)
@@ -355,6 +359,7 @@ class Pool:
             # and stores write slots it had reserved: no eviction, and those slots stay
             # withheld, for the grace. Free slots take stores at once.
             self._evict_from = self._started_at + grace
+            self._withhold_until = self._started_at + max(grace, self.settings.reserved_hold_s)
         else:
             if found is None:
                 adoption = Adoption("new", "no pool file was left: created one")
@@ -395,7 +400,12 @@ class Pool:
         index.adopt(scan.packed, scan.slots)
         policy = make_policy(self.settings.eviction, layout.slot_count)
         n = len(scan.slots)
-        consume(map(policy.insert, split_keys(scan.packed, spec.key_size, max_keys=max(n, 1))))
+        adopted = split_keys(scan.packed, spec.key_size, max_keys=max(n, 1))
+        insert_many = getattr(policy, "insert_many", None)  # optional: LRU has a C-speed one
+        if insert_many is not None:
+            insert_many(adopted)
+        else:
+            consume(map(policy.insert, adopted))
         ns = _Namespace(
             namespace_id=layout.namespace_id,
             spec=spec,
@@ -465,7 +475,7 @@ class Pool:
             # Copies a connector still had in flight may land in the file for a moment.
             self._stores_from = now + self.settings.detach_grace_s
             self.rebuilds += 1
-            self._evict_from = 0.0
+            self._evict_from = self._withhold_until = 0.0
             try:
                 self._region.rebuild()
                 persist.write_header(self._region.buffer, self._geometry, self.generation)
@@ -555,6 +565,8 @@ class Pool:
             raise InvalidArgument(f"client_name must be a string of at most {MAX_CLIENT_NAME}")
         with self._lock:
             self._check_serving()
+            if not self._region.intact():
+                raise Unavailable("the pool file changed under the sidecar; it is being rebuilt")
             now = self._clock()
             ns = self._namespaces.get(namespace_id)
             if ns is not None:
@@ -689,17 +701,19 @@ class Pool:
         with self._lock:
             now = self._clock()
             if self._evict_from and now >= self._evict_from:
-                self._end_adoption_grace()
+                self._evict_from = 0.0
+            if self._withhold_until and now >= self._withhold_until:
+                self._release_withheld()
             idle = [c for c in self._clients.values() if not self._is_live(c, now)]
             for client in idle:
                 log.info("reaping idle client %d (%s)", client.client_id, client.name)
                 self._forget_client(client)
             return len(idle)
 
-    def _end_adoption_grace(self) -> None:
-        """Lock held: the dead instance's copies are surely done: withheld slots become free,
-        adopted blocks evictable."""
-        self._evict_from = 0.0
+    def _release_withheld(self) -> None:
+        """Lock held: the dead instance's store copies are surely done: the slots they were
+        writing become free."""
+        self._withhold_until = 0.0
         intact = self._region.intact()
         for ns in self._namespaces.values():
             if len(ns.withheld):

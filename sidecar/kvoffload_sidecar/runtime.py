@@ -38,6 +38,7 @@ def pool_settings(config: SidecarConfig) -> PoolSettings:
         max_namespaces=config.max_namespaces,
         client_timeout_s=config.client_timeout_s,
         detach_grace_s=config.detach_grace_s,
+        reserved_hold_s=config.reserved_hold_s,
     )
 
 

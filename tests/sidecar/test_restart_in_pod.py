@@ -199,7 +199,9 @@ def test_slots_reserved_at_death_wait_out_the_grace_after_a_restart(small_tmpfs:
     grace = 8.0  # long enough for a busy 2-core box to restart and call within it
     with socket_dir() as run:
         sock, log = run / "pool.sock", run / "sidecar.log"
-        proc = start(small_tmpfs, sock, log, f"--detach-grace={grace:g}")
+        proc = start(
+            small_tmpfs, sock, log, f"--detach-grace={grace:g}", f"--reserved-hold={grace:g}"
+        )
         try:
             wait_serving(f"unix:{sock}", 10, alive=lambda: proc.poll() is None)
             with Client(f"unix:{sock}") as client:
@@ -212,7 +214,9 @@ def test_slots_reserved_at_death_wait_out_the_grace_after_a_restart(small_tmpfs:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=10)
             began = time.monotonic()
-            proc = start(small_tmpfs, sock, log, f"--detach-grace={grace:g}")
+            proc = start(
+                small_tmpfs, sock, log, f"--detach-grace={grace:g}", f"--reserved-hold={grace:g}"
+            )
             wait_serving(f"unix:{sock}", 10, alive=lambda: proc.poll() is None)
             with Client(f"unix:{sock}") as client:
                 stats = wait_ready(client)

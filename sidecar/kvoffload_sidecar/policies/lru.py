@@ -28,6 +28,10 @@ class LRUPolicy:
     def insert(self, key: PoolKey) -> None:
         self._order[key] = None  # a new key goes to the back (the protocol: never held already)
 
+    def insert_many(self, keys: Iterable[PoolKey]) -> None:
+        """`insert` of each key, oldest first, in one C pass (adopting a pool's blocks)."""
+        self._order.update(dict.fromkeys(keys))
+
     def remove(self, key: PoolKey) -> None:
         self._order.pop(key, None)
 
