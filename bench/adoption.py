@@ -175,9 +175,7 @@ def wait_stats(sock: Path, deadline_s: float):  # noqa: ANN201
         if sock.exists():
             with grpc.insecure_channel(f"unix:{sock}") as ch:
                 try:
-                    return pool_pb2_grpc.KVPoolStub(ch).Stats(
-                        pool_pb2.StatsRequest(), timeout=1
-                    )
+                    return pool_pb2_grpc.KVPoolStub(ch).Stats(pool_pb2.StatsRequest(), timeout=1)
                 except grpc.RpcError:
                     pass
         time.sleep(0.005)

@@ -12,6 +12,9 @@ Scenarios (each writes a JSON report; the test asserts on it):
   then through a second engine without a connector: the two must agree.
 - `truncate`: P stored and hit, the pool file truncated under the engine, P again (same
   tokens, the engine alive), then rounds until P hits the rebuilt pool.
+- `adopt`: P stored, the sidecar SIGKILLed and restarted (same command line) under this
+  running engine; the time until the connector re-attached, then P again (pool hits from the
+  adopted blocks). `adopt_fresh`: a new engine's first requests, P of `adopt` (same --seed).
 Block size and chunk are vLLM's and the connector's defaults unless --block-size / --chunk say.
 Engines are started with `if __name__ == "__main__"` (vLLM spawns its workers).
 """
@@ -60,8 +63,12 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
                 # Generous deadlines: on a 2-core CI box busy engines starve the sidecar.
                 "lookup_timeout_ms": 1000,
                 "rpc_timeout_ms": 3000,
-                "reconnect_min_ms": 100,
-                "reconnect_max_ms": 500,
+                # `adopt` measures the connector's own reconnect backoff
+                **(
+                    {}
+                    if args.default_reconnect
+                    else {"reconnect_min_ms": 100, "reconnect_max_ms": 500}
+                ),
                 **({"lazy_watermark_blocks": args.lazy_watermark} if args.lazy_watermark else {}),
             },
         }
@@ -437,6 +444,100 @@ def scenario_warm_kill(args: argparse.Namespace) -> dict:
     return report
 
 
+def namespace_counters(socket: str) -> dict:
+    """The pool's Stats summed over its namespaces: slots, live clients, block counters; and
+    its generation and adoption (what this sidecar found in the pool file at start)."""
+    from google.protobuf.json_format import MessageToDict
+    from kvoffload_connector.client import PoolClient
+
+    client = PoolClient(socket, "test/stats", rpc_timeout_s=2)
+    try:
+        stats = client.stats()
+    finally:
+        client.close()
+    out: dict = {
+        name: sum(getattr(ns, name) for ns in stats.namespaces)
+        for name in (
+            "committed_slots",
+            "reserved_slots",
+            "pinned_slots",
+            "live_clients",
+            "stored_blocks",
+            "hit_blocks",
+            "loaded_blocks",
+        )
+    }
+    out["generation"] = stats.pool_generation
+    out["adoption"] = MessageToDict(stats.adoption, preserving_proto_field_name=True)
+    return out
+
+
+def scenario_adopt(args: argparse.Namespace) -> dict:
+    """P stored and settled; then the test SIGKILLs the sidecar (`<pid file>.down` asks for
+    it) and starts it again with the same command line after `--down-s`, while this engine
+    keeps serving filler requests (the traffic of the outage: each a miss that stores its
+    chunks, so the connector finds the sidecar gone and backs off). `<pid file>.up` says when
+    the new sidecar answered (wall clock); from then the fillers go on until the pool counts
+    as many live clients as before the kill: that wait is the re-attach time. Then
+    `reset_prefix_cache()` and P again: hits from the adopted blocks (nothing ran P on the new
+    sidecar), the same tokens."""
+    llm = make_llm(args)
+    before, _ = pool_path_live(llm, args)
+    batch = prompts(args.seed, 3, args.prompt_len)
+    first = run(llm, batch, args.max_tokens)
+    per_prompt = args.prompt_len // args.chunk_tokens
+    settle_pool(args.socket, min_committed=before + len(batch) * per_prompt)
+    at_kill = namespace_counters(args.socket)
+
+    down, up = Path(args.sidecar_pid_file + ".down"), Path(args.sidecar_pid_file + ".up")
+    down.write_text(json.dumps(at_kill))
+    fillers = iter(prompts(args.seed + 700, 10_000, args.filler_len))
+    during = 0  # filler requests served while the sidecar was away
+    deadline = time.monotonic() + 120
+    while not up.exists():
+        assert time.monotonic() < deadline, "the test never restarted the sidecar"
+        run(llm, [next(fillers)], 1)
+        during += 1
+    serving_at = json.loads(up.read_text())["serving_at"]
+    adopted = namespace_counters(args.socket)  # before any client of this engine is back
+    polls: list[dict] = []
+    attach_s = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        now = namespace_counters(args.socket)
+        polls.append({"t": round(time.time() - serving_at, 3), "live": now["live_clients"]})
+        if now["live_clients"] >= at_kill["live_clients"]:
+            attach_s = time.time() - serving_at
+            break
+        run(llm, [next(fillers)], 1)
+    settle_pool(args.socket)  # the fillers' stores land before P's counters are read
+    llm.reset_prefix_cache()
+    before_hit = namespace_counters(args.socket)
+    second = run(llm, batch, args.max_tokens)
+    after_hit = namespace_counters(args.socket)
+    return {
+        "first": first,
+        "second": second,
+        "at_kill": at_kill,
+        "adopted": adopted,
+        "before_hit": before_hit,
+        "after_hit": after_hit,
+        "fillers_during_outage": during,
+        "attach_s": attach_s,
+        "attach_polls": polls[-20:],
+        "metrics": metrics(llm),
+        "chunk_tokens": args.chunk_tokens,
+    }
+
+
+def scenario_adopt_fresh(args: argparse.Namespace) -> dict:
+    """A new engine on the restarted sidecar: its first requests are P of `adopt`."""
+    llm = make_llm(args)
+    before = namespace_counters(args.socket)
+    out = run(llm, prompts(args.seed, 3, args.prompt_len), args.max_tokens)
+    return {"out": out, "before": before, "after": namespace_counters(args.socket)}
+
+
 def scenario_disabled(args: argparse.Namespace) -> dict:
     """The same prompts through an engine with the connector configured, then without one."""
     import gc
@@ -456,7 +557,17 @@ def scenario_disabled(args: argparse.Namespace) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument(
-        "scenario", choices=["reset", "warm_kill", "evict", "churn", "disabled", "truncate"]
+        "scenario",
+        choices=[
+            "reset",
+            "warm_kill",
+            "evict",
+            "churn",
+            "disabled",
+            "truncate",
+            "adopt",
+            "adopt_fresh",
+        ],
     )
     ap.add_argument("--model", required=True)
     ap.add_argument("--socket", required=True)
@@ -481,6 +592,12 @@ def main() -> int:
     ap.add_argument("--sidecar-pid-file", default="")
     ap.add_argument("--corrupt-pool", default="", help="pool file to overwrite (reset scenario)")
     ap.add_argument("--truncate-pool", default="", help="pool file to truncate (truncate)")
+    ap.add_argument("--filler-len", type=int, default=300, help="filler prompt tokens (adopt)")
+    ap.add_argument(
+        "--default-reconnect",
+        action="store_true",
+        help="the connector's own reconnect backoff, not the tests' 100-500 ms",
+    )
     args = ap.parse_args()
     fn = {
         "reset": scenario_reset,
@@ -489,6 +606,8 @@ def main() -> int:
         "churn": scenario_churn,
         "disabled": scenario_disabled,
         "truncate": scenario_truncate,
+        "adopt": scenario_adopt,
+        "adopt_fresh": scenario_adopt_fresh,
     }[args.scenario]
     report = fn(args)
     Path(args.out).write_text(json.dumps(report))

@@ -410,3 +410,76 @@ def test_disabled_connector_serves_like_no_connector(shared_sidecar, tmp_path):
     files = _status_files(shared_sidecar)
     assert {st["state"] for st in files.values()} == {"disabled"}, files
     assert all("grpc" in st["reason"] for st in files.values())
+
+
+# -- a SIGKILLed sidecar loses nothing (issue 18) -------------------------------------------------
+
+
+def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar, tmp_path):
+    """The sidecar SIGKILLed under a running engine and started again with the same command
+    line (as the kubelet does) adopts the pool file: the blocks committed before the kill are
+    visible again under the same generation, the engine's connector re-attaches within about
+    a second of the sidecar serving (its reconnect backoff is capped), and P hits the adopted
+    blocks with the same tokens; a new engine started afterwards hits them too."""
+    pid_file = tmp_path / "sidecar.pid"
+    pid_file.write_text(str(sidecar.proc.pid))
+    down_s = 6.0  # an outage long enough for an uncapped backoff (5 s) to be seconds late
+    restart: dict = {}
+
+    def restart_when_asked() -> None:
+        down = Path(str(pid_file) + ".down")
+        deadline = time.monotonic() + 300
+        while not down.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if down.exists():
+            sidecar.kill()
+            restart["killed_at"] = time.time()
+            time.sleep(down_s)
+            sidecar.start()  # the same argv: pool dir, pool size, socket
+            restart["serving_at"] = time.time()
+            Path(str(pid_file) + ".up").write_text(json.dumps(restart))
+
+    t = threading.Thread(target=restart_when_asked, daemon=True)
+    t.start()
+    r = _run(
+        "adopt",
+        "tiny-llama",
+        sidecar,
+        tmp_path / "adopt.json",
+        "--sidecar-pid-file",
+        str(pid_file),
+        "--default-reconnect",
+    )
+    t.join(5)
+    assert "serving_at" in restart, "the sidecar was never restarted"
+    at_kill, adopted = r["at_kill"], r["adopted"]
+    assert at_kill["reserved_slots"] == 0 and at_kill["committed_slots"] >= 12, at_kill
+    # the new sidecar adopted every block committed before the kill (none was mid-store)
+    a = adopted["adoption"]
+    assert a.get("outcome") == "adopted", f"{a}\n{sidecar.log()}"
+    assert int(a.get("adopted_blocks", 0)) == at_kill["committed_slots"], (a, at_kill)
+    assert adopted["generation"] == at_kill["generation"]
+    assert adopted["committed_slots"] == at_kill["committed_slots"], adopted
+    assert adopted["stored_blocks"] == 0, adopted  # nothing stored since the restart yet
+    # re-attached within ~1 s of serving (filler traffic drives the connector's steps)
+    assert r["fillers_during_outage"] > 0
+    assert r["attach_s"] is not None, f"never re-attached: {r['attach_polls']}\n{r['log']}"
+    # the 1 s the issue asks, plus a step and a Stats poll on a busy 2-core box
+    assert r["attach_s"] < 1.5, (
+        f"re-attached {r['attach_s']:.2f} s after serving: {r['attach_polls']}"
+    )
+    # P, not run since the restart, hits what the dead sidecar committed: the same tokens
+    assert all(o["cached"] >= 256 for o in r["second"]), f"{r['second']}\n{r['log']}"
+    _assert_same_outputs(r["first"], r["second"])
+    before, after = r["before_hit"], r["after_hit"]
+    assert after["hit_blocks"] - before["hit_blocks"] >= 3 * 4, (before, after)
+    assert after["loaded_blocks"] > before["loaded_blocks"], (before, after)
+    assert after["stored_blocks"] == before["stored_blocks"], "P's chunks were stored anew"
+    assert after["generation"] == at_kill["generation"]
+
+    # a fresh engine (a new process) on the restarted sidecar: its first requests hit
+    f = _run("adopt_fresh", "tiny-llama", sidecar, tmp_path / "fresh.json")
+    assert all(o["cached"] >= 256 for o in f["out"]), f"{f['out']}\n{f['log']}"
+    _assert_same_outputs(f["out"], r["first"])
+    assert f["after"]["hit_blocks"] - f["before"]["hit_blocks"] >= 3 * 4, f
+    assert f["after"]["generation"] == at_kill["generation"]

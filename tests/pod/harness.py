@@ -26,7 +26,9 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
   --clear-groups` as its securityContext.runAsUser (pod's, else the image's USER: 65532 for
   kvoffload images, 1000 for vLLM), group runAsGroup (else the uid; `# harness-uid: U:G` in the
   manifest overrides, e.g. OpenShift's arbitrary uid with gid 0), env only from the manifest
-  (literal values) plus PATH and HOME=/tmp when unset.
+  (literal values) plus PATH and HOME=/tmp when unset. `restart_always(name)` restarts a
+  container whenever it exits (restartPolicy Always); `restart(name)` stops one with a signal
+  and starts it again (a liveness failure, a rollout of the same pod's process).
 - **vLLM container**: its argv translated by `pod_translate.py`; env adds
   `VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_CPU_OMP_THREADS_BIND=nobind` (no pinning on a shared box),
   `OMP_NUM_THREADS=1`, `VLLM_SERVER_DEV_MODE=1` (for `/reset_prefix_cache`),
@@ -386,6 +388,26 @@ class Pod:
             os.killpg(p.popen.pid, sig)
         if sig == signal.SIGKILL:
             p.popen.wait(timeout=10)
+
+    def restart(self, name: str, sig: int = signal.SIGTERM, term_s: float = 30) -> Proc:
+        """Restart container `name` as the kubelet restarts one (a failed liveness probe, a
+        new pod revision's process): `sig` to its process group, SIGKILL after `term_s`, then
+        the same argv, uid and env again (`restarts` + 1). Not for a container that
+        `restart_always` watches (its watcher restarts it after any exit)."""
+        assert name not in self._keep_restarting, f"{name} is restarted by its watcher"
+        c = next(c for c in self._containers() if c["name"] == name)
+        p = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.popen.pid, sig)
+        try:
+            p.popen.wait(timeout=term_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.popen.pid, signal.SIGKILL)
+            p.popen.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.popen.pid, signal.SIGKILL)  # stragglers of the group
+        return self.spawn(c)
 
     def stop(self, term_s: float = 20) -> None:
         self._stopping = True

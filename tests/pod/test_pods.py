@@ -44,7 +44,9 @@ def prompts(seed: int, n: int = 2) -> list[list[int]]:
 
 
 PROMPT_SETS = {name: prompts(i) for i, name in enumerate(
-    ("round", "missing", "mid_store", "mid_load", "restarted", "socket", "truncated"))}  # fmt: skip
+    ("round", "missing", "mid_store", "mid_load", "restarted", "socket", "truncated",
+     "adopted"))}  # fmt: skip
+PROMPT_SETS["adopt_load"] = prompts(len(PROMPT_SETS), 6)  # traffic while the sidecar dies
 
 
 def expectation(path: Path) -> tuple[str, str | None]:
@@ -468,3 +470,136 @@ def _stored(pod: harness.Pod, socket: str, prompts_: Any, tokens: Any, rounds: i
             return
         pod.reset_prefix_cache()
     raise AssertionError(f"nothing stored in {rounds} rounds: {pod.pool_stats(socket)}")
+
+
+def _uid_of(pid: int) -> int:
+    """The real uid of a process (the container's entrypoint after nsenter/setpriv exec'd)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no Uid line for pid {pid}")
+
+
+class _Load:
+    """Completions of one prompt set, one after another in a loop on a thread, until the
+    block ends: the traffic in flight while a fault hits. Keeps each answer and when it ran."""
+
+    def __init__(self, pod: harness.Pod, name: str) -> None:
+        self.pod, self.prompts = pod, PROMPT_SETS[name]
+        self.done: list[tuple[int, float, float, list[int]]] = []  # (prompt, start, end, tokens)
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                (tokens,) = self.pod.complete([self.prompts[i]], MAX_TOKENS)
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                self.errors.append(exc)
+                return
+            self.done.append((i, began, time.monotonic(), tokens))
+            i = (i + 1) % len(self.prompts)
+
+    def __enter__(self) -> _Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=180)
+        assert not self._thread.is_alive(), "a request wedged"
+
+    def wait_for(self, n: int, max_s: float = 120) -> None:
+        end = time.monotonic() + max_s
+        while len(self.done) < n:
+            assert not self.errors, self.errors
+            assert time.monotonic() < end, f"{len(self.done)} of {n} requests done"
+            time.sleep(0.05)
+
+    def in_flight_at(self, t: float) -> bool:
+        return any(began < t < ended for _, began, ended, _ in self.done)
+
+    def wrong(self, want: list[list[int]]) -> list[int]:
+        """Prompts whose answer differs from `want` (and any request that failed)."""
+        assert not self.errors, self.errors
+        return [i for i, _, _, tokens in self.done if tokens != want[i]]
+
+
+def _serving_stats(pod: harness.Pod, socket: str, max_s: float = 30) -> dict[str, Any]:
+    """Stats once the sidecar answers them (its startup probe may pass before: `kvoffload
+    probe` also passes N s after the pod's first probe)."""
+    end = time.monotonic() + max_s
+    while (stats := pod.pool_stats(socket)) is None:
+        assert time.monotonic() < end, "the restarted sidecar never answered Stats"
+        time.sleep(0.2)
+    return stats
+
+
+@_mark
+def test_fault_sidecar_sigkill_under_load_keeps_the_pool_for_a_fresh_engine(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Issue 18 in a pod: the sidecar container SIGKILLed with requests in flight and restarted
+    by the kubelet adopts the pool file it left in the pod's emptyDir (the committed blocks
+    visible again, same generation), and a vLLM container started afterwards (a fresh engine,
+    same args and uid) gets pool hits with the tokens of the pod without kvoffload for the
+    prompts stored before the kill. The sidecar and vLLM run as different non-root uids, the
+    pool dir is the injector's size-limited memory emptyDir."""
+    wd = workdir_for(tmp_path_factory, "adopt")
+    want = baseline(FAULT_FIXTURE, wd)
+    (doc,) = inject(FAULT_FIXTURE)
+    with harness.running(doc, wd) as (pod, engine):
+        sidecar = pod.sidecar()
+        name, socket = sidecar["name"], harness.socket_of(sidecar)
+        pool_dir = harness.pool_dir_of(sidecar)
+        pod.restart_always(name)
+        # the pod as injected: two non-root uids, the pool on a tmpfs of the emptyDir's limit
+        sidecar_uid, vllm_uid = _uid_of(pod.procs[name].popen.pid), _uid_of(engine.popen.pid)
+        assert 0 not in (sidecar_uid, vllm_uid) and sidecar_uid != vllm_uid
+        volume = next(m["name"] for m in sidecar["volumeMounts"] if m["mountPath"] == pool_dir)
+        limit = next(v["emptyDir"]["sizeLimit"] for v in doc["spec"]["volumes"]
+                     if v["name"] == volume)  # fmt: skip
+        fs, blocks, bsize = pod.ns(["stat", "-f", "-c", "%T %b %S", pool_dir]).split()
+        assert fs == "tmpfs" and int(blocks) * int(bsize) == harness.quantity(limit)
+        owner = pod.ns(["sh", "-c", f"stat -c %u {pool_dir}/*.shm"]).split()
+        assert owner == [str(sidecar_uid)], owner
+
+        stored, tokens = PROMPT_SETS["adopted"], want["adopted"]
+        _stored(pod, socket, stored, tokens)
+        with _Load(pod, "adopt_load") as load:
+            load.wait_for(2)
+            at_kill = pod.pool_stats(socket) or {}
+            killed_at = time.monotonic()
+            pod.kill(name)
+            _wait_sidecar_back(pod, restarts=1)
+            stats = _serving_stats(pod, socket)
+            load.wait_for(len(load.done) + 2)  # requests went on after the restart
+        assert load.in_flight_at(killed_at), "no request was in flight at the kill"
+        assert load.wrong(want["adopt_load"]) == [], "wrong tokens under the fault"
+        adoption = stats.get("adoption") or {}
+        assert adoption.get("outcome") == "adopted", f"{stats}\n{pod.procs[name].text()[-3000:]}"
+        committed = sum(n["committed_slots"] for n in at_kill.get("namespaces", []))
+        assert committed >= len(stored), at_kill
+        # every block committed at the snapshot (taken just before the kill) and at most every
+        # chunk this pod ever stored (one per 900-token prompt): none made up, none lost
+        most = len(stored) + len(PROMPT_SETS["adopt_load"])
+        assert committed <= adoption["adopted_blocks"] <= most, (adoption, at_kill)
+        assert stats["pool_generation"] == at_kill["pool_generation"]
+
+        # a fresh vLLM engine: the container restarted, its first requests hit the adopted pool
+        engine = pod.restart(pod.vllm_container()["name"])
+        pod.wait_serving(engine)
+        assert _uid_of(engine.popen.pid) == vllm_uid
+        before = pod.pool_stats(socket) or {}
+        assert pod.complete(stored, MAX_TOKENS) == tokens
+        after = pod.pool_stats(socket) or {}
+        assert harness.pool_hits(after) - harness.pool_hits(before) >= len(stored), (
+            f"no pool hits for the fresh engine:\n{engine.text()[-3000:]}"
+        )
+        stored_blocks = [sum(n["stored_blocks"] for n in s["namespaces"]) for s in (before, after)]
+        assert stored_blocks[0] == stored_blocks[1], "the fresh engine stored them anew"
+        assert after["pool_generation"] == at_kill["pool_generation"]
+        assert engine.alive() and pod.procs[name].restarts == 1
