@@ -123,6 +123,20 @@ def _ratio(hits: int, misses: int) -> str:
     return f"{hits / (hits + misses):.1%}" if hits + misses else "-"
 
 
+def adoption_lines(adoption: Any) -> list[str]:
+    """What this sidecar's start did with the pool file it found (one line; none when new)."""
+    if not adoption.outcome or adoption.outcome == "new":
+        return []
+    dropped = ", ".join(f"{n} {why}" for why, n in sorted(adoption.discarded_blocks.items()))
+    if adoption.outcome == "adopted":
+        return [
+            f"adoption: adopted {adoption.adopted_blocks} blocks in "
+            f"{adoption.adopted_namespaces} namespace(s) in {adoption.adopt_seconds:.3f}s "
+            f"(boot {adoption.boots}; not adopted: {dropped or 'none'})"
+        ]
+    return [f"adoption: discarded the pool file's contents: {adoption.reason}"]
+
+
 def format_stats(resp: Any) -> str:
     """The readable table: a pool-wide line, one row per namespace, one row per RPC method."""
     prefault = resp.prefaulted_bytes / resp.pool_bytes if resp.pool_bytes else 0.0
@@ -137,6 +151,7 @@ def format_stats(resp: Any) -> str:
         f"({'ready' if resp.pool_ready else 'not ready'}), eviction {resp.eviction_policy}, "
         f"generation {resp.pool_generation}, uptime {resp.uptime_seconds:.0f}s, "
         f"version {resp.version}",
+        *adoption_lines(resp.adoption),
         *connector_lines(resp.connector_status),
         "",
     ]

@@ -189,3 +189,29 @@ def test_bad_setting_exits_2_with_one_line(
     assert done.stderr.count("\n") == 1, done.stderr
     assert expected in done.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_stats_says_what_the_start_did_with_the_pool_file() -> None:
+    from kvoffload.v1 import pool_pb2 as pb
+    from kvoffload_sidecar.cli import format_stats
+
+    resp = pb.StatsResponse(pool_bytes=1 << 30, prefaulted_bytes=1 << 30, pool_ready=True)
+    assert "adoption" not in format_stats(resp)  # a new pool: nothing to say
+    resp.adoption.outcome = "adopted"
+    resp.adoption.adopted_blocks = 1234
+    resp.adoption.adopted_namespaces = 1
+    resp.adoption.adopt_seconds = 0.012
+    resp.adoption.boots = 3
+    resp.adoption.discarded_blocks["reserved"] = 2
+    resp.adoption.discarded_blocks["torn"] = 1
+    line = format_stats(resp).splitlines()[1]
+    assert line == (
+        "adoption: adopted 1234 blocks in 1 namespace(s) in 0.012s "
+        "(boot 3; not adopted: 2 reserved, 1 torn)"
+    )
+    resp.adoption.outcome = "discarded"
+    resp.adoption.reason = "pool format v2 is newer than this sidecar reads (v1)"
+    assert format_stats(resp).splitlines()[1] == (
+        "adoption: discarded the pool file's contents: "
+        "pool format v2 is newer than this sidecar reads (v1)"
+    )
