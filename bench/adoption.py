@@ -60,12 +60,17 @@ def pool_dir(given: str | None, size: int) -> Iterator[Path]:
     if given:
         yield Path(given)
         return
-    if os.geteuid() != 0:
-        raise SystemExit("pass --dir (a tmpfs with room for the pool) or run as root")
     where = Path(tempfile.mkdtemp(prefix="kvo-adopt-"))
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0777", "tmpfs", str(where)], check=True
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0777", "tmpfs", str(where)],
+        check=False,
+        capture_output=True,
     )
+    if mounted.returncode != 0:  # not root: /dev/shm, when it has the room
+        where.rmdir()
+        with tempfile.TemporaryDirectory(prefix="kvo-adopt-", dir="/dev/shm") as shm:
+            yield Path(shm)
+        return
     try:
         yield where
     finally:
@@ -161,7 +166,7 @@ def run_inproc(args: argparse.Namespace) -> list[dict]:
 
 def sidecar_cmd(where: Path, sock: Path, pool_bytes: int) -> list[str]:
     exe = Path(sys.executable).with_name("kvoffload")
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvoffload_cli"]
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "kvoffload_cli.main"]
     return [*base, "sidecar", "--pool-dir", str(where), "--pool-size", str(pool_bytes),
             "--socket", str(sock)]  # fmt: skip
 
