@@ -354,10 +354,25 @@ _FIN = np.uint64(0xC2B2AE3D27D4EB4F)
 _S31, _S29, _S32 = np.uint64(31), np.uint64(29), np.uint64(32)
 
 
+_MASK = (1 << 64) - 1
+_SEED = 0x6B766F66666C6F61
+SCALAR_MAX = 8  # commits and marks of at most this many records skip numpy (per-call overhead)
+
+
+def record_check_one(epoch: int, slot: int, state: int, key_words: tuple[int, ...]) -> int:
+    """`record_check` of one record with Python ints (same mix, same result)."""
+    h = (epoch ^ _SEED) & _MASK
+    for w in (slot, state, *key_words):
+        h = ((h ^ w) * 0x9E3779B97F4A7C15) & _MASK
+        h ^= h >> 31
+    h = (h * 0xC2B2AE3D27D4EB4F) & _MASK
+    return h ^ (h >> 32)
+
+
 def record_check(epoch: int, slots: np.ndarray, states: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """The 64-bit check of records (one per row of `keys`, uint64 words): a multiply-xorshift
     mix of epoch, slot, state and every key word, vectorised over the records."""
-    h = np.full(len(slots), np.uint64(epoch ^ 0x6B766F66666C6F61), np.uint64)
+    h = np.full(len(slots), np.uint64(epoch ^ _SEED), np.uint64)
     words = [slots.astype(np.uint64, copy=False), states.astype(np.uint64, copy=False)]
     words += [keys[:, j] for j in range(keys.shape[1])]
     for w in words:
@@ -385,6 +400,9 @@ class SlotTable:
 
     def __init__(self, buf: mmap.mmap, layout: NamespaceLayout) -> None:
         self.layout = layout
+        self._buf = buf
+        self._row = struct.Struct(f"<{layout.record_bytes // 8 - 1}Q")  # check + key words
+        self._key_pad = bytes(layout.record_bytes - 16 - layout.spec.key_size)
         self.key_size = layout.spec.key_size
         self.key_words = (layout.record_bytes - 16) // 8
         self.epoch = layout.epoch
@@ -399,14 +417,22 @@ class SlotTable:
 
     def mark(self, slots: np.ndarray | list[int], state: int) -> None:
         """Reserved (before the reservation is answered) or free (an aborted store)."""
-        if len(slots):
+        n = len(slots)
+        if n > SCALAR_MAX:
             self.state[np.asarray(slots, np.intp)] = state
+        elif n:
+            column = self.state
+            for slot in slots:
+                column[slot] = state
 
     def commit(self, slots: np.ndarray | list[int], packed: bytes, seq: int) -> None:
         """Commit records for `slots` holding the packed keys (same order): key and check
         first, the state word last."""
         n = len(slots)
         if not n:
+            return
+        if n <= SCALAR_MAX:
+            self._commit_few(slots, packed, seq)
             return
         idx = np.asarray(slots, np.intp)
         keys = np.zeros((n, self.key_words * 8), np.uint8)
@@ -419,6 +445,18 @@ class SlotTable:
         rows[idx, 2:] = kw
         rows[idx, 1] = record_check(self.epoch, idx, states, kw)
         rows[idx, 0] = states
+
+    def _commit_few(self, slots: np.ndarray | list[int], packed: bytes, seq: int) -> None:
+        """`commit` for a few records: Python ints and struct, no numpy call per record."""
+        ks, base, size = self.key_size, self.layout.table_offset, self.layout.record_bytes
+        words = self.key_words
+        unpack = struct.Struct(f"<{words}Q").unpack
+        for i, slot in enumerate(map(int, slots)):
+            key = unpack(packed[i * ks : (i + 1) * ks] + self._key_pad)
+            at = base + slot * size
+            check = record_check_one(self.epoch, slot, seq, key)
+            self._row.pack_into(self._buf, at + 8, check, *key)
+            self.state[slot] = seq  # the state word last
 
     def scan(self) -> TableScan:
         """Read every record: the valid commits (a key stored twice keeps its latest), the slots

@@ -284,3 +284,34 @@ def test_random_histories_adopt_exactly_what_was_committed(pair, small_spec, clo
         if k in expected_tag:
             assert got[:1] == bytes([expected_tag[k] % 256]), f"key {k}: wrong bytes"
     b.check_invariants()
+
+
+def test_the_scalar_and_numpy_record_checks_agree() -> None:
+    """Small commits take the Python path, large ones numpy: both must write what a restart
+    validates, for keys whose size is and is not a multiple of 8."""
+    rng = np.random.default_rng(7)
+    for words in (1, 5, 32):
+        keys = rng.integers(0, 2**63, size=(40, words), dtype=np.uint64) * 2 + 1
+        slots = np.arange(40, dtype=np.intp) * 3
+        states = rng.integers(2, 2**40, size=40, dtype=np.uint64)
+        vector = persist.record_check(987654321, slots, states, keys).tolist()
+        scalar = [
+            persist.record_check_one(987654321, int(s), int(st), tuple(map(int, k)))
+            for s, st, k in zip(slots, states, keys, strict=True)
+        ]
+        assert vector == scalar
+
+
+@pytest.mark.parametrize("batch", [1, persist.SCALAR_MAX, persist.SCALAR_MAX + 1, 30])
+def test_small_and_large_commits_are_adopted_alike(make_pool, small_spec, batch):
+    spec = small_spec(key_size=13)  # not a multiple of 8: the padded key words
+    a = make_pool(pool_size=64 * MiB)
+    reg = a.register(spec, 1, 1 * MiB, "engine")
+    keys = b"".join(i.to_bytes(13, "big") for i in range(1, batch + 1))
+    res = a.reserve_store(reg.namespace_id, reg.client_id, keys)
+    a.commit_store(reg.namespace_id, res.store_id, 0)
+    b = make_pool(pool_size=64 * MiB)
+    assert b.adoption.adopted_blocks == batch and not b.adoption.discarded
+    reg2 = b.register(spec, 1, 1 * MiB, "again")
+    assert b.lookup(reg2.namespace_id, [keys]) == [batch]
+    b.check_invariants()
