@@ -57,6 +57,9 @@ class ConnectorConfig:
     lookup_timeout_ms: int = 200  # deadline of one batched lookup exchange
     rpc_timeout_ms: int = 1000  # deadline of every other RPC
     register_wait_ms: int = 5000  # how long a request may wait for the first registration
+    # How long a request the pool can serve waits while a rank maps the pool for the device
+    # (cudaHostRegister, ~3 s for 32 GiB at engine start): a 100K-token hit beats recomputing.
+    ready_wait_ms: int = 10000
     reconnect_min_ms: int = 100  # first reconnect backoff, doubled up to reconnect_max_ms
     reconnect_max_ms: int = 500  # at most this long between attempts: back within ~1 s
     lazy_watermark_blocks: int = 0  # lazy mode: blocks at the free-queue head to protect (0=auto)
@@ -108,6 +111,7 @@ _INT_KEYS = {
     "lookup_timeout_ms": 1,
     "rpc_timeout_ms": 1,
     "register_wait_ms": 0,
+    "ready_wait_ms": 0,
     "reconnect_min_ms": 1,
     "reconnect_max_ms": 1,
     "lazy_watermark_blocks": 0,

@@ -148,6 +148,7 @@ class OffloadScheduler:
             ""  # a worker's reason for having no pool (stops the first-registration wait)
         )
         self._ready: dict[int, bool] = {}  # rank -> pool ready (empty: not reported yet)
+        self._unready_since: float | None = None  # a rank's pool became not ready then
         self._first_query_at: float | None = None
         self._told_unusable = ""  # the reason last logged for serving without the pool
         self.block_pool: Any = None
@@ -210,7 +211,11 @@ class OffloadScheduler:
             self._drain()
         if st.answer is None:
             if not st.queued:
-                if not self._usable() and not self._may_wait_for_registration():
+                if (
+                    not self._usable()
+                    and not self._may_wait_for_registration()
+                    and not self._waiting_for_ranks()
+                ):
                     self._tell_unusable()
                     return 0, False
                 st.queued = True
@@ -221,6 +226,11 @@ class OffloadScheduler:
                     self._lookup_queue.append(st)
             if st.answer is None:
                 return None, False
+        if st.answer.hit_chunks and not self._ranks_ready():
+            if self._waiting_for_ranks():
+                return None, False  # a hit: worth waiting for the ranks' device registration
+            self._release(st.answer.pins)  # waited long enough: recompute
+            st.answer = _Answer(0, [], [], "")
         hit_end = min(st.answer.hit_chunks * self.chunk_tokens, cap)
         st.hit_end = hit_end
         if hit_end <= num_computed_tokens:
@@ -247,8 +257,23 @@ class OffloadScheduler:
 
     def _usable(self) -> bool:
         """Connected, and every rank has its pool mapped and device-registered."""
-        return self.client.connected and (
-            not self._ready or (len(self._ready) >= self.world_size and all(self._ready.values()))
+        return self.client.connected and self._ranks_ready()
+
+    def _ranks_ready(self) -> bool:
+        return not self._ready or (
+            len(self._ready) >= self.world_size and all(self._ready.values())
+        )
+
+    def _waiting_for_ranks(self) -> bool:
+        """Connected while a rank maps the pool for its device, for at most `ready_wait_ms`
+        since it started: lookups still run, and a request that hits waits for it (a miss
+        does not)."""
+        since = self._unready_since
+        return (
+            since is not None
+            and not self._no_pool
+            and self.client.connected
+            and (self._clock() - since) * 1e3 < self.cfg.ready_wait_ms
         )
 
     def _unusable_reason(self) -> str:
@@ -281,7 +306,7 @@ class OffloadScheduler:
     def _send_lookups(self) -> None:
         if not self._lookup_queue:
             return
-        if not self._usable():
+        if not self._usable() and not self._waiting_for_ranks():
             self._rpc.submit(self.client.ensure)  # reconnects when its backoff allows
             if self._may_wait_for_registration():
                 return  # keep them queued: the first registration is on its way
@@ -766,6 +791,10 @@ class OffloadScheduler:
         if report is None:
             return
         self._ready.update(report.ready)
+        if self._ranks_ready():
+            self._unready_since = None
+        elif self._unready_since is None:
+            self._unready_since = self._clock()
         if report.no_pool and not self._no_pool:
             self._no_pool = report.no_pool
             log.info("kvoffload: a worker found no pool (%s); requests do not wait for it",

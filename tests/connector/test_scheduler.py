@@ -220,7 +220,16 @@ class SchedOut:
 
 
 def make(
-    mode="eager", world=1, groups=1, pool=None, nblocks=64, windows=None, load="async", inline=False
+    mode="eager",
+    world=1,
+    groups=1,
+    pool=None,
+    nblocks=64,
+    windows=None,
+    load="async",
+    inline=False,
+    ready_wait_ms=0,
+    clock=None,
 ):
     """A scheduler on a fake pool; lookups batch in the background unless `inline`."""
     fake = pool or FakePool()
@@ -229,13 +238,21 @@ def make(
             "chunk_size": CHUNK,
             "mode": mode,
             "register_wait_ms": 0,
+            "ready_wait_ms": ready_wait_ms,
             "load_mode": load,
             "inline_lookup": inline,
         },
         BS,
     )
+    extra = {"clock": clock} if clock is not None else {}
     s = OffloadScheduler(
-        cfg, block_size=BS, num_groups=groups, world_size=world, client=fake, windows=windows
+        cfg,
+        block_size=BS,
+        num_groups=groups,
+        world_size=world,
+        client=fake,
+        windows=windows,
+        **extra,
     )
     bp = BlockPool(nblocks)
     mgr = KVCacheManager(bp)
@@ -756,6 +773,43 @@ def test_misses_until_every_rank_reports_its_pool_ready():
     req2 = Request("r2", list(range(300)))
     commit_prompt(fake, req2, 4)
     assert ask(s, req2) == (256, True)
+
+
+def test_a_hit_waits_while_a_rank_maps_the_pool_at_start_and_a_miss_does_not():
+    """Right after vLLM starts, a rank is still registering the pool with its device: a
+    request the pool can serve (a long context: loading beats recomputing by seconds) waits
+    for it, at most `ready_wait_ms`; a request with nothing in the pool does not wait."""
+    now = [100.0]
+    s, fake, bp, mgr = make(world=2, ready_wait_ms=10_000, clock=lambda: now[0])
+    s.update_connector_output(WorkerReport(ready={0: True, 1: False}))  # rank 1 still pinning
+    hit, miss = Request("hit", list(range(300))), Request("miss", list(range(1000, 1300)))
+    commit_prompt(fake, hit, 4)
+    assert ask(s, miss) == (0, False)
+    for _ in range(3):  # steps while rank 1 registers: the hit keeps waiting, pinned
+        assert s.get_num_new_matched_tokens(hit, 0) == (None, False)
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    assert fake.pins  # its pins are held while it waits
+    now[0] += 3.0
+    s.update_connector_output(WorkerReport(ready={1: True}))
+    assert ask(s, hit) == (256, True)
+
+
+def test_a_hit_stops_waiting_for_a_rank_after_ready_wait_ms():
+    now = [100.0]
+    s, fake, bp, mgr = make(world=2, ready_wait_ms=2_000, clock=lambda: now[0])
+    s.update_connector_output(WorkerReport(ready={0: True, 1: False}))
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    now[0] += 2.5
+    assert ask(s, req) == (0, False)  # recompute; its pins go back
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert fake.pins == {}
 
 
 def test_serving_without_the_pool_is_logged_once_per_reason(caplog):
