@@ -392,6 +392,8 @@ class TableScan:
     packed: bytes  # their keys, back to back, same order
     max_seq: int
     withheld: np.ndarray  # intp: reserved at death or torn (late copies may land)
+    withheld_ms: np.ndarray  # uint64 per withheld slot: when it was reserved (wall clock, ms;
+    # torn ones: 0, "unknown", the caller holds them from now)
     discarded: dict[str, int] = field(default_factory=dict)
 
 
@@ -415,14 +417,19 @@ class SlotTable:
     def clear(self) -> None:
         self.words[:] = 0
 
-    def mark(self, slots: np.ndarray | list[int], state: int) -> None:
-        """Reserved (before the reservation is answered) or free (an aborted store)."""
+    def mark(self, slots: np.ndarray | list[int], state: int, when_ms: int = 0) -> None:
+        """Reserved (before the reservation is answered; `when_ms`, the wall clock, goes in
+        the check word: an adopter withholds the slot only until then + its hold) or free
+        (an aborted store)."""
         n = len(slots)
         if n > SCALAR_MAX:
-            self.state[np.asarray(slots, np.intp)] = state
+            idx = np.asarray(slots, np.intp)
+            self.words[idx, 1] = when_ms
+            self.state[idx] = state
         elif n:
-            column = self.state
+            column, checks = self.state, self.words[:, 1]
             for slot in slots:
+                checks[slot] = when_ms
                 column[slot] = state
 
     def commit(self, slots: np.ndarray | list[int], packed: bytes, seq: int) -> None:
@@ -468,7 +475,9 @@ class SlotTable:
         if len(reserved):
             discarded["reserved"] = len(reserved)
         if not len(cand):
-            return TableScan(np.zeros(0, np.intp), b"", 0, reserved, discarded)
+            return TableScan(
+                np.zeros(0, np.intp), b"", 0, reserved, self.words[reserved, 1], discarded
+            )
         rows = self.words[cand]
         ok = record_check(self.epoch, cand, state[cand], rows[:, 2:]) == rows[:, 1]
         torn = cand[~ok]
@@ -486,6 +495,7 @@ class SlotTable:
             packed=np.ascontiguousarray(keys[keep]).tobytes(),
             max_seq=int(seqs.max()) if len(seqs) else 0,
             withheld=np.concatenate([reserved, torn]) if len(torn) else reserved,
+            withheld_ms=np.concatenate([self.words[reserved, 1], np.zeros(len(torn), np.uint64)]),
             discarded=discarded,
         )
 

@@ -302,6 +302,10 @@ class Pool:
         self._ready_event = threading.Event()
 
     @staticmethod
+    def _now_ms() -> int:
+        return int(time.time() * 1e3)
+
+    @staticmethod
     def _id_base() -> int:
         return (secrets.randbits(30) << 32) | 1
 
@@ -359,7 +363,6 @@ class Pool:
             # and stores write slots it had reserved: no eviction, and those slots stay
             # withheld, for the grace. Free slots take stores at once.
             self._evict_from = self._started_at + grace
-            self._withhold_until = self._started_at + max(grace, self.settings.reserved_hold_s)
         else:
             if found is None:
                 adoption = Adoption("new", "no pool file was left: created one")
@@ -395,6 +398,9 @@ class Pool:
         """Lock held: a namespace read back from the file, with its committed blocks."""
         table = SlotTable(self._region.buffer, layout)
         scan = table.scan()
+        withheld = self._still_held(scan.withheld, scan.withheld_ms)
+        if len(withheld) < len(scan.withheld):  # reserved longer ago than the hold: free now
+            table.mark(np.setdiff1d(scan.withheld, withheld), persist.FREE)
         spec = layout.spec
         index = SlotIndex(layout.slot_count, layout.num_ranks, spec.key_size)
         index.adopt(scan.packed, scan.slots)
@@ -414,12 +420,12 @@ class Pool:
             partition=layout.partition,
             regions=self._regions_of(layout),
             index=index,
-            free=FreeSlots.adopted(layout.slot_count, scan.slots, scan.withheld),
+            free=FreeSlots.adopted(layout.slot_count, scan.slots, withheld),
             policy=policy,
             last_used=self._clock(),
             layout=layout,
             table=table,
-            withheld=scan.withheld,
+            withheld=withheld,
         )
         self._partitions[layout.partition] = ns.namespace_id
         self._namespaces[ns.namespace_id] = ns
@@ -429,6 +435,24 @@ class Pool:
         adoption.add_discards(scan.discarded)
         self._set_prefault_priority()
         self._update_ready(ns)
+
+    def _still_held(self, slots: np.ndarray, reserved_ms: np.ndarray) -> np.ndarray:
+        """Lock held, adopting: of the slots reserved when the last sidecar died, those whose
+        reservation is younger than the hold (a copy may still land); moves `_withhold_until`
+        to when the youngest comes free. A slot of unknown age (torn record) is held in full.
+        Restarts in quick succession so never pile up slots reserved long ago."""
+        if not len(slots):
+            return slots
+        hold = max(self.settings.detach_grace_s, self.settings.reserved_hold_s)
+        now_ms = time.time() * 1e3
+        ages = now_ms - reserved_ms.astype(np.float64)
+        ages[reserved_ms == 0] = 0.0  # unknown: as if reserved now
+        keep = ages < hold * 1e3
+        if keep.any():
+            left = hold - float(ages[keep].min()) / 1e3
+            until = self._started_at + max(0.0, left)
+            self._withhold_until = max(self._withhold_until, until)
+        return slots[keep]
 
     def _regions_of(self, layout: NamespaceLayout) -> tuple[RankRegion, ...]:
         path = str(self.path)
@@ -834,7 +858,7 @@ class Pool:
             index, free = ns.index, ns.free
             new_slots = self._reserve_new(ns, packed, n_keys)
             if new_slots is not None:  # the usual store: every key new, distinct, slots free
-                ns.table.mark(new_slots, persist.RESERVED)  # before any byte is written
+                ns.table.mark(new_slots, persist.RESERVED, self._now_ms())  # before any byte
                 store_id = self._next_store
                 self._next_store += 1
                 index.open_store_packed(store_id, client.client_id, new_slots, packed)
@@ -862,7 +886,7 @@ class Pool:
             decisions = _store_decisions(key_list, stored, fresh[len(slots) :], unique)
             store_id = 0
             if slot_list:
-                ns.table.mark(slot_list, persist.RESERVED)  # before any byte is written
+                ns.table.mark(slot_list, persist.RESERVED, self._now_ms())  # before any byte
                 store_id = self._next_store
                 self._next_store += 1
                 index.open_store(store_id, client.client_id, slots, stored)

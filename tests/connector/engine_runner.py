@@ -444,17 +444,26 @@ def scenario_warm_kill(args: argparse.Namespace) -> dict:
     return report
 
 
-def namespace_counters(socket: str) -> dict:
+def stats_now(socket: str, timeout_s: float = 0.5):
+    """The sidecar's Stats, or None while nothing answers on `socket`. A fresh channel each
+    time: a kept one would wait out gRPC's own reconnect backoff after the sidecar is back."""
+    import grpc
+    from kvoffload.v1 import pool_pb2, pool_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(f"unix://{socket}") as ch:
+            return pool_pb2_grpc.KVPoolStub(ch).Stats(pool_pb2.StatsRequest(), timeout=timeout_s)
+    except grpc.RpcError:
+        return None
+
+
+def namespace_counters(socket: str, stats=None) -> dict:
     """The pool's Stats summed over its namespaces: slots, live clients, block counters; and
     its generation and adoption (what this sidecar found in the pool file at start)."""
     from google.protobuf.json_format import MessageToDict
-    from kvoffload_connector.client import PoolClient
 
-    client = PoolClient(socket, "test/stats", rpc_timeout_s=2)
-    try:
-        stats = client.stats()
-    finally:
-        client.close()
+    stats = stats_now(socket, timeout_s=5) if stats is None else stats
+    assert stats is not None, f"no Stats from {socket}"
     out: dict = {
         name: sum(getattr(ns, name) for ns in stats.namespaces)
         for name in (
@@ -472,15 +481,23 @@ def namespace_counters(socket: str) -> dict:
     return out
 
 
+def wait_file(path: Path, max_s: float = 120) -> None:
+    deadline = time.monotonic() + max_s
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.02)
+
+
 def scenario_adopt(args: argparse.Namespace) -> dict:
-    """P stored and settled; then the test SIGKILLs the sidecar (`<pid file>.down` asks for
-    it) and starts it again with the same command line after `--down-s`, while this engine
-    keeps serving filler requests (the traffic of the outage: each a miss that stores its
-    chunks, so the connector finds the sidecar gone and backs off). `<pid file>.up` says when
-    the new sidecar answered (wall clock); from then the fillers go on until the pool counts
-    as many live clients as before the kill: that wait is the re-attach time. Then
-    `reset_prefix_cache()` and P again: hits from the adopted blocks (nothing ran P on the new
-    sidecar), the same tokens."""
+    """P stored and settled; then the test SIGKILLs the sidecar (`<pid file>.down` asks,
+    `.killed` answers); this engine serves filler requests for `--outage-traffic-s` (the
+    outage's traffic: misses whose stores drop, so the connector finds the sidecar gone and
+    backs off), then goes idle and says so (`.quiet`); the test starts the sidecar again with
+    the same command line after that. Meanwhile this process polls Stats: the first answer is
+    the new sidecar serving, the first with as many live clients as before the kill is the
+    connector back: the re-attach time, the connector's own doing (no request drives it).
+    Then `reset_prefix_cache()` and P again: hits from the adopted blocks (nothing ran P on
+    the new sidecar), the same tokens."""
     llm = make_llm(args)
     before, _ = pool_path_live(llm, args)
     batch = prompts(args.seed, 3, args.prompt_len)
@@ -489,28 +506,30 @@ def scenario_adopt(args: argparse.Namespace) -> dict:
     settle_pool(args.socket, min_committed=before + len(batch) * per_prompt)
     at_kill = namespace_counters(args.socket)
 
-    down, up = Path(args.sidecar_pid_file + ".down"), Path(args.sidecar_pid_file + ".up")
-    down.write_text(json.dumps(at_kill))
+    Path(args.sidecar_pid_file + ".down").write_text(json.dumps(at_kill))
+    wait_file(Path(args.sidecar_pid_file + ".killed"))
     fillers = iter(prompts(args.seed + 700, 10_000, args.filler_len))
     during = 0  # filler requests served while the sidecar was away
-    deadline = time.monotonic() + 120
-    while not up.exists():
-        assert time.monotonic() < deadline, "the test never restarted the sidecar"
+    end = time.monotonic() + args.outage_traffic_s
+    while time.monotonic() < end:
         run(llm, [next(fillers)], 1)
         during += 1
-    serving_at = json.loads(up.read_text())["serving_at"]
-    adopted = namespace_counters(args.socket)  # before any client of this engine is back
-    polls: list[dict] = []
-    attach_s = None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        now = namespace_counters(args.socket)
-        polls.append({"t": round(time.time() - serving_at, 3), "live": now["live_clients"]})
-        if now["live_clients"] >= at_kill["live_clients"]:
-            attach_s = time.time() - serving_at
-            break
-        run(llm, [next(fillers)], 1)
-    settle_pool(args.socket)  # the fillers' stores land before P's counters are read
+    # idle from here: the test starts the sidecar only now, so no filler reaches it
+    Path(args.sidecar_pid_file + ".quiet").write_text("1")
+    serving_at = attached_at = None
+    adopted: dict = {}
+    deadline = time.monotonic() + 120
+    while attached_at is None and time.monotonic() < deadline:
+        stats = stats_now(args.socket)
+        now = time.monotonic()
+        if stats is not None:
+            if serving_at is None:
+                serving_at = now
+                adopted = namespace_counters(args.socket, stats)
+            if sum(ns.live_clients for ns in stats.namespaces) >= at_kill["live_clients"]:
+                attached_at = now
+        time.sleep(0.01)
+    assert serving_at is not None, "the restarted sidecar never answered"
     llm.reset_prefix_cache()
     before_hit = namespace_counters(args.socket)
     second = run(llm, batch, args.max_tokens)
@@ -523,8 +542,7 @@ def scenario_adopt(args: argparse.Namespace) -> dict:
         "before_hit": before_hit,
         "after_hit": after_hit,
         "fillers_during_outage": during,
-        "attach_s": attach_s,
-        "attach_polls": polls[-20:],
+        "attach_s": None if attached_at is None else attached_at - serving_at,
         "metrics": metrics(llm),
         "chunk_tokens": args.chunk_tokens,
     }
@@ -594,9 +612,12 @@ def main() -> int:
     ap.add_argument("--truncate-pool", default="", help="pool file to truncate (truncate)")
     ap.add_argument("--filler-len", type=int, default=300, help="filler prompt tokens (adopt)")
     ap.add_argument(
+        "--outage-traffic-s", type=float, default=4.0, help="fillers after the kill (adopt)"
+    )
+    ap.add_argument(
         "--default-reconnect",
         action="store_true",
-        help="the connector's own reconnect backoff, not the tests' 100-500 ms",
+        help="the connector's default reconnect backoff (adopt measures it), not the tests' own",
     )
     args = ap.parse_args()
     fn = {

@@ -423,8 +423,11 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
     blocks with the same tokens; a new engine started afterwards hits them too."""
     pid_file = tmp_path / "sidecar.pid"
     pid_file.write_text(str(sidecar.proc.pid))
-    down_s = 6.0  # an outage long enough for an uncapped backoff (5 s) to be seconds late
-    restart: dict = {}
+    # At least this long away; the engine sends traffic for the first 4 s, failing
+    # registrations at ~0.1, 0.3, 0.7, 1.5, 3.1 s: a backoff doubling up to 5 s (before issue
+    # 18) would try next at ~6.3 s, then ~11 s, seconds after this sidecar serves again.
+    down_s = 7.0
+    restarted = threading.Event()
 
     def restart_when_asked() -> None:
         down = Path(str(pid_file) + ".down")
@@ -433,11 +436,13 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
             time.sleep(0.05)
         if down.exists():
             sidecar.kill()
-            restart["killed_at"] = time.time()
+            Path(str(pid_file) + ".killed").write_text("1")
             time.sleep(down_s)
+            quiet = Path(str(pid_file) + ".quiet")  # the engine's outage traffic is over
+            while not quiet.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
             sidecar.start()  # the same argv: pool dir, pool size, socket
-            restart["serving_at"] = time.time()
-            Path(str(pid_file) + ".up").write_text(json.dumps(restart))
+            restarted.set()
 
     t = threading.Thread(target=restart_when_asked, daemon=True)
     t.start()
@@ -451,7 +456,7 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
         "--default-reconnect",
     )
     t.join(5)
-    assert "serving_at" in restart, "the sidecar was never restarted"
+    assert restarted.is_set(), "the sidecar was never restarted"
     at_kill, adopted = r["at_kill"], r["adopted"]
     assert at_kill["reserved_slots"] == 0 and at_kill["committed_slots"] >= 12, at_kill
     # the new sidecar adopted every block committed before the kill (none was mid-store)
@@ -461,20 +466,21 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
     assert adopted["generation"] == at_kill["generation"]
     assert adopted["committed_slots"] == at_kill["committed_slots"], adopted
     assert adopted["stored_blocks"] == 0, adopted  # nothing stored since the restart yet
-    # re-attached within ~1 s of serving (filler traffic drives the connector's steps)
+    # an idle engine's connector re-attached within ~1 s of serving, after an outage with
+    # traffic (its reconnect backoff had grown)
     assert r["fillers_during_outage"] > 0
-    assert r["attach_s"] is not None, f"never re-attached: {r['attach_polls']}\n{r['log']}"
-    # the 1 s the issue asks, plus a step and a Stats poll on a busy 2-core box
-    assert r["attach_s"] < 1.5, (
-        f"re-attached {r['attach_s']:.2f} s after serving: {r['attach_polls']}"
-    )
+    assert r["attach_s"] is not None, f"never re-attached:\n{r['log']}"
+    # the 1 s the issue asks (0.2-0.6 s measured), plus a Register and a Stats poll on a busy
+    # 2-core box; a backoff doubling to 5 s comes back ~4 s late here
+    assert r["attach_s"] < 1.5, f"re-attached {r['attach_s']:.2f} s after serving"
     # P, not run since the restart, hits what the dead sidecar committed: the same tokens
     assert all(o["cached"] >= 256 for o in r["second"]), f"{r['second']}\n{r['log']}"
     _assert_same_outputs(r["first"], r["second"])
     before, after = r["before_hit"], r["after_hit"]
     assert after["hit_blocks"] - before["hit_blocks"] >= 3 * 4, (before, after)
     assert after["loaded_blocks"] > before["loaded_blocks"], (before, after)
-    assert after["stored_blocks"] == before["stored_blocks"], "P's chunks were stored anew"
+    assert before["stored_blocks"] == 0, before  # P's chunks: none stored by this sidecar
+    assert after["stored_blocks"] == 0, "P's chunks were stored anew"
     assert after["generation"] == at_kill["generation"]
 
     # a fresh engine (a new process) on the restarted sidecar: its first requests hit

@@ -46,7 +46,8 @@ def prompts(seed: int, n: int = 2) -> list[list[int]]:
 PROMPT_SETS = {name: prompts(i) for i, name in enumerate(
     ("round", "missing", "mid_store", "mid_load", "restarted", "socket", "truncated",
      "adopted"))}  # fmt: skip
-PROMPT_SETS["adopt_load"] = prompts(len(PROMPT_SETS), 6)  # traffic while the sidecar dies
+# traffic while the sidecar dies: enough new prompts that the kill lands among their stores
+PROMPT_SETS["adopt_load"] = prompts(len(PROMPT_SETS), 16)
 
 
 def expectation(path: Path) -> tuple[str, str | None]:
@@ -539,6 +540,7 @@ def _serving_stats(pod: harness.Pod, socket: str, max_s: float = 30) -> dict[str
 
 
 @_mark
+@pytest.mark.timeout(900)  # three vLLM starts (baseline, pod, fresh engine) on a busy 2-core box
 def test_fault_sidecar_sigkill_under_load_keeps_the_pool_for_a_fresh_engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -315,3 +316,23 @@ def test_small_and_large_commits_are_adopted_alike(make_pool, small_spec, batch)
     reg2 = b.register(spec, 1, 1 * MiB, "again")
     assert b.lookup(reg2.namespace_id, [keys]) == [batch]
     b.check_invariants()
+
+
+def test_slots_reserved_long_ago_are_not_held_again(pair, small_spec, monkeypatch):
+    """Kills in quick succession: a slot reserved before an earlier death is held only until
+    its own reservation is `reserved_hold_s` old, not again from every restart."""
+    first, again = pair
+    a, reg = first()
+    in_flight = store(a, reg, 3, commit=False)
+    b = again()
+    assert set(b._namespaces[reg.namespace_id].withheld.tolist()) == set(in_flight)  # noqa: SLF001
+    real = time.time
+    monkeypatch.setattr(
+        "kvoffload_sidecar.pool.time.time", lambda: real() + b.settings.reserved_hold_s + 1
+    )
+    c = again()  # restarted once more, the reservation is older than the hold
+    assert c.adoption.discarded == {"reserved": 1}
+    assert len(c._namespaces[reg.namespace_id].withheld) == 0  # noqa: SLF001
+    reg3 = reregister(c, small_spec())
+    assert set(store(c, reg3, *range(10, 16))) >= set(in_flight)  # handed out at once
+    c.check_invariants()
