@@ -14,9 +14,12 @@ Layout (little-endian, all in `pool-0.shm`, so index and bytes can never come ap
   per namespace creation), geometry, where its slot table is; checked with blake2b over the
   header, the spec and the pool's generation, so after a discard (new generation) no old
   namespace validates.
-- **Slot table**: one record per slot, `[state][check][key, padded to 8 bytes]` as 64-bit words.
-  state 0 = free, 1 = reserved (a store may be writing its bytes), >= 2 = committed, the value
-  being the commit's sequence number. `check` is a 64-bit mix of (epoch, slot, state, key).
+- **Slot table**: one record per slot, `[state][check][last use][key, padded to 8 bytes]` as
+  64-bit words. state 0 = free, 1 = reserved (a store may be writing its bytes; `check` then holds
+  when, wall clock ms), >= 2 = committed, the value being the commit's sequence number. `check` is
+  a 64-bit mix of (epoch, slot, state, key). `last use` is the pool's sequence counter at the
+  block's last hit (lookups and pins write it, outside the check): the adopter rebuilds the LRU
+  order from it, so a hot prefix is not the first victim after a restart.
 
 Why this is crash-consistent (the process dies; the tmpfs pages stay):
 - A slot becomes `reserved` (one 8-byte store) before the reservation's answer leaves the
@@ -121,7 +124,7 @@ def geometry(pool_size: int, max_namespaces: int, hugepages: bool) -> PoolGeomet
 
 
 def record_bytes(key_size: int) -> int:
-    return 16 + _align_up(key_size, 8)
+    return 24 + _align_up(key_size, 8)
 
 
 def encode_spec(spec: NamespaceSpec) -> bytes:
@@ -403,10 +406,10 @@ class SlotTable:
     def __init__(self, buf: mmap.mmap, layout: NamespaceLayout) -> None:
         self.layout = layout
         self._buf = buf
-        self._row = struct.Struct(f"<{layout.record_bytes // 8 - 1}Q")  # check + key words
-        self._key_pad = bytes(layout.record_bytes - 16 - layout.spec.key_size)
+        self._row = struct.Struct(f"<{layout.record_bytes // 8 - 1}Q")  # check, touch, key
+        self._key_pad = bytes(layout.record_bytes - 24 - layout.spec.key_size)
         self.key_size = layout.spec.key_size
-        self.key_words = (layout.record_bytes - 16) // 8
+        self.key_words = (layout.record_bytes - 24) // 8
         self.epoch = layout.epoch
         words = layout.record_bytes // 8
         self.words = np.frombuffer(
@@ -449,7 +452,8 @@ class SlotTable:
         kw = keys.view(np.uint64)
         states = np.full(n, seq, np.uint64)
         rows = self.words
-        rows[idx, 2:] = kw
+        rows[idx, 3:] = kw
+        rows[idx, 2] = states  # last use: the commit
         rows[idx, 1] = record_check(self.epoch, idx, states, kw)
         rows[idx, 0] = states
 
@@ -462,8 +466,19 @@ class SlotTable:
             key = unpack(packed[i * ks : (i + 1) * ks] + self._key_pad)
             at = base + slot * size
             check = record_check_one(self.epoch, slot, seq, key)
-            self._row.pack_into(self._buf, at + 8, check, *key)
+            self._row.pack_into(self._buf, at + 8, check, seq, *key)
             self.state[slot] = seq  # the state word last
+
+    def touch(self, slots: np.ndarray | list[int] | tuple[int, ...], when: int) -> None:
+        """Record a use (hit) of committed slots: an adopter orders the LRU by it. Outside the
+        check (a torn touch only misorders one block), one aligned 8-byte store each."""
+        n = len(slots)
+        if n > SCALAR_MAX:
+            self.words[np.asarray(slots, np.intp), 2] = when
+        elif n:
+            column = self.words[:, 2]
+            for slot in slots:
+                column[slot] = when
 
     def scan(self) -> TableScan:
         """Read every record: the valid commits (a key stored twice keeps its latest), the slots
@@ -479,21 +494,22 @@ class SlotTable:
                 np.zeros(0, np.intp), b"", 0, reserved, self.words[reserved, 1], discarded
             )
         rows = self.words[cand]
-        ok = record_check(self.epoch, cand, state[cand], rows[:, 2:]) == rows[:, 1]
+        ok = record_check(self.epoch, cand, state[cand], rows[:, 3:]) == rows[:, 1]
         torn = cand[~ok]
         if len(torn):
             discarded["torn"] = len(torn)
         good, rows = cand[ok], rows[ok]
         seqs = state[good]
-        keys = np.ascontiguousarray(rows[:, 2:]).view(np.uint8)[:, : self.key_size]
+        used = np.maximum(rows[:, 2], seqs)  # last use: a hit's touch, else the commit
+        keys = np.ascontiguousarray(rows[:, 3:]).view(np.uint8)[:, : self.key_size]
         keep = _latest_per_key(keys, seqs)
         if len(keep) < len(good):
             discarded["duplicate"] = len(good) - len(keep)
-        keep = keep[np.argsort(seqs[keep], kind="stable")]
+        keep = keep[np.argsort(used[keep], kind="stable")]  # least recently used first
         return TableScan(
             slots=good[keep],
             packed=np.ascontiguousarray(keys[keep]).tobytes(),
-            max_seq=int(seqs.max()) if len(seqs) else 0,
+            max_seq=int(used.max()) if len(used) else 0,
             withheld=np.concatenate([reserved, torn]) if len(torn) else reserved,
             withheld_ms=np.concatenate([self.words[reserved, 1], np.zeros(len(torn), np.uint64)]),
             discarded=discarded,

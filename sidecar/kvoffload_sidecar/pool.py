@@ -746,6 +746,12 @@ class Pool:
                 ns.free.release_many(ns.withheld)
                 ns.withheld = np.zeros(0, np.intp)
 
+    def _record_use(self, ns: _Namespace, slots: Sequence[int] | np.ndarray) -> None:
+        """Lock held: hit slots' last use in the file, so an adopter keeps the LRU order."""
+        if self._region.intact():
+            ns.table.touch(slots, self._commit_seq)
+            self._commit_seq += 1
+
     def _mark_free(self, ns: _Namespace, slots: Sequence[int] | np.ndarray) -> None:
         """Lock held: aborted store slots are free in the file's table too."""
         if self._region.intact():
@@ -779,10 +785,12 @@ class Pool:
             counters, index = ns.counters, ns.index
             hits: list[int] = []
             for packed, n_keys in checked:
-                n = len(index.committed_prefix_packed(packed))
+                slots = index.committed_prefix_packed(packed)
+                n = len(slots)
                 hits.append(n)
                 if n:
                     self._touch_packed(ns, packed, n)
+                    self._record_use(ns, slots)
                 counters.hit_blocks += n
                 if n < n_keys:
                     counters.miss_blocks += 1
@@ -814,6 +822,7 @@ class Pool:
             client.pins.add(pin_id)
             n = len(record.slots)
             self._touch_packed(ns, packed, n)
+            self._record_use(ns, record.slots)
             ns.counters.loaded_blocks += n
             return LoadPin(pin_id, record.slots)
 

