@@ -262,6 +262,14 @@ class Child:
     def left(self) -> float:
         return self.deadline - time.time()
 
+    def failed(self, exc: BaseException) -> int:
+        """Record the exception that ended this child (the parent reports it); exit code 1."""
+        self.result["status"] = "error"
+        self.result["error"] = f"{type(exc).__name__}: {exc}"
+        self.result["traceback"] = traceback.format_exc()[-6000:]
+        traceback.print_exc()
+        return 1
+
     def log(self, msg: str) -> None:
         print(f"[e2e {self.args.config} {self.left():6.0f}s left] {msg}", flush=True)
 
@@ -684,11 +692,7 @@ class Child:
             self.result["status"] = "ok"
             return 0
         except Exception as e:  # noqa: BLE001 - the parent records it and goes on
-            self.result["status"] = "error"
-            self.result["error"] = f"{type(e).__name__}: {e}"
-            self.result["traceback"] = traceback.format_exc()[-6000:]
-            traceback.print_exc()
-            return 1
+            return self.failed(e)
         finally:
             self.save()
 

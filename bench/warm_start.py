@@ -45,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -308,11 +307,7 @@ class WarmChild(e2e.Child):
             self.result["status"] = "ok"
             return 0
         except Exception as e:  # noqa: BLE001 - the parent records it and goes on
-            self.result["status"] = "error"
-            self.result["error"] = f"{type(e).__name__}: {e}"
-            self.result["traceback"] = traceback.format_exc()[-6000:]
-            traceback.print_exc()
-            return 1
+            return self.failed(e)
         finally:
             if self.pool_ready_at is not None:
                 self.mark("pool_ready", self.pool_ready_at)
