@@ -126,6 +126,7 @@ class Pod:
     _keep_restarting: set[str] = field(default_factory=set)
     _watch: threading.Thread | None = None
     _stopping: bool = False
+    last_stats_error: str = ""  # why the last pool_stats() got no answer
 
     def __post_init__(self) -> None:
         self.meta, self.spec = pod_spec(self.doc)
@@ -499,6 +500,8 @@ class Pod:
             text=True,
             timeout=30,
         )  # fmt: skip
+        failed = f"rc={r.returncode}: {r.stderr[-2000:]}"
+        self.last_stats_error = "" if r.returncode == 0 else failed
         return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else None
 
 

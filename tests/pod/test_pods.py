@@ -240,15 +240,16 @@ def _during(pod: harness.Pod, name: str, action: Any, delay: float) -> list[list
 
 
 def _wait_sidecar_back(pod: harness.Pod, restarts: int, max_s: float = 30) -> None:
+    """Until the restarted sidecar answers Stats on its socket. Not its startupProbe: `kvoffload
+    probe` passes once its deadline from the pod's first probe is over, whatever the sidecar's
+    state (so that vLLM never waits longer), and a restarted sidecar still importing on a busy
+    machine is not serving yet."""
     sidecar = pod.sidecar()
+    socket = harness.socket_of(sidecar)
     end = time.monotonic() + max_s
     while time.monotonic() < end:
         p = pod.procs[sidecar["name"]]
-        if (
-            p.restarts >= restarts
-            and p.alive()
-            and pod.probe_once(sidecar, sidecar["startupProbe"])
-        ):
+        if p.restarts >= restarts and p.alive() and pod.pool_stats(socket) is not None:
             return
         time.sleep(0.3)
     raise AssertionError(f"sidecar not back:\n{pod.procs[sidecar['name']].text()[-3000:]}")
@@ -391,47 +392,55 @@ def test_fault_socket_replaced_by_plain_file(fault_pod: Any) -> None:
     assert engine.alive()
     # the restarted sidecar took its socket path back (the run dir is its own) and has a pool
     stats = pod.pool_stats(socket) or {}
-    assert stats.get("pool_bytes") and not stats.get("degraded_reason"), stats
+    log = pod.procs[name].text()[-3000:]
+    assert stats.get("pool_bytes") and not stats.get("degraded_reason"), (
+        f"{stats} {pod.last_stats_error}\n{log}"
+    )
 
 
 @_mark
 def test_fault_pool_file_truncated(fault_pod: Any) -> None:
     """`truncate -s 0` on the pool file under a live sidecar and engine (both mmap it).
 
-    The next pool hit finds the file short: the worker fails that load (vLLM recomputes, same
-    tokens) instead of touching the mapping (SIGBUS would kill the engine), says why once, and
-    serves without the pool; the sidecar rebuilds the file under a new generation on its reaper
-    tick, the connector registers and maps again, and hits come back. The sidecar's rebuild may
-    win the race with the engine's next step (then the connector never sees a short file): the
-    truncate is repeated, at most 3 times, until the engine saw one."""
+    Whoever notices first says why, once. The next pool hit finds the file short: the worker
+    fails that load (vLLM recomputes, same tokens) instead of touching the mapping (SIGBUS would
+    kill the engine), says why once, and serves without the pool. Or the sidecar's reaper tick
+    comes first (on a busy machine it often does): it rebuilds the file under a new generation
+    and ends the sessions, and the connector serves without the pool until it registered again.
+    Either way the tokens are the same, the engine lives, and hits come back from the rebuilt
+    pool. (The worker's own short-file path is proven without that race by
+    tests/connector/test_pool_truncated.py, a real engine included.)"""
     pod, (engine, want) = fault_pod
     sidecar = pod.sidecar()
     socket = harness.socket_of(sidecar)
     pool_dir = harness.pool_dir_of(sidecar)
     prompts_, tokens = PROMPT_SETS["truncated"], want["truncated"]
     _pool_serving(pod, socket)  # an earlier fault test may have left the sidecar degraded
-    line = "shrank under the mapping"
-    seen = engine.text().count(line)
-    for _ in range(3):
-        _stored(pod, socket, prompts_, tokens)  # the next round hits the pool
-        generation = (pod.pool_stats(socket) or {}).get("pool_generation")
-        pod.reset_prefix_cache()
-        pod.ns(["sh", "-c", f'for f in {pool_dir}/*; do truncate -s 0 "$f"; done'])
-        assert pod.complete(prompts_, MAX_TOKENS) == tokens
-        assert engine.alive(), f"engine died after the truncate:\n{engine.text()[-4000:]}"
-        if engine.text().count(line) > seen:
-            break
-    log = engine.text()
-    said = [ln for ln in log.splitlines() if line in ln]
-    assert len(said) > seen, f"the connector never said why:\n{log[-4000:]}"
-    assert "serving without the pool until the sidecar rebuilds it" in said[-1], said[-1]
-    assert len(said) == seen + 1, said  # once, not once per job or step
-    # the sidecar rebuilt its pool (a new generation) and the engine gets hits from it again
+    line, rebuilt = "shrank under the mapping", "rebuilt it (generation"
+    closed = "the sidecar closed the framed session"
+    seen, seen_closed = engine.text().count(line), engine.text().count(closed)
+    sidecar_log = pod.procs[sidecar["name"]].text
+    rebuilds = sidecar_log().count(rebuilt)
+    _stored(pod, socket, prompts_, tokens)  # the next round hits the pool
+    generation = (pod.pool_stats(socket) or {}).get("pool_generation")
+    pod.reset_prefix_cache()
+    pod.ns(["sh", "-c", f'for f in {pool_dir}/*; do truncate -s 0 "$f"; done'])
+    assert pod.complete(prompts_, MAX_TOKENS) == tokens
+    assert engine.alive(), f"engine died after the truncate:\n{engine.text()[-4000:]}"
+    # the sidecar rebuilt its pool (a new generation)
     end = time.monotonic() + 15
     while (pod.pool_stats(socket) or {}).get("pool_generation") in (generation, None):
-        assert time.monotonic() < end, pod.procs[sidecar["name"]].text()[-3000:]
+        assert time.monotonic() < end, sidecar_log()[-3000:]
         time.sleep(0.5)
-    assert "rebuilt it (generation" in pod.procs[sidecar["name"]].text()
+    assert sidecar_log().count(rebuilt) == rebuilds + 1, sidecar_log()[-3000:]
+    log = engine.text()
+    said = [ln for ln in log.splitlines() if line in ln]
+    if len(said) > seen:  # the worker met the short file before the sidecar's rebuild
+        assert "serving without the pool until the sidecar rebuilds it" in said[-1], said[-1]
+        assert len(said) == seen + 1, said  # once, not once per job or step
+    else:  # the rebuild came first: the connector was told by its sessions ending
+        assert log.count(closed) > seen_closed, log[-4000:]
+    # the sidecar rebuilt its pool (a new generation) and the engine gets hits from it again
     hits = 0
     for _ in range(5):  # the connector re-registers and re-maps on its own schedule
         _stored(pod, socket, prompts_, tokens)
