@@ -171,7 +171,10 @@ def kv_transfer_config(
 
     vLLM's two connectors get exactly what `--kv-offloading-size` would give them
     (`_post_init_kv_transfer_config`: the connector name, `kv_both`, `cpu_bytes_to_use`).
+    The `+events=1` variant is the engine's (`--kv-events-config`, `kv_events_config`), not the
+    connector's.
     """
+    config = config.replace(EVENTS_VARIANT, "")
     if config == "none":
         return None
     if config in ("offloading", "simple"):
@@ -199,6 +202,26 @@ def kv_transfer_config(
             },
         }
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
+
+
+EVENTS_VARIANT = "+events=1"
+
+
+def kv_events_config(config: str) -> Any:
+    """`--kv-events-config` for a `+events=1` configuration: vLLM's ZMQ publisher on a free
+    port (nobody need subscribe: publishing costs the engine the same), else None."""
+    if EVENTS_VARIANT not in config:
+        return None
+    import socket
+
+    from vllm.config import KVEventsConfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}", topic="kv"
+    )
 
 
 def ordered_configs(names: Iterable[str]) -> list[str]:
@@ -301,6 +324,7 @@ class Child:
             enable_prefix_caching=True,
             disable_log_stats=False,
             kv_transfer_config=kv,
+            kv_events_config=kv_events_config(a.config),
         )
         vc = self.llm.llm_engine.vllm_config
         import vllm

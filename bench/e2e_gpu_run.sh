@@ -29,6 +29,8 @@
 #        graphs-mt  Llama-3-8B multi-turn with CUDA graphs on: kvo-layer, offloading
 #        graphs-hybrid  the Gemma-3-12B hybrid 32K pool hit with CUDA graphs on: kvo-layer, offloading
 #        mt3        Llama-3-8B multi-turn: offloading, kvo-eager, none (one call, side by side)
+#        events-ab  Llama-3-8B multi-turn, kvo-eager without and with --kv-events-config (the host
+#                   tier's KV events on), interleaved over 2 rounds
 #        mt-hybrid  Llama-3-8B multi-turn for 5 configurations, then the hybrid pair
 #        ttft-dec   Llama-3-8B shape, 5 configurations: TTFT 2K/10K/32K then 0%-hit decode, --profile
 #        decode-mt  Llama-3-8B shape, 5 configurations: 0%-hit decode then multi-turn, --profile
@@ -227,6 +229,10 @@ case $phase in
     drive gemma3-12b-graphs gemma3-12b-hybrid $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-layer,offloading}" \
       --sections ttft --sizes 32000 --reps 3 --config-budget-s ${CFG_BUDGET:-190} --gpu-blocks 14000 \
       --fillers 2 --cuda-graphs ${E2E_EXTRA:-}
+    ;;
+  events-ab)
+    drive llama3-8b-events-ab llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-kvo-eager,kvo-eager+events=1}" \
+      --sections multiturn --sizes 2000 --rounds ${ROUNDS:-2} --config-budget-s ${CFG_BUDGET:-100}
     ;;
   mt3)
     drive llama3-8b-mt3 llama3-8b $(( $(left) - 5 )) --configs "${E2E_CONFIGS:-offloading,kvo-eager,none}" \

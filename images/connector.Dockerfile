@@ -17,7 +17,7 @@
 #                                                      so the image's own copies win.
 # Everything else the connector imports comes from the vLLM image. tests/chart checks every
 # third-party import of kvoffload_connector against the payload and this line:
-# vllm-image-provides: torch numpy vllm cuda yaml prometheus_client typing_extensions
+# vllm-image-provides: torch numpy vllm cuda yaml prometheus_client typing_extensions msgspec
 # (`cuda` is cuda-python's cuda.bindings, used by the GPU transfer engine; vLLM's CUDA images carry
 # it for their own kernels. It is CUDA-version specific, so the payload must not bring its own.)
 # Platform: the deps are manylinux2014_x86_64 wheels (PAYLOAD_PLATFORM for other nodes, e.g.

@@ -83,6 +83,7 @@ class ActiveConnector:
                     vllm_config.scheduler_config.max_num_batched_tokens or 8192
                 ),
                 windows=compat.group_windows(kv_cache_config),
+                kv_events=cfg.kv_events and compat.kv_events_enabled(vllm_config),
             )
         else:
             from kvoffload_connector.worker import OffloadWorker
@@ -121,6 +122,9 @@ class ActiveConnector:
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]):
         return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> list[Any]:
+        return self._scheduler.take_events() if self._scheduler is not None else []
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()

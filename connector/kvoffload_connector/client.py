@@ -41,6 +41,25 @@ log = logging.getLogger(__name__)
 REGISTER_TIMEOUT_S = 5.0
 
 
+def _no_salts(n: int) -> Sequence[None]:
+    return (None,) * n
+
+
+def key_salts(salts: Sequence[str | None]) -> tuple[list[str], bytes]:
+    """A store batch's per-key salts as the contract packs them: the distinct salts, and per
+    key 1 + its salt's index (0: none), one byte per key, two (little-endian) past 255 salts."""
+    index: dict[str, int] = {}
+    codes = []
+    for s in salts:
+        if s and (s in index or len(index) < 0xFFFF):
+            codes.append(index.setdefault(s, len(index) + 1))
+        else:  # no salt, or past the 65,535 salts two bytes name: the default tenant
+            codes.append(0)
+    if len(index) < 256:
+        return list(index), bytes(codes)
+    return list(index), b"".join(c.to_bytes(2, "little") for c in codes)
+
+
 def _slots(packed: bytes) -> list[int]:
     try:
         return unpack_slots(packed)
@@ -435,13 +454,20 @@ class PoolClient:
         return reg.namespace_id, reg.client_id
 
     def lookup(
-        self, queries: Sequence[Sequence[bytes]], timeout_s: float | None = None
+        self,
+        queries: Sequence[Sequence[bytes]],
+        timeout_s: float | None = None,
+        salts: Sequence[str | None] | None = None,
     ) -> list[int]:
-        """Longest committed prefix (in keys) of each key list."""
+        """Longest committed prefix (in keys) of each key list; `salts`: per list, its
+        request's cache_salt (the sidecar counts it for that tenant)."""
         ns, _ = self._ns()
         req = pool_pb2.LookupRequest(
             namespace_id=ns,
-            queries=[pool_pb2.KeyList(keys=pack(q, self.key_size)) for q in queries],
+            queries=[
+                pool_pb2.KeyList(keys=pack(q, self.key_size), cache_salt=salt or "")
+                for q, salt in zip(queries, salts or _no_salts(len(queries)), strict=True)
+            ],
         )
         return list(self._call(timeout_s, lookup=req).lookup.hit_counts)
 
@@ -462,10 +488,12 @@ class PoolClient:
         *,
         count_lookup: bool = False,
         timeout_s: float | None = None,
+        salts: Sequence[str | None] | None = None,
     ) -> list[tuple[int, list[int]] | None]:
         """`reserve_load` for each key list, pipelined on the session: (pin id or 0, slots)
         per list, None where that call failed (a miss). `count_lookup`: the sidecar also counts
-        each as a lookup (a lookup and its pin in one round trip)."""
+        each as a lookup (a lookup and its pin in one round trip), for the tenant of the list's
+        cache salt in `salts`."""
         ns, cid = self._ns()
         session = self._session
         if session is None or not session.alive:
@@ -477,9 +505,10 @@ class PoolClient:
                     client_id=cid,
                     keys=pack(keys, self.key_size),
                     count_lookup=count_lookup,
+                    cache_salt=salt or "",
                 )
             }
-            for keys in key_lists
+            for keys, salt in zip(key_lists, salts or _no_salts(len(key_lists)), strict=True)
         ]
         out: list[tuple[int, list[int]] | None] = []
         deadline = self.rpc_timeout_s if timeout_s is None else timeout_s
@@ -497,14 +526,23 @@ class PoolClient:
             release=pool_pb2.ReleaseRequest(namespace_id=ns, client_id=cid, pin_ids=list(pin_ids)),
         ).release.released_slots
 
-    def reserve_store(self, keys: Sequence[bytes]) -> StoreReservation:
+    def reserve_store(
+        self,
+        keys: Sequence[bytes],
+        announce: Sequence[bytes] = (),
+        salts: Sequence[str | None] = (),
+    ) -> StoreReservation:
+        """Slots for the keys not in the pool yet; `announce`: per key, what KV events say of
+        its block once visible (events.py), or nothing; `salts`: per key, its request's
+        cache_salt (the sidecar's per-tenant quotas), or nothing."""
         ns, cid = self._ns()
-        r = self._call(
-            None,
-            reserve_store=pool_pb2.ReserveStoreRequest(
-                namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
-            ),
-        ).reserve_store
+        request = pool_pb2.ReserveStoreRequest(
+            namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size), announce=announce
+        )
+        if any(salts):
+            names, request.key_salts = key_salts(salts)
+            request.cache_salts.extend(names)
+        r = self._call(None, reserve_store=request).reserve_store
         return StoreReservation(r.store_id, r.decisions, _slots(r.slots))
 
     def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:
@@ -520,6 +558,26 @@ class PoolClient:
             None,
             abort_store=pool_pb2.AbortStoreRequest(namespace_id=namespace_id, store_id=store_id),
         ).abort_store.freed_slots
+
+    def events(
+        self, log_id: str, after_seq: int, cursor: int, max_events: int
+    ) -> pool_pb2.EventsResponse:
+        """The registered namespace's block events after `after_seq` (events.py): gRPC, not
+        the session (a background poll, not the engine's step)."""
+        ns, _ = self._ns()
+        with self._lock:
+            stub = self._stub or self._open()
+        request = pool_pb2.EventsRequest(
+            namespace_id=ns,
+            log_id=log_id,
+            after_seq=after_seq,
+            cursor=cursor,
+            max_events=max_events,
+        )
+        try:
+            return stub.Events(request, timeout=self.rpc_timeout_s)
+        except grpc.RpcError as e:
+            raise PoolUnavailable(f"events: {e.code()}") from None
 
     def stats(self) -> pool_pb2.StatsResponse:
         with self._lock:

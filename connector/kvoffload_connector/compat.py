@@ -100,6 +100,13 @@ def kv_dtype(vllm_config: Any) -> str:
     return str(vllm_config.model_config.dtype).replace("torch.", "")
 
 
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """`--kv-events-config` with `enable_kv_cache_events`: vLLM publishes the connector's
+    `take_events()` (the host tier's events) with its own publisher."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and getattr(config, "enable_kv_cache_events", False))
+
+
 def world(vllm_config: Any) -> tuple[int, int, int]:
     """(tp_size, pp_size, world_size)."""
     pc = vllm_config.parallel_config

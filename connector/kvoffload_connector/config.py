@@ -76,6 +76,12 @@ class ConnectorConfig:
     # an H100, where 8 (96-98% of PCIe) cost 2-3% (docs/BENCHMARKS.md, session 4).
     store_ctas: int = 2
     client_name: str = "vllm"  # prefix of the client name the sidecar logs
+    # With --kv-events-config: how often the pool's block events are read (they reach vLLM's
+    # publisher at its next step). Off without --kv-events-config.
+    events_interval_ms: int = 100
+    # false: the host tier announces nothing even with --kv-events-config (the GPU tier's events
+    # stay vLLM's to give)
+    kv_events: bool = True
 
     def chunk_blocks(self, block_size: int) -> int:
         return self.chunk_tokens // block_size
@@ -115,6 +121,7 @@ _INT_KEYS = {
     "reconnect_min_ms": 1,
     "reconnect_max_ms": 1,
     "lazy_watermark_blocks": 0,
+    "events_interval_ms": 10,
 }
 
 
@@ -173,7 +180,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
                 raise ValueError(
                     f"kv_connector_extra_config['store_ctas'] must be at most 8, got {value!r}"
                 )
-        elif key in ("store_decode", "inline_lookup", "framed_session"):
+        elif key in ("store_decode", "inline_lookup", "framed_session", "kv_events"):
             fields[key] = _bool(key, value)
         elif key == "client_name":
             fields[key] = _str(key, value)

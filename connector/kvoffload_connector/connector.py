@@ -72,6 +72,16 @@ def _vllm_version() -> str:
         return "unknown"
 
 
+def _gpu_capacity(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+    """The GPU tier's KV capacity for the status file (the sidecar's capacity metrics)."""
+    try:
+        from kvoffload_connector.capacity import gpu_capacity
+
+        return gpu_capacity(vllm_config, kv_cache_config)
+    except Exception:  # noqa: BLE001 - a status detail must never stop vLLM
+        return {}
+
+
 def _empty_results() -> Any:
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -92,6 +102,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.disabled_reason = ""
         self._config_for_status = vllm_config
         self._pending_no_pool = ""  # sent once to the scheduler after this rank lost its pool
+        self._events_failed = False  # take_events raised once: said, and quiet since
         scheduler_role = role == KVConnectorRole.SCHEDULER
         role_name = "scheduler" if scheduler_role else "worker"
         rank = 0
@@ -116,6 +127,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             role_name,
             rank,
             _vllm_version(),
+            _gpu_capacity(vllm_config, kv_cache_config) if scheduler_role else None,
         )
 
     @property
@@ -177,6 +189,19 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         if self._impl is not None:
             self._impl.update_connector_output(connector_output)
+
+    def take_events(self) -> Any:
+        """The host tier's BlockStored/BlockRemoved (medium "CPU") for vLLM's KV-events
+        publisher; nothing when disabled, and nothing (said once) when building them fails."""
+        if self._impl is None:
+            return ()
+        try:
+            return self._impl.take_events()
+        except Exception as exc:  # noqa: BLE001 - events are a side channel: never stop vLLM
+            if not self._events_failed:
+                self._events_failed = True
+                log.warning("kvoffload: KV events of the host tier are off: %s", _reason(exc))
+            return ()
 
     def request_finished(
         self, request: Any, block_ids: list[int]

@@ -16,6 +16,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("kvoffload_connector.connector")
 
@@ -67,13 +68,21 @@ def status_path(socket: str, role: str, rank: int) -> Path:
 
 
 def write_status(
-    socket: str, state: str, reason: str, role: str, rank: int, vllm_version: str
+    socket: str,
+    state: str,
+    reason: str,
+    role: str,
+    rank: int,
+    vllm_version: str,
+    extra: dict[str, Any] | None = None,
 ) -> Path | None:
-    """Atomically write this connector's state beside the pool socket for `kvoffload stats`.
+    """Atomically write this connector's state beside the pool socket for `kvoffload stats`
+    (`extra`: more fields, e.g. the scheduler's GPU KV capacity, `capacity.gpu_capacity`).
     Failures are ignored (a read-only or missing folder must not matter)."""
     try:
         path = status_path(socket, role, rank)
         body = {
+            **(extra or {}),
             "state": state,
             "reason": reason,
             "role": role,

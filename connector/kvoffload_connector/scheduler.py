@@ -36,6 +36,7 @@ from typing import Any
 
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
 from kvoffload_connector.config import ConnectorConfig, LoadMode, StoreMode
+from kvoffload_connector.events import EventFeed, announce_blob
 from kvoffload_connector.keys import PoolKey, chunk_keys
 from kvoffload_connector.metadata import (
     ConnectorMeta,
@@ -94,6 +95,8 @@ class _PlannedChunk:
     chunk: int
     key: PoolKey
     blocks: list[Any]  # KVCacheBlocks of the chunk (already touched)
+    announce: bytes = b""  # what KV events say of it once visible (events.py); b"": events off
+    salt: str | None = None  # the request's vLLM cache_salt (the sidecar's per-tenant quotas)
 
 
 @dataclass
@@ -120,6 +123,7 @@ class OffloadScheduler:
         max_num_batched_tokens: int = 8192,
         windows: Sequence[int] | None = None,
         clock=time.monotonic,
+        kv_events: bool = False,
     ):
         self.cfg = cfg
         self.block_size = block_size
@@ -154,12 +158,22 @@ class OffloadScheduler:
         self.block_pool: Any = None
         self.kv_cache_manager: Any = None
         self._tracked_blocks: dict[str, list[list[int]]] = {}  # vLLM 0.26 only
-        self._lazy: dict[int, tuple[str, int, int, tuple[Any, ...], tuple[Any, ...], bytes]] = {}
+        self._lazy: dict[
+            int, tuple[str, int, int, tuple[Any, ...], tuple[Any, ...], bytes, bytes, str | None]
+        ] = {}
         watermark = cfg.lazy_watermark_blocks or 2 * num_groups * max(
             self.chunk_blocks, -(-max_num_batched_tokens // block_size)
         )
         self.lazy_watermark = watermark
         self.stats = SchedulerStats()
+        # KV events (--kv-events-config): the chunks' announce blobs go with their reservation,
+        # and a feed follows the pool's event log (events.py)
+        self.event_feed: EventFeed | None = None
+        if kv_events:
+            self.event_feed = EventFeed(
+                lambda *a: self.client.events(*a), interval_s=cfg.events_interval_ms / 1e3
+            )
+            self.event_feed.start()
 
     # -- wiring -------------------------------------------------------------------------
     def bind(self, kv_cache_manager: Any = None, block_pool: Any = None) -> None:
@@ -252,7 +266,7 @@ class OffloadScheduler:
         """The lookup and its pins in this scheduling call (deadline: `lookup_timeout_ms`), so
         a lone request's hit is scheduled now, not after two empty engine steps."""
         self._lookups_in_flight += 1
-        self._lookup_rpc([(st.req_id, self._request_keys(st.request))])
+        self._lookup_rpc([(st.req_id, self._request_keys(st.request))], _salts([st]))
         self._drain()
 
     def _usable(self) -> bool:
@@ -318,9 +332,10 @@ class OffloadScheduler:
             return
         self._told_unusable = ""
         batch = [(st.req_id, self._request_keys(st.request)) for st in self._lookup_queue]
+        salts = _salts(self._lookup_queue)
         self._lookup_queue = []
         self._lookups_in_flight += 1
-        self._rpc.submit(lambda: self._lookup_rpc(batch))
+        self._rpc.submit(lambda: self._lookup_rpc(batch, salts))
 
     def _request_keys(self, request: Any) -> list[list[PoolKey]]:
         """Chunk keys per group, only as many chunks as the n-1 rule lets a hit use."""
@@ -339,8 +354,11 @@ class OffloadScheduler:
         first_token = hit_chunks * self.chunk_tokens - w + 1
         return max(0, first_token // self.chunk_tokens - 1)
 
-    def _lookup_rpc(self, batch: list[tuple[str, list[list[PoolKey]]]]) -> None:
-        """Background (or inline for a lone request): the batch's hits, pinned. Full attention
+    def _lookup_rpc(
+        self, batch: list[tuple[str, list[list[PoolKey]]]], salts: dict[str, str] | None = None
+    ) -> None:
+        """Background (or inline for a lone request): the batch's hits, pinned (`salts`: the
+        requests' cache salts, by request id, for the sidecar's per-tenant counts). Full attention
         only: one pipelined round of ReserveLoads that also count as lookups (`_pin_prefixes`).
         With sliding-window groups: one Lookup for the whole batch (two for partial hits,
         `_hybrid_hits`), then every hit pinned in one pipelined round of ReserveLoads.
@@ -358,12 +376,12 @@ class OffloadScheduler:
                 raise PoolUnavailable("not connected")
             generation = self.client.registration.generation if self.client.registration else ""
             if not self.sliding:  # full attention only: look up and pin in one round trip
-                answers = self._pin_prefixes(batch, generation)
+                answers = self._pin_prefixes(batch, generation, salts)
                 self._results.append(("lookup_seconds", time.perf_counter() - t0))
                 self._results.append(("lookup", answers))
                 self._answered.set()
                 return
-            hits = self._hybrid_hits(batch)
+            hits = self._hybrid_hits(batch, salts)
             self._results.append(("lookup_seconds", time.perf_counter() - t0))
             answers = self._pin_all(batch, hits, generation)
         except PoolUnavailable as e:
@@ -374,16 +392,23 @@ class OffloadScheduler:
         self._answered.set()
 
     def _pin_prefixes(
-        self, batch: list[tuple[str, list[list[PoolKey]]]], generation: str
+        self,
+        batch: list[tuple[str, list[list[PoolKey]]]],
+        generation: str,
+        salts: dict[str, str] | None = None,
     ) -> list[tuple[str, _Answer | None]]:
         """Full-attention groups only: pin each request's longest committed prefix in every
         group in one pipelined round (the sidecar counts each as a lookup too); the hit is the
         shortest group's prefix. Half the round trips of a Lookup then a pin, and no eviction
         can fall between them. Raises PoolUnavailable when the round fails as a whole."""
         wanted = [keys for _, per_group in batch for keys in per_group]
+        salt_of = (salts or {}).get
         got = iter(
             self.client.reserve_load_many(
-                wanted, count_lookup=True, timeout_s=self.cfg.lookup_timeout_ms / 1e3
+                wanted,
+                count_lookup=True,
+                timeout_s=self.cfg.lookup_timeout_ms / 1e3,
+                salts=[salt_of(r) for r, per_group in batch for _ in per_group] if salts else None,
             )
         )
         answers: list[tuple[str, _Answer | None]] = []
@@ -400,7 +425,9 @@ class OffloadScheduler:
             answers.append((req_id, _Answer(hit, pins, slots, generation)))
         return answers
 
-    def _hybrid_hits(self, batch: list[tuple[str, list[list[PoolKey]]]]) -> list[int]:
+    def _hybrid_hits(
+        self, batch: list[tuple[str, list[list[PoolKey]]]], salts: dict[str, str] | None = None
+    ) -> list[int]:
         """Per request, the longest hit whose window is present in every sliding group.
 
         Round 1 asks the full groups' prefixes and, per sliding group, only the window before
@@ -411,13 +438,16 @@ class OffloadScheduler:
         the longest there whose windows are present, exactly as with one big ask."""
         timeout_s = self.cfg.lookup_timeout_ms / 1e3
         queries: list[list[PoolKey]] = []
-        for _, per_group in batch:
+        query_salts: list[str | None] = []  # per query, its request's salt
+        salt_of = (salts or {}).get
+        for req_id, per_group in batch:
             for g, keys in enumerate(per_group):
                 if self.windows[g]:
                     queries.extend([k] for k in keys[self.window_start(g, len(keys)) :])
                 else:
                     queries.append(keys)
-        counts = iter(self.client.lookup(queries, timeout_s=timeout_s))
+            query_salts += [salt_of(req_id)] * (len(queries) - len(query_salts))
+        counts = iter(self.client.lookup(queries, timeout_s=timeout_s, salts=query_salts))
         hits: list[int] = []
         again: list[tuple[int, int]] = []  # (position in batch, full-group hit)
         for i, (_, per_group) in enumerate(batch):
@@ -434,14 +464,18 @@ class OffloadScheduler:
             if full > 0 and not hits[-1]:
                 again.append((i, full))
         if again:
-            queries = [
-                [k]
+            asked = [
+                ([k], salt_of(batch[i][0]))
                 for i, full in again
                 for g, keys in enumerate(batch[i][1])
                 if self.windows[g]
                 for k in keys[:full]
             ]
-            flags = iter(self.client.lookup(queries, timeout_s=timeout_s))
+            flags = iter(
+                self.client.lookup(
+                    [q for q, _ in asked], timeout_s=timeout_s, salts=[s for _, s in asked]
+                )
+            )
             for i, full in again:
                 present = {
                     g: [next(flags) for _ in range(full)]
@@ -601,7 +635,11 @@ class OffloadScheduler:
                     key = PoolKey(
                         bytes(hashes[(c + 1) * self.chunk_blocks - 1]) + g.to_bytes(4, "big")
                     )
-                    planned.append(_PlannedChunk(req_id, g, c, key, blocks))
+                    planned.append(
+                        _PlannedChunk(
+                            req_id, g, c, key, blocks, self._announce(req, g, c), _salt(req)
+                        )
+                    )
             st.stored_chunks = full
         return planned
 
@@ -645,9 +683,35 @@ class OffloadScheduler:
                     4, "big"
                 )
                 hashes = tuple(b.block_hash for b in blocks)
-                entry = (request.request_id, g, c, blocks, hashes, key)
+                entry = (
+                    request.request_id,
+                    g,
+                    c,
+                    blocks,
+                    hashes,
+                    key,
+                    self._announce(request, g, c),
+                    _salt(request),
+                )
                 for b in blocks:
                     self._lazy[b.block_id] = entry
+
+    def _announce(self, request: Any, group: int, chunk: int) -> bytes:
+        """The chunk's announce blob when KV events are on (b"" when off or it cannot be made:
+        an event detail never stops a store)."""
+        if self.event_feed is None:
+            return b""
+        try:
+            return announce_blob(
+                request, group, chunk * self.chunk_blocks, self.chunk_blocks, self.block_size
+            )
+        except Exception:  # noqa: BLE001
+            log.debug("kvoffload: no announce blob for a chunk", exc_info=True)
+            return b""
+
+    def take_events(self) -> list[Any]:
+        """vLLM's `take_events`: the host tier's BlockStored/BlockRemoved since the last step."""
+        return self.event_feed.take() if self.event_feed is not None else []
 
     def _plan_lazy(self) -> list[_PlannedChunk]:
         if not self._lazy:
@@ -664,13 +728,13 @@ class OffloadScheduler:
             blk = blk.next_free_block
             if entry is None:
                 continue
-            req_id, g, c, blocks, hashes, key = entry
+            req_id, g, c, blocks, hashes, key, announce, salt = entry
             for b in blocks:
                 self._lazy.pop(b.block_id, None)
             if key in seen or any(b.block_hash != h for b, h in zip(blocks, hashes, strict=True)):
                 continue  # already planned, or a block was reused for other tokens
             seen.add(key)
-            planned.append(_PlannedChunk(req_id, g, c, PoolKey(key), list(blocks)))
+            planned.append(_PlannedChunk(req_id, g, c, PoolKey(key), list(blocks), announce, salt))
         return planned
 
     def _reserve(self, planned: list[_PlannedChunk]) -> None:
@@ -691,7 +755,9 @@ class OffloadScheduler:
     def _reserve_rpc(self, planned: list[_PlannedChunk]) -> None:
         try:
             reg = self.client.registration
-            res = self.client.reserve_store([p.key for p in planned])
+            announce = [p.announce for p in planned] if self.event_feed is not None else ()
+            salts = [p.salt for p in planned]  # per key: the sidecar's per-tenant quotas
+            res = self.client.reserve_store([p.key for p in planned], announce, salts)
             payload = (planned, res, reg.namespace_id if reg else "", reg.generation if reg else "")
         except PoolUnavailable:
             payload = (planned, None, "", "")
@@ -887,8 +953,21 @@ class OffloadScheduler:
         return s
 
     def shutdown(self) -> None:
+        if self.event_feed is not None:
+            self.event_feed.close()
         self._rpc.close()
         self.client.close()
+
+
+def _salt(request: Any) -> str | None:
+    """A vLLM request's `cache_salt` (per-tenant prefix isolation); None when unset."""
+    return getattr(request, "cache_salt", None) or None
+
+
+def _salts(reqs: Sequence[_Req]) -> dict[str, str] | None:
+    """The cache salts of requests that have one, by request id (None: no request has)."""
+    salts = {st.req_id: salt for st in reqs if (salt := _salt(st.request))}
+    return salts or None
 
 
 def as_dict(stats: SchedulerStats) -> dict[str, float]:

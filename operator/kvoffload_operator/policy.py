@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from kvoffload_operator.labels import LabelSelector, selector_from_spec
+from kvoffload_operator.tenants import TenantSpec, tenants_from_spec
 
 API_GROUP = "kvoffload.io"
 API_VERSION = "v1alpha1"
@@ -111,6 +112,7 @@ class Policy:
     vllm_container: str | None = None
     rollout_enabled: bool = True
     priority: int = 0
+    tenants: tuple[TenantSpec, ...] = ()  # per-tenant quotas of the pool (tenants.py)
     spec_hash: str = ""  # policy_hash() of the raw spec; stamped on workload templates
 
 
@@ -167,6 +169,8 @@ def policy_hash(policy: Policy) -> str:
         "sidecar": dataclasses.asdict(policy.sidecar),
         "connector": dataclasses.asdict(policy.connector),
     }
+    if policy.tenants:  # only when set: hashes of policies without tenants stay as they were
+        relevant["tenants"] = [t.to_json() for t in policy.tenants]
     blob = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=_enum_value)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -219,6 +223,7 @@ _SPEC_KEYS = (
     "connector",
     "rollout",
     "priority",
+    "tenants",
 )
 # the CRD's pattern for spec.pool.size (a subset of quantities: no milli, no exponents)
 _SIZE_PATTERN = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
@@ -364,6 +369,7 @@ def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
             _map(spec.get("rollout"), "spec.rollout", ("enabled",)).get("enabled", True)
         ),
         priority=_int(spec.get("priority", 0), "spec.priority", -1000, 1000),
+        tenants=tenants_from_spec(spec.get("tenants"), PolicyError),
     )
     return dataclasses.replace(policy, spec_hash=policy_hash(policy))
 

@@ -2,8 +2,9 @@
 
 The operator asks each running injected pod's sidecar for ``Stats`` (see `sidecar_stats`) and
 keeps only what the policy status needs: whether it answered, why it serves without a pool
-(``degraded_reason``) and the vLLM connectors' own states (``connector_status``, the JSON array
-the connectors write beside the socket). `status` folds these into the ``Degraded`` condition.
+(``degraded_reason``), the vLLM connectors' own states (``connector_status``, the JSON array
+the connectors write beside the socket) and the pool's size and use. `status` folds these into
+the ``Degraded`` condition; `pool_usage` sums the pools.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class SidecarReport:
     degraded_reason: str = ""  # non-empty: the sidecar serves without a pool
     connectors: tuple[ConnectorState, ...] = ()
     vllm_container: str = ""  # the engine container the connector runs in (for Events)
+    pool_bytes: int = 0  # the pool file's size (0: no pool)
+    used_bytes: int = 0  # bytes its namespaces hold (committed or reserved slots)
 
     @property
     def disabled_connectors(self) -> tuple[ConnectorState, ...]:

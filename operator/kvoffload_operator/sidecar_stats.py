@@ -4,7 +4,8 @@ Why: a sidecar that cannot build its pool, or a connector that turned itself off
 serving (without the pool); only the sidecar knows why, so the policy status asks it. Bounded on
 every side so the status timer never hangs: a short deadline per call, a few calls at once, an
 overall budget. A pod that does not answer is counted ``unreachable`` and nothing more: a
-NetworkPolicy may keep the operator out, which is no fault of the pod.
+NetworkPolicy may keep the operator out, which is no fault of the pod. The same answer carries
+the pool's size and use, which the status sums per policy (`pool_usage`).
 
 `StatsSource` is the seam: `GrpcStatsSource` in production, anything with ``stats()`` in tests.
 """
@@ -26,10 +27,12 @@ DEFAULT_CONCURRENCY = 16
 
 @dataclass(frozen=True)
 class StatsAnswer:
-    """The two ``StatsResponse`` fields the policy status uses."""
+    """What the policy status uses of a ``StatsResponse``."""
 
     degraded_reason: str
     connector_status: str  # JSON array text
+    pool_bytes: int = 0  # ``pool_bytes``: the pool file's size (0 without a pool)
+    used_bytes: int = 0  # the namespaces' ``used_bytes``, summed
 
 
 class StatsSource(Protocol):
@@ -47,7 +50,12 @@ class GrpcStatsSource:
 
         with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
             resp = pool_pb2_grpc.KVPoolStub(channel).Stats(pool_pb2.StatsRequest(), timeout=timeout)
-        return StatsAnswer(resp.degraded_reason, resp.connector_status)
+        return StatsAnswer(
+            resp.degraded_reason,
+            resp.connector_status,
+            resp.pool_bytes,
+            sum(ns.used_bytes for ns in resp.namespaces),
+        )
 
 
 def stats_target(pod: Mapping[str, Any]) -> str | None:
@@ -109,6 +117,8 @@ def probe_sidecars(
                 degraded_reason=answer.degraded_reason,
                 connectors=parse_connector_status(answer.connector_status),
                 vllm_container=vllm,
+                pool_bytes=answer.pool_bytes,
+                used_bytes=answer.used_bytes,
             )
         )
     return reports

@@ -16,7 +16,8 @@ The condition's reason is the worst cause present (1 as ``ImagePullFailed``/``Co
 then ``PoolUnavailable``, then ``ConnectorDisabled``); its message names up to 5 pods, worst
 first, each with its own cause. ``degradedPods`` counts those pods, ``degradedReasons`` counts
 the causes, ``unreachableSidecars`` the sidecars that did not answer ``Stats`` (never a cause of
-``Degraded``: a NetworkPolicy may keep the operator out).
+``Degraded``: a NetworkPolicy may keep the operator out). ``poolCapacity``/``poolUsed`` (and
+``...Bytes``) sum the pools of the injected pods whose sidecar answered (`pool_usage`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject.decide import SIDECAR_NAME
 from kvoffload_operator.inject.render import INSTALLER_NAME
 from kvoffload_operator.policy import Policy
+from kvoffload_operator.pool_usage import pool_usage
 from kvoffload_operator.selection import select_policy
 from kvoffload_operator.sidecar_reports import SidecarReport
 
@@ -169,6 +171,18 @@ def degraded_problems(
         if p.pod_key not in blocked and (p.uid in live or f"{p.namespace}/{p.pod}" in names)
     ]
     return sorted([*failing, *served], key=_severity)  # stable: pod order kept within a cause
+
+
+def reports_of(
+    mine: Sequence[Mapping[str, Any]], reports: Sequence[SidecarReport]
+) -> list[SidecarReport]:
+    """The reports of the pods in ``mine`` (by uid, else namespace/name)."""
+    uids = {(p.get("metadata") or {}).get("uid") or "" for p in mine} - {""}
+    names = {
+        f"{(p.get('metadata') or {}).get('namespace', '')}/{(p.get('metadata') or {}).get('name')}"
+        for p in mine
+    }
+    return [r for r in reports if r.uid in uids or f"{r.namespace}/{r.pod}" in names]
 
 
 def degraded_counts(problems: Sequence[ContainerProblem]) -> tuple[int, dict[str, int]]:
@@ -375,6 +389,7 @@ def build_status(
         "degradedPods": degraded_pods,
         "degradedReasons": degraded_reasons,
         "unreachableSidecars": sum(1 for r in reports if not r.reachable),
+        **pool_usage(reports_of(mine, reports)).status(),
         "policyHash": policy.spec_hash,
         "conditions": conditions,
     }

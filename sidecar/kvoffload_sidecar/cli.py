@@ -9,9 +9,11 @@ retrying every `--pool-retry-interval` seconds when the reason can go away (no r
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -50,7 +52,8 @@ def _describe(config: SidecarConfig) -> str:
     return (
         f"pool {format_bytes(config.pool_size)} in {config.pool_dir} (eviction {config.eviction}, "
         f"hugepages {config.hugepages}, numa {numa}, namespaces {config.max_namespaces}, "
-        f"client timeout {config.client_timeout_s:g}s, detach grace {config.detach_grace_s:g}s)"
+        f"client timeout {config.client_timeout_s:g}s, detach grace {config.detach_grace_s:g}s, "
+        f"tenants {'off' if config.tenants is None else config.tenants.describe()})"
     )
 
 
@@ -80,6 +83,8 @@ def main_sidecar(argv: Sequence[str]) -> int:
     for warning in warnings:
         log.warning("%s", warning)
     remove_dead_instance(config)  # check_environment found nobody serving the socket
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1` prints every thread's stack (a stuck sidecar)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     log.info("starting: %s", _describe(config))
     from kvoffload_sidecar.runtime import run  # grpc and the Pool only once settings are valid
 
@@ -197,6 +202,7 @@ def format_stats(resp: Any) -> str:
         lines.append("no namespaces registered")
     else:
         lines += _table(rows)
+    lines += tenant_lines(resp.namespaces)
     lines.append("")
     latency = [("method", "calls", "p50", "p99")]
     latency += [
@@ -210,6 +216,29 @@ def format_stats(resp: Any) -> str:
     ]
     lines += _table(latency) if len(latency) > 1 else ["no RPCs yet"]
     return "\n".join(lines)
+
+
+def tenant_lines(namespaces: Sequence[Any]) -> list[str]:
+    """Per-tenant quotas (--tenants): a blank line and one row per namespace and tenant;
+    nothing when no namespace has tenants."""
+    header = ("namespace", "tenant", "guaranteed", "max", "used", "hit ratio", "lookups")
+    rows = [(*header, "stores", "evictions")]
+    for ns in namespaces:
+        for t in ns.tenants:
+            rows.append(
+                (
+                    ns.namespace_id[:12],
+                    t.name,
+                    f"{t.guaranteed_fraction:.0%} ({t.guaranteed_slots})",
+                    f"{t.max_fraction:.0%} ({t.max_slots})",
+                    f"{format_bytes(t.used_bytes)} ({t.used_slots})",
+                    _ratio(t.hit_blocks, t.miss_blocks),
+                    str(t.lookups),
+                    str(t.stored_blocks),
+                    str(t.evicted_blocks),
+                )
+            )
+    return ["", *_table(rows)] if len(rows) > 1 else []
 
 
 def connector_lines(status_json: str) -> list[str]:

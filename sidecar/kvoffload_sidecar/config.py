@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvoffload_sidecar.keymap import native_enabled
+from kvoffload_sidecar.tenants import TenantsConfig, parse_tenants
 from kvoffload_sidecar.units import format_bytes, parse_size
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class SidecarConfig:
     """"exit" (code 2) or "degrade": serve health + Stats without a pool when none can be built."""
     pool_retry_interval_s: float = 5.0
     """Degraded for a reason that can go away: seconds between attempts to build the pool."""
+    tenants: TenantsConfig | None = None
+    """Per-tenant quotas of each namespace's slots, by vLLM cache_salt (tenants.py); None: off."""
 
     @property
     def reap_interval_s(self) -> float:
@@ -162,6 +165,15 @@ _FLAGS: tuple[_Flag, ...] = (
         "--pool-retry-interval",
         "seconds between attempts to build the pool while degraded for a reason that can go "
         "away (no space, no memory, pool dir not writable) (default 5)",
+    ),
+    _Flag(
+        "--tenants",
+        "per-tenant quotas of each namespace's slots, by the requests' vLLM cache_salt: a JSON "
+        'list such as [{"name": "a", "cacheSalts": ["a"], "guaranteed": "25%%", "max": "60%%"}] '
+        '(a "default" entry without cacheSalts sets the shares of requests with no or an '
+        "unknown salt: 0%% guaranteed, 100%% max when absent). Eviction takes from tenants "
+        "above their guarantee first; a tenant at its max replaces only its own blocks. "
+        "Blocks adopted after a restart count as the default tenant's (default: off)",
     ),
 )
 
@@ -284,6 +296,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "max_sessions": _parse_int(1),
     "on_pool_error": _parse_choice(ON_POOL_ERROR),
     "pool_retry_interval": _parse_seconds,
+    "tenants": parse_tenants,
 }
 _FIELD_OF = {
     "client_timeout": "client_timeout_s",

@@ -7,6 +7,7 @@ cannot express (a missing spec, a zero id); range checks beyond that are the Poo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from array import array
 from collections.abc import Sequence
@@ -16,8 +17,10 @@ import numpy as np
 from kvoffload.v1 import pool_pb2 as pb
 
 from kvoffload_sidecar.errors import InvalidArgument
+from kvoffload_sidecar.events import EventPage
 from kvoffload_sidecar.keys import NamespaceSpec
 from kvoffload_sidecar.pool import StoreDecision
+from kvoffload_sidecar.tenants import KeySalts
 
 if TYPE_CHECKING:
     from kvoffload_sidecar.metrics import MethodLatency
@@ -114,6 +117,24 @@ def store_reservation_to_proto(res: StoreReservation, out: pb.ReserveStoreRespon
     out.slots = u32_le(res.slots)
 
 
+def key_salts(req: pb.ReserveStoreRequest) -> KeySalts | None:
+    """A store batch's per-key cache salts (None when no key has one); checked by the pool."""
+    if not req.key_salts:
+        return None
+    return KeySalts(tuple(req.cache_salts), req.key_salts)
+
+
+def event_page_to_proto(page: EventPage, out: pb.EventsResponse) -> None:
+    out.log_id = page.log_id
+    out.seq = page.seq
+    out.snapshot = page.snapshot
+    out.cursor = page.cursor
+    out.first = page.first
+    add = out.events.add
+    for e in page.events:
+        add(seq=e.seq, removed=e.removed, key=e.key, announce=e.announce)
+
+
 _NEW = StoreDecision.NEW
 _NEW_BYTE = bytes([StoreDecision.NEW])
 _BIG_ENDIAN = sys.byteorder == "big"
@@ -136,6 +157,8 @@ def namespace_stats_to_proto(ns: NamespaceStats, out: pb.NamespaceStats) -> None
     spec_to_proto(ns.spec, out.spec)
     for field in _NAMESPACE_COUNTERS:
         setattr(out, field, getattr(ns, field))
+    for tenant in ns.tenants:
+        out.tenants.add(**dataclasses.asdict(tenant))
 
 
 _NAMESPACE_COUNTERS = (
@@ -157,6 +180,7 @@ _NAMESPACE_COUNTERS = (
     "evicted_blocks",
     "stored_bytes",
     "loaded_bytes",
+    "queried_blocks",
 )
 
 

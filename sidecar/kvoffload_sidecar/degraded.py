@@ -206,7 +206,11 @@ async def _serve(
     http: MetricsHttpServer | None = None
     if endpoints.metrics_listen:
         try:
-            metrics = SidecarMetrics(None, degraded_code=degraded.code)
+            metrics = SidecarMetrics(
+                None,
+                degraded_code=degraded.code,
+                status_dir=endpoints.socket.parent if endpoints.socket else None,
+            )
             http = metrics.serve_http(endpoints.metrics_listen)
             host = endpoints.metrics_listen.rpartition(":")[0]
             log.info("metrics on http://%s:%d/metrics", host, http.port)

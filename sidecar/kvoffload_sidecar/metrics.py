@@ -1,9 +1,12 @@
 """Prometheus metrics and RPC latency for one sidecar, declared as a table.
 
 Pool gauges and counters are read from `Pool.stats()` at scrape time by `PoolCollector` (nothing
-on the RPC hot path); the RPC duration histogram and the recent-latency rings are the only things
-updated per call. Each `SidecarMetrics` owns a private `CollectorRegistry`, so tests and several
-servers in one process never share state.
+on the RPC hot path); the RPC duration histogram, the recent-latency rings and the store/load
+latency histograms (`transfer_timing`) are the only things updated per call. The pod's KV
+capacity in tokens per model (GPU + host tier) comes from `capacity`. Each `SidecarMetrics`
+owns a private `CollectorRegistry`, so tests and several servers in one process never share
+state. docs/METRICS.md lists every series (tests/sidecar/test_metrics_exposition.py checks it
+against a real sidecar's /metrics).
 
 Per-namespace series are labelled `pool_namespace` (the pool's namespace id), never `namespace`:
 that name is the Kubernetes target label a PodMonitor adds, and Prometheus would rename ours to
@@ -17,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram, Info, start_http_server
@@ -24,7 +28,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvoffload_sidecar import persist
+from kvoffload_sidecar.capacity import CapacityCollector, host_tokens
 from kvoffload_sidecar.persist import Adoption
+from kvoffload_sidecar.tenant_metrics import tenant_metrics
+from kvoffload_sidecar.transfer_timing import TransferTimer
 
 if TYPE_CHECKING:
     from kvoffload_sidecar.pool import NamespaceStats, Pool, PoolStats
@@ -59,6 +66,10 @@ def _one(field: str) -> Samples:
     return lambda ns, _pool: (((), float(getattr(ns, field))),)
 
 
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
 NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
     NamespaceMetric(
         "kvoffload_pool_capacity_bytes",
@@ -73,6 +84,36 @@ NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
         "Bytes in committed or reserved slots.",
         (NAMESPACE_LABEL,),
         _one("used_bytes"),
+    ),
+    NamespaceMetric(
+        "kvoffload_pool_capacity_blocks",
+        "gauge",
+        "Slots of the namespace's partition (one block: a chunk of chunk_blocks GPU blocks, "
+        "every rank).",
+        (NAMESPACE_LABEL,),
+        _one("slot_count"),
+    ),
+    NamespaceMetric(
+        "kvoffload_pool_used_blocks",
+        "gauge",
+        "Slots committed or reserved.",
+        (NAMESPACE_LABEL,),
+        lambda ns, _p: (((), float(ns.committed_slots + ns.reserved_slots)),),
+    ),
+    NamespaceMetric(
+        "kvoffload_pool_usage_perc",
+        "gauge",
+        "Fraction of the namespace's slots committed or reserved (0 to 1, like "
+        "vllm:kv_cache_usage_perc).",
+        (NAMESPACE_LABEL,),
+        lambda ns, _p: (((), _ratio(ns.committed_slots + ns.reserved_slots, ns.slot_count)),),
+    ),
+    NamespaceMetric(
+        "kvoffload_pool_capacity_tokens",
+        "gauge",
+        "Tokens the namespace's slots hold: slots x chunk tokens / KV groups (host tier).",
+        (NAMESPACE_LABEL,),
+        lambda ns, _p: (((), float(host_tokens(ns))),),
     ),
     NamespaceMetric(
         "kvoffload_pool_pinned_bytes",
@@ -101,6 +142,13 @@ NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
         "Keys found by lookups (hit) and first missing key of each query that missed (miss).",
         (NAMESPACE_LABEL, "result"),
         lambda ns, _p: ((("hit",), float(ns.hit_blocks)), (("miss",), float(ns.miss_blocks))),
+    ),
+    NamespaceMetric(
+        "kvoffload_lookup_queried_blocks",
+        "counter",
+        "Keys asked by lookups (the hit rate: lookup_blocks with result hit over this).",
+        (NAMESPACE_LABEL,),
+        _one("queried_blocks"),
     ),
     NamespaceMetric(
         "kvoffload_stored_blocks",
@@ -238,6 +286,7 @@ class PoolCollector(Collector):
                 for extra, value in spec_.samples(ns, stats):
                     family.add_metric([ns.namespace_id, *extra], value)
             yield family
+        yield from tenant_metrics(stats, NAMESPACE_LABEL)  # per-tenant quotas (--tenants)
 
 
 @dataclass(frozen=True)
@@ -322,9 +371,12 @@ class SidecarMetrics:
         *,
         build_labels: dict[str, str] | None = None,
         degraded_code: str = "",
+        status_dir: Path | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.latency = LatencyRecorder()
+        self.status_dir = status_dir  # the connectors' status files (GPU tier capacity)
+        self.transfers = TransferTimer(self.registry, NAMESPACE_LABEL)
         self._rpc = Histogram(
             "kvoffload_rpc_duration_seconds",
             "Server-side duration of KVPool calls (unary and in-session), by method.",
@@ -338,6 +390,7 @@ class SidecarMetrics:
         self.registry.register(DegradedCollector(degraded_code))
         if pool is not None:
             self.registry.register(PoolCollector(pool))
+        self.registry.register(CapacityCollector(pool, lambda: self.status_dir))
 
     def observe(self, method: str, seconds: float) -> None:
         """Record one call (hot path: a dict lookup, a deque append, a histogram observe)."""

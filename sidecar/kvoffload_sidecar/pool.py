@@ -33,6 +33,7 @@ from kvoffload_sidecar.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from kvoffload_sidecar.events import EventLog, EventPage
 from kvoffload_sidecar.index import SlotIndex, SlotState
 from kvoffload_sidecar.keys import (
     MAX_KEYS_PER_CALL,
@@ -48,6 +49,7 @@ from kvoffload_sidecar.policies import CachePolicy, make_policy
 from kvoffload_sidecar.policies.base import consume
 from kvoffload_sidecar.policies.factory import resolve_policy
 from kvoffload_sidecar.region import PrefaultGate, Region
+from kvoffload_sidecar.tenants import KeySalts, TenantPolicy, TenantsConfig, TenantStats
 
 __all__ = [
     "LoadPin",
@@ -90,6 +92,7 @@ class PoolSettings:
     # (at least the grace): a copy its engines queued, then stalled, may still land in them.
     reserved_hold_s: float = 30.0
     prefault: bool = True  # False: sparse file, every slot ready at once. TEST/BENCH ONLY.
+    tenants: TenantsConfig | None = None  # per-tenant quotas (tenants.py); None: off
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,8 @@ class NamespaceStats:
     evicted_blocks: int
     stored_bytes: int
     loaded_bytes: int
+    queried_blocks: int = 0  # keys asked by lookups (hit_blocks / queried_blocks: hit rate)
+    tenants: tuple[TenantStats, ...] = ()  # per-tenant quotas (--tenants); () when off
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,7 @@ class _Counters:
     lookups: int = 0
     hit_blocks: int = 0
     miss_blocks: int = 0
+    queried_blocks: int = 0
     stored_blocks: int = 0
     loaded_blocks: int = 0
     evicted_blocks: int = 0
@@ -220,6 +226,8 @@ class _Namespace:
     counters: _Counters = field(default_factory=_Counters)
     touches: list[bytes] = field(default_factory=list)  # deferred, packed keys, in call order
     touched: int = 0  # keys in `touches`
+    events: EventLog | None = None  # set at creation: blocks in and out, for KV events
+    tenants: TenantPolicy | None = None  # `policy` itself when --tenants is set (tenants.py)
 
     @property
     def slot_count(self) -> int:
@@ -404,7 +412,7 @@ class Pool:
         spec = layout.spec
         index = SlotIndex(layout.slot_count, layout.num_ranks, spec.key_size)
         index.adopt(scan.packed, scan.slots)
-        policy = make_policy(self.settings.eviction, layout.slot_count)
+        policy = self._new_policy(layout.slot_count)
         n = len(scan.slots)
         adopted = split_keys(scan.packed, spec.key_size, max_keys=max(n, 1))
         insert_many = getattr(policy, "insert_many", None)  # optional: LRU has a C-speed one
@@ -426,6 +434,8 @@ class Pool:
             layout=layout,
             table=table,
             withheld=withheld,
+            events=EventLog(layout.slot_count, self._clock),
+            tenants=policy if isinstance(policy, TenantPolicy) else None,
         )
         self._partitions[layout.partition] = ns.namespace_id
         self._namespaces[ns.namespace_id] = ns
@@ -647,11 +657,14 @@ class Pool:
             regions=self._regions_of(layout),
             index=SlotIndex(slot_count, num_ranks, spec.key_size),
             free=FreeSlots(slot_count),
-            policy=make_policy(self.settings.eviction, slot_count),
+            policy=self._new_policy(slot_count),
             last_used=now,
             layout=layout,
             table=table,
+            events=EventLog(slot_count, self._clock),
         )
+        if isinstance(ns.policy, TenantPolicy):
+            ns.tenants = ns.policy
         self._partitions[partition] = namespace_id
         self._namespaces[namespace_id] = ns
         self._set_prefault_priority()
@@ -666,6 +679,14 @@ class Pool:
             slot_bytes_per_rank,
         )
         return ns
+
+    def _new_policy(self, slot_count: int) -> CachePolicy:
+        """A namespace's eviction policy: per-tenant quotas over one policy per tenant when
+        --tenants is set (adopted blocks then count as the default tenant's), else one."""
+        tenants = self.settings.tenants
+        if tenants is None:
+            return make_policy(self.settings.eviction, slot_count)
+        return TenantPolicy(tenants, self.settings.eviction, slot_count)
 
     def _take_partition(self, now: float) -> int:
         for i, owner in enumerate(self._partitions):
@@ -769,7 +790,12 @@ class Pool:
         for pin_id in client.pins:
             ns.index.unpin(pin_id)
         for store_id in client.stores:
+            record = ns.index.stores.get(store_id)
             slots = ns.index.abort_store(store_id)
+            if ns.tenants is not None and record is not None:
+                ns.tenants.abort(record.keys or ())  # the abort cut them into `keys`
+            if ns.events is not None:
+                ns.events.aborted(store_id)
             self._mark_free(ns, slots)
             ns.free.release_many(slots)
         ns.clients.discard(client.client_id)
@@ -777,8 +803,11 @@ class Pool:
 
     # -- block operations ---------------------------------------------------------------------
 
-    def lookup(self, namespace_id: str, queries: Sequence[bytes]) -> list[int]:
-        """Per query (packed keys): length of the longest committed prefix. Touches the hits."""
+    def lookup(
+        self, namespace_id: str, queries: Sequence[bytes], salts: Sequence[str] | None = None
+    ) -> list[int]:
+        """Per query (packed keys): length of the longest committed prefix. Touches the hits.
+        `salts`: per query, its request's cache salt (per-tenant counts with --tenants)."""
         with self._lock:
             ns = self._namespace(namespace_id)
             checked = self._check_queries(ns, queries)
@@ -792,17 +821,29 @@ class Pool:
                     self._touch_packed(ns, packed, n)
                     self._record_use(ns, slots)
                 counters.hit_blocks += n
+                counters.queried_blocks += n_keys
                 if n < n_keys:
                     counters.miss_blocks += 1
             counters.lookups += len(checked)
+            if ns.tenants is not None:
+                for i, (hit, (_, n_keys)) in enumerate(zip(hits, checked, strict=True)):
+                    salt = salts[i] if salts is not None and i < len(salts) else None
+                    ns.tenants.count_lookup(salt, hit, n_keys)
             ns.last_used = self._clock()
             return hits
 
     def reserve_load(
-        self, namespace_id: str, client_id: int, keys: bytes, *, count_lookup: bool = False
+        self,
+        namespace_id: str,
+        client_id: int,
+        keys: bytes,
+        *,
+        count_lookup: bool = False,
+        cache_salt: str = "",
     ) -> LoadPin:
         """Pin the longest committed prefix of `keys` for reading until `release`;
-        `count_lookup`: also count it as a lookup of `keys` (a lookup and pin in one call)."""
+        `count_lookup`: also count it as a lookup of `keys` (a lookup and pin in one call), for
+        the tenant of `cache_salt` too (--tenants)."""
         with self._lock:
             self._check_serving()
             ns = self._namespace(namespace_id)
@@ -815,7 +856,10 @@ class Pool:
                 ns.counters.lookups += 1
                 ns.counters.hit_blocks += n
                 ns.counters.miss_blocks += n < n_keys
+                ns.counters.queried_blocks += n_keys
                 ns.last_used = self._clock()
+                if ns.tenants is not None:
+                    ns.tenants.count_lookup(cache_salt, n, n_keys)
             if record is None:
                 return LoadPin(0, ())
             self._next_pin += 1
@@ -851,56 +895,145 @@ class Pool:
                 client.pins.discard(pin_id)
             return released
 
-    def reserve_store(self, namespace_id: str, client_id: int, keys: bytes) -> StoreReservation:
+    def reserve_store(
+        self,
+        namespace_id: str,
+        client_id: int,
+        keys: bytes,
+        announce: Sequence[bytes] = (),
+        salts: KeySalts | None = None,
+    ) -> StoreReservation:
         """Per key in order: PRESENT if committed or being stored; else NEW with a slot (a free
         ready slot, else one freed by evicting unpinned victims); NO_SPACE once nothing is left,
-        and for every key during the quarantine after a reused pool file (`start`)."""
+        and for every key during the quarantine after a reused pool file (`start`).
+
+        `announce`: per key, what KV events say of its block (events.py), or nothing.
+        `salts`: the keys' cache salts, for per-tenant quotas (--tenants; tenants.py)."""
         with self._lock:
-            self._check_serving()
-            ns = self._namespace(namespace_id)
-            client = self._owned_client(ns, client_id)
-            packed, n_keys = check_packed(keys, ns.spec.key_size)
-            if self._stores_from and self._clock() < self._stores_from:
-                return StoreReservation(0, (_NO_SPACE,) * n_keys, ())  # a skipped store
-            if not self._region.intact():  # the reaper rebuilds the file; writing it is SIGBUS
-                return StoreReservation(0, (_NO_SPACE,) * n_keys, ())
-            index, free = ns.index, ns.free
-            new_slots = self._reserve_new(ns, packed, n_keys)
-            if new_slots is not None:  # the usual store: every key new, distinct, slots free
-                ns.table.mark(new_slots, persist.RESERVED, self._now_ms())  # before any byte
-                store_id = self._next_store
-                self._next_store += 1
-                index.open_store_packed(store_id, client.client_id, new_slots, packed)
-                client.stores.add(store_id)
-                return StoreReservation(store_id, (_NEW,) * n_keys, new_slots)
-            key_list = split_keys(packed, ns.spec.key_size)
-            found = index.slots_of(key_list)
-            missing = found.count(None)
-            if not missing:
-                return StoreReservation(0, (_PRESENT,) * len(key_list), ())
-            if missing == len(found):
-                fresh = key_list
-            else:
-                fresh = list(compress(key_list, map(is_, found, repeat(None))))
-            unique = len(set(fresh)) == len(fresh)
-            if not unique:
-                fresh = list(dict.fromkeys(fresh))  # first occurrences, in key order
-            shortfall = len(fresh) - free.available()
-            if shortfall > 0:
-                self._evict(ns, shortfall, self._protected(index, key_list))
-            # Eviction only removes keys: `fresh` is still exactly the keys not in the index.
-            slots = free.allocate_many(len(fresh))
-            stored = fresh if len(slots) == len(fresh) else fresh[: len(slots)]
-            slot_list = index.reserve_many(stored, slots, keys_free=True)
-            decisions = _store_decisions(key_list, stored, fresh[len(slots) :], unique)
-            store_id = 0
-            if slot_list:
-                ns.table.mark(slot_list, persist.RESERVED, self._now_ms())  # before any byte
-                store_id = self._next_store
-                self._next_store += 1
-                index.open_store(store_id, client.client_id, slots, stored)
-                client.stores.add(store_id)
-            return StoreReservation(store_id, decisions, tuple(slot_list))
+            reservation = self._reserve_store(namespace_id, client_id, keys, salts)
+            if announce and reservation.store_id:
+                self._remember_announce(namespace_id, keys, announce, reservation)
+            return reservation
+
+    def _remember_announce(
+        self,
+        namespace_id: str,
+        keys: bytes,
+        announce: Sequence[bytes],
+        reservation: StoreReservation,
+    ) -> None:
+        """Lock held: keep the NEW keys' announce blobs with the open store."""
+        ns = self._namespaces[namespace_id]
+        if ns.events is None:
+            return
+        key_list = split_keys(keys, ns.spec.key_size)
+        new = [i for i, d in enumerate(reservation.decisions) if d == _NEW]
+        ns.events.reserved(
+            reservation.store_id,
+            [key_list[i] for i in new],
+            [announce[i] if i < len(announce) else b"" for i in new],
+        )
+
+    def _reserve_store(
+        self, namespace_id: str, client_id: int, keys: bytes, salts: KeySalts | None = None
+    ) -> StoreReservation:
+        """Lock held: `reserve_store` without the announce blobs."""
+        self._check_serving()
+        ns = self._namespace(namespace_id)
+        client = self._owned_client(ns, client_id)
+        packed, n_keys = check_packed(keys, ns.spec.key_size)
+        if self._stores_from and self._clock() < self._stores_from:
+            return StoreReservation(0, (_NO_SPACE,) * n_keys, ())  # a skipped store
+        if not self._region.intact():  # the reaper rebuilds the file; writing it is SIGBUS
+            return StoreReservation(0, (_NO_SPACE,) * n_keys, ())
+        index, free, tenants = ns.index, ns.free, ns.tenants
+        new_slots = self._reserve_new(ns, packed, n_keys) if tenants is None else None
+        if new_slots is not None:  # the usual store: every key new, distinct, slots free
+            ns.table.mark(new_slots, persist.RESERVED, self._now_ms())  # before any byte
+            store_id = self._next_store
+            self._next_store += 1
+            index.open_store_packed(store_id, client.client_id, new_slots, packed)
+            client.stores.add(store_id)
+            return StoreReservation(store_id, (_NEW,) * n_keys, new_slots)
+        key_list = split_keys(packed, ns.spec.key_size)
+        found = index.slots_of(key_list)
+        missing = found.count(None)
+        if not missing:
+            return StoreReservation(0, (_PRESENT,) * len(key_list), ())
+        if missing == len(found):
+            fresh = key_list
+        else:
+            fresh = list(compress(key_list, map(is_, found, repeat(None))))
+        unique = len(set(fresh)) == len(fresh)
+        if not unique:
+            fresh = list(dict.fromkeys(fresh))  # first occurrences, in key order
+        refused: list[PoolKey] = []
+        if tenants is not None:  # quotas: what each tenant may store, room made for it
+            fresh, refused, owners = self._admit_tenants(ns, tenants, key_list, fresh, salts)
+        shortfall = len(fresh) - free.available()
+        if shortfall > 0:
+            self._evict(ns, shortfall, self._protected(index, key_list))
+        # Eviction only removes keys: `fresh` is still exactly the keys not in the index.
+        slots = free.allocate_many(len(fresh))
+        stored = fresh if len(slots) == len(fresh) else fresh[: len(slots)]
+        slot_list = index.reserve_many(stored, slots, keys_free=True)
+        unstored = fresh[len(slots) :]
+        decisions = _store_decisions(key_list, stored, unstored + refused, unique)
+        store_id = 0
+        if slot_list:
+            ns.table.mark(slot_list, persist.RESERVED, self._now_ms())  # before any byte
+            store_id = self._next_store
+            self._next_store += 1
+            index.open_store(store_id, client.client_id, slots, stored)
+            client.stores.add(store_id)
+            if tenants is not None:
+                tenants.reserve(stored, owners if type(owners) is int else owners[: len(stored)])
+        return StoreReservation(store_id, decisions, tuple(slot_list))
+
+    def _admit_tenants(
+        self,
+        ns: _Namespace,
+        tenants: TenantPolicy,
+        key_list: list[PoolKey],
+        fresh: list[PoolKey],
+        salts: KeySalts | None,
+    ) -> tuple[list[PoolKey], list[PoolKey], int | list[int]]:
+        """Lock held: per tenant of the batch (tenants.py), how many of its fresh keys it may
+        store, with the victims evicted to make room. Returns the admitted keys (key order),
+        the refused ones (NO_SPACE) and the admitted keys' tenant (one, or one per key)."""
+        owners = tenants.key_tenants(salts, len(key_list))
+        groups: dict[int, list[PoolKey]]
+        if type(owners) is int:
+            groups = {owners: fresh}
+        else:
+            first = dict(zip(reversed(key_list), reversed(owners), strict=True))  # first wins
+            groups = {}
+            for key in fresh:
+                groups.setdefault(first[key], []).append(key)
+        self._apply_touches(ns)
+        protected = self._protected(ns.index, key_list)
+        may_evict = not (self._evict_from and self._clock() < self._evict_from)
+        available = ns.free.available()
+        admitted: list[PoolKey] = []
+        refused: list[PoolKey] = []
+        for tenant, keys in groups.items():
+            count, victims = tenants.admit(
+                tenant, len(keys), available, protected, may_evict=may_evict
+            )
+            if victims:
+                ns.free.release_many(ns.index.evict_many(victims))
+                ns.counters.evicted_blocks += len(victims)
+                if ns.events is not None:
+                    ns.events.removed(victims)
+            available += len(victims) - count
+            admitted += keys[:count]
+            refused += keys[count:]
+        if len(groups) == 1:
+            (tenant,) = groups
+            return admitted, refused, tenant
+        kept = set(admitted)
+        admitted = [k for k in fresh if k in kept]  # key order, as the index reserves them
+        return admitted, refused, [first[k] for k in admitted]
 
     @staticmethod
     def _reserve_new(ns: _Namespace, packed: bytes, n: int) -> np.ndarray | None:
@@ -943,6 +1076,8 @@ class Pool:
                 continue
             ns.free.release_many(ns.index.evict_many(victims))
             ns.counters.evicted_blocks += len(victims)
+            if ns.events is not None:
+                ns.events.removed(victims)
             n -= len(victims)
             ask = min(ask, n)
 
@@ -965,6 +1100,8 @@ class Pool:
                     ns.table.commit(record.slots, b"".join(keys), self._commit_seq)
                     self._commit_seq += 1
                 ns.counters.stored_blocks += len(keys)
+                if ns.events is not None:
+                    ns.events.committed(store_id, keys)
                 client = self._clients.get(record.client_id)
                 if client is not None:
                     client.stores.discard(store_id)
@@ -978,6 +1115,10 @@ class Pool:
             self._check_id(store_id, "store id")
             record = ns.index.stores.get(store_id)
             slots = ns.index.abort_store(store_id)
+            if ns.tenants is not None and record is not None:
+                ns.tenants.abort(record.keys or ())  # the abort cut them into `keys`
+            if ns.events is not None:
+                ns.events.aborted(store_id)
             self._mark_free(ns, slots)
             ns.free.release_many(slots)
             if record is not None:
@@ -985,6 +1126,17 @@ class Pool:
                 if client is not None:
                     client.stores.discard(store_id)
             return len(slots)
+
+    def events(
+        self, namespace_id: str, log_id: str, after_seq: int, cursor: int, max_events: int
+    ) -> EventPage:
+        """Blocks that became visible or were evicted since the caller's position in the
+        namespace's event log, or a page of a snapshot of every visible block (events.py)."""
+        with self._lock:
+            ns = self._namespace(namespace_id)
+            assert ns.events is not None  # every namespace gets its log at creation
+            self._apply_touches(ns)
+            return ns.events.page(log_id, after_seq, cursor, max_events, ns.policy.keys())
 
     # -- observation --------------------------------------------------------------------------
 
@@ -1021,11 +1173,13 @@ class Pool:
             lookups=k.lookups,
             hit_blocks=k.hit_blocks,
             miss_blocks=k.miss_blocks,
+            queried_blocks=k.queried_blocks,
             stored_blocks=k.stored_blocks,
             loaded_blocks=k.loaded_blocks,
             evicted_blocks=k.evicted_blocks,
             stored_bytes=k.stored_blocks * sb,
             loaded_bytes=k.loaded_blocks * sb,
+            tenants=ns.tenants.stats(sb) if ns.tenants is not None else (),
         )
 
     def check_invariants(self) -> None:
@@ -1062,6 +1216,12 @@ class Pool:
         assert held == committed, (
             f"{nid}: policy holds {len(held)} keys, {len(committed)} are committed"
         )
+        if ns.tenants is not None:
+            reserved = {k for r in index.stores.values() for k in index._keys_of(r)}
+            try:
+                ns.tenants.check(reserved)
+            except AssertionError as e:
+                raise AssertionError(f"namespace {nid}: {e}") from None
         client_pins: set[int] = set()
         client_stores: set[int] = set()
         for cid in ns.clients:

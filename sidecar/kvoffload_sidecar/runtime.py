@@ -39,6 +39,7 @@ def pool_settings(config: SidecarConfig) -> PoolSettings:
         client_timeout_s=config.client_timeout_s,
         detach_grace_s=config.detach_grace_s,
         reserved_hold_s=config.reserved_hold_s,
+        tenants=config.tenants,
     )
 
 

@@ -135,6 +135,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
     def __init__(self, pool: Pool, metrics: SidecarMetrics) -> None:
         self._pool = pool
         self._metrics = metrics
+        self._tenants = pool.settings.tenants is not None  # decode cache salts only then
         self._version = package_version()
         # Session oneof name -> (metric name, handler); the response oneof has the same name.
         self._session_calls: dict[str, tuple[str, Handler]] = {
@@ -161,26 +162,35 @@ class PoolServicer(pb_grpc.KVPoolServicer):
 
     def _lookup(self, req: pb.LookupRequest, _session: int, out: pb.LookupResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)
-        out.hit_counts.extend(self._pool.lookup(ns, [q.keys for q in req.queries]))
+        salts = [q.cache_salt for q in req.queries] if self._tenants else None
+        out.hit_counts.extend(self._pool.lookup(ns, [q.keys for q in req.queries], salts))
 
     def _reserve_load(
         self, req: pb.ReserveLoadRequest, session: int, out: pb.ReserveLoadResponse
     ) -> None:
         ns = convert.require_namespace(req.namespace_id)
         client = _client(req.client_id, session)
-        pin = self._pool.reserve_load(ns, client, req.keys, count_lookup=req.count_lookup)
+        pin = self._pool.reserve_load(
+            ns, client, req.keys, count_lookup=req.count_lookup, cache_salt=req.cache_salt
+        )
         convert.load_pin_to_proto(pin, out)
+        self._metrics.transfers.pinned(ns, pin.pin_id)
 
     def _release(self, req: pb.ReleaseRequest, session: int, out: pb.ReleaseResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)
         out.released_slots = self._pool.release(ns, _client(req.client_id, session), req.pin_ids)
+        self._metrics.transfers.released(ns, req.pin_ids)
 
     def _reserve_store(
         self, req: pb.ReserveStoreRequest, session: int, out: pb.ReserveStoreResponse
     ) -> None:
         ns = convert.require_namespace(req.namespace_id)
-        res = self._pool.reserve_store(ns, _client(req.client_id, session), req.keys)
+        salts = convert.key_salts(req) if self._tenants else None
+        res = self._pool.reserve_store(
+            ns, _client(req.client_id, session), req.keys, req.announce, salts
+        )
         convert.store_reservation_to_proto(res, out)
+        self._metrics.transfers.store_reserved(ns, res.store_id)
 
     def _commit_store(
         self, req: pb.CommitStoreRequest, _session: int, out: pb.CommitStoreResponse
@@ -189,12 +199,22 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         out.visible = self._pool.commit_store(
             ns, convert.require_id(req.store_id, "store_id"), req.rank
         )
+        if out.visible:
+            self._metrics.transfers.store_visible(ns, req.store_id)
 
     def _abort_store(
         self, req: pb.AbortStoreRequest, _session: int, out: pb.AbortStoreResponse
     ) -> None:
         ns = convert.require_namespace(req.namespace_id)
         out.freed_slots = self._pool.abort_store(ns, convert.require_id(req.store_id, "store_id"))
+        self._metrics.transfers.store_aborted(ns, req.store_id)
+
+    def _events(self, req: pb.EventsRequest, _session: int, out: pb.EventsResponse) -> None:
+        ns = convert.require_namespace(req.namespace_id)
+        page = self._pool.events(
+            ns, req.log_id, req.after_seq, req.cursor, min(req.max_events or 1024, 65536)
+        )
+        convert.event_page_to_proto(page, out)
 
     def _stats(self, _req: pb.StatsRequest, _session: int, out: pb.StatsResponse) -> None:
         convert.stats_to_proto(
@@ -264,6 +284,9 @@ class PoolServicer(pb_grpc.KVPoolServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         return await self._unary("Stats", self._stats, request, pb.StatsResponse(), context)
+
+    async def Events(self, request: pb.EventsRequest, context: Any) -> pb.EventsResponse:
+        return await self._unary("Events", self._events, request, pb.EventsResponse(), context)
 
     # -- the Session stream ----------------------------------------------------------------------
 
@@ -513,7 +536,7 @@ def create_server(
     sock = config.socket.absolute()
     remove_stale_socket(sock)
     target = bind_unix(server, sock)
-    servicer.status_dir = sock.parent
+    servicer.status_dir = metrics.status_dir = sock.parent
     built = SidecarServer(server, pool, servicer, health_servicer, metrics, target, tcp, tcp_port)
     if config.framed_sessions:
         built.frames = FramedSessions(

@@ -1,6 +1,6 @@
-"""The Grafana dashboard (charts/kvoffload/files/dashboards/): valid JSON, queries only metrics
-the sidecar declares (sidecar/kvoffload_sidecar/metrics.py), covers the pool metrics, has a hit
-ratio panel."""
+"""The Grafana dashboard (charts/kvoffload/files/dashboards/): valid JSON, queries only series
+listed in docs/METRICS.md (which tests/sidecar/test_metrics_exposition.py ties to a real
+sidecar's /metrics), covers the pool, latency and capacity metrics, has hit ratio panels."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ from typing import Any
 
 import pytest
 
+from tests.sidecar.metrics_doc import series_names, sidecar_documented
+
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "kvoffload" / "files" / "dashboards" / "kvoffload-sidecar.json"
-SIDECAR_METRICS = REPO / "sidecar" / "kvoffload_sidecar" / "metrics.py"
 METRIC = re.compile(r"\bkvoffload_[a-z0-9_]+")
-# Series suffixes Prometheus clients append to a declared name (client_python adds `_total` to
-# counters; histograms expose _bucket/_sum/_count).
-SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created", "_info")
 # What the dashboard must show (the issue's list of sidecar metrics).
 REQUIRED = {
     "kvoffload_pool_capacity_bytes",
@@ -30,6 +28,12 @@ REQUIRED = {
     "kvoffload_stored_bytes_total",
     "kvoffload_loaded_bytes_total",
     "kvoffload_rpc_duration_seconds_bucket",
+    "kvoffload_lookup_queried_blocks_total",
+    "kvoffload_pool_usage_perc",
+    "kvoffload_store_latency_seconds_bucket",
+    "kvoffload_load_latency_seconds_bucket",
+    "kvoffload_kv_capacity_tokens",
+    "kvoffload_kv_effective_capacity_tokens",
 }
 
 
@@ -43,16 +47,10 @@ def _exprs(dashboard: dict[str, Any]) -> list[str]:
     return exprs
 
 
-def _declared_metrics() -> set[str]:
-    if not SIDECAR_METRICS.exists():
-        pytest.skip("sidecar/kvoffload_sidecar/metrics.py not written yet")
-    return set(re.findall(r"[\"'](kvoffload_[a-z0-9_]+)[\"']", SIDECAR_METRICS.read_text()))
-
-
-def _is_declared(name: str, declared: set[str]) -> bool:
-    return name in declared or any(
-        name.endswith(s) and name[: -len(s)] in declared for s in SUFFIXES
-    )
+def _documented_series() -> set[str]:
+    """Every sample name a query may use: the sidecar's documented series (histograms: their
+    _bucket/_sum/_count)."""
+    return {s for d in sidecar_documented().values() for s in series_names(d.name, d.type)}
 
 
 def test_dashboard_is_a_grafana_dashboard():
@@ -78,10 +76,10 @@ def test_panel_ids_are_unique_and_panels_do_not_overlap():
     assert len(cells) == len(set(cells)) and all(x < 24 for x, _ in cells)
 
 
-def test_every_queried_metric_is_declared_by_the_sidecar():
-    declared = _declared_metrics()
+def test_every_queried_metric_is_a_documented_sidecar_series():
+    """Exact names: a counter queried without `_total` or a histogram without `_bucket` fails."""
     queried = {m for e in _exprs(_dashboard()) for m in METRIC.findall(e)}
-    assert queried and not {m for m in queried if not _is_declared(m, declared)}
+    assert queried and queried - _documented_series() == set()
 
 
 def test_dashboard_shows_every_pool_metric():
@@ -127,13 +125,35 @@ def test_pool_metrics_filter_by_the_pool_namespace_label():
     metrics = pytest.importorskip("kvoffload_sidecar.metrics")
     label = metrics.NAMESPACE_LABEL
     assert label != "namespace"
-    series = {
-        m.name + ("_total" if m.kind == "counter" else "")
-        for m in metrics.NAMESPACE_METRICS
-        if m.labels[0] == label
+    filtered = _filtered_by(label)
+    assert filtered >= REQUIRED & _labelled(label)
+    assert "kvoffload_store_latency_seconds_bucket" in filtered
+
+
+def test_capacity_metrics_filter_by_the_model_variable():
+    """The effective-capacity series are per served model: the dashboard's `model` variable."""
+    assert _filtered_by("model") >= {
+        "kvoffload_kv_capacity_tokens",
+        "kvoffload_kv_effective_capacity_tokens",
     }
+
+
+def _labelled(label: str) -> set[str]:
+    """Documented sidecar sample names whose series carry `label`."""
+    return {
+        s
+        for d in sidecar_documented().values()
+        if label in d.labels
+        for s in series_names(d.name, d.type)
+    }
+
+
+def _filtered_by(label: str) -> set[str]:
+    """Names of the queried series that carry `label`, after checking that every query of them
+    filters by the dashboard variable of that name (label_values queries aside)."""
     dashboard = _dashboard()
     assert label in {v["name"] for v in dashboard["templating"]["list"]}
+    series = _labelled(label)
     filtered: set[str] = set()
     for expr in _exprs(dashboard):
         assert "exported_namespace" not in expr, expr
@@ -141,4 +161,5 @@ def test_pool_metrics_filter_by_the_pool_namespace_label():
             if name in series and "label_values" not in expr:
                 assert f'{label}=~"${label}"' in selector, expr
                 filtered.add(name)
-    assert filtered and filtered >= REQUIRED & series
+    assert filtered
+    return filtered

@@ -5,6 +5,7 @@ Every test runs the real helm binary (`helm template`); renders are cached per v
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -516,6 +517,8 @@ def test_dashboard_configmap_carries_the_grafana_label_and_the_file(render):
     source = (CHART / "files" / "dashboards" / "kvoffload-sidecar.json").read_text()
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert cm["data"]["kvoffload-sidecar.json"] == source.rstrip("\n")
+    rendered = json.loads(cm["data"]["kvoffload-sidecar.json"])  # loads as rendered, too
+    assert rendered["uid"] == "kvoffload-sidecar" and rendered["panels"]
 
 
 def test_policies_from_values_render_as_custom_resources(render):

@@ -12,6 +12,9 @@ Scenarios (each writes a JSON report; the test asserts on it):
   then through a second engine without a connector: the two must agree.
 - `truncate`: P stored and hit, the pool file truncated under the engine, P again (same
   tokens, the engine alive), then rounds until P hits the rebuilt pool.
+- `events`: with `--kv-events-config` (ZMQ on --events-port), a subscriber decoding vLLM's own
+  KVEventBatch records every event: P stored, then fillers until the pool evicted; `events_fresh`:
+  a new engine on that pool (its snapshot announce).
 - `adopt`: P stored, the sidecar SIGKILLed and restarted (same command line) under this
   running engine; the time until the connector re-attached, then P again (pool hits from the
   adopted blocks). `adopt_fresh`: a new engine's first requests, P of `adopt` (same --seed).
@@ -72,7 +75,18 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
                 **({"lazy_watermark_blocks": args.lazy_watermark} if args.lazy_watermark else {}),
             },
         }
+    events = {}
+    if getattr(args, "events_port", 0):
+        from vllm.config import KVEventsConfig
+
+        events["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{args.events_port}",  # a wildcard binds; an address connects
+            topic="kv",
+        )
     llm = LLM(
+        **events,
         model=args.model,
         load_format="dummy",
         skip_tokenizer_init=True,
@@ -226,6 +240,7 @@ def scenario_reset(args: argparse.Namespace) -> dict:
         "metrics": metrics(llm),
         "warmup_prompts": warmup_prompts,
         "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
+        "num_gpu_blocks": int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks or 0),
         "chunk_tokens": args.chunk_tokens,
         "pool_active": gauges(),
     }
@@ -556,6 +571,125 @@ def scenario_adopt_fresh(args: argparse.Namespace) -> dict:
     return {"out": out, "before": before, "after": namespace_counters(args.socket)}
 
 
+class EventCollector:
+    """vLLM's KV events as any subscriber sees them: a ZMQ SUB socket and vLLM's own decoder
+    (`msgspec` into `KVEventBatch`), the way vLLM's examples/online_serving subscriber reads."""
+
+    def __init__(self, port: int) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._ctx = zmq.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.connect(f"tcp://127.0.0.1:{port}")
+        self._sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+        self.events: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        while not self._stop.is_set():
+            if poller.poll(100):
+                _topic, _seq, payload = self._sub.recv_multipart()
+                self.events.extend(self._decoder.decode(payload).events)
+
+    def stop(self) -> list:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sub.close(0)
+        self._ctx.term()
+        return self.events
+
+
+def _hex(h) -> str:
+    return h.hex() if isinstance(h, bytes | bytearray) else str(h)
+
+
+def events_report(events: list) -> dict:
+    """Stored and removed events by medium, hashes as text (bytes or int hashes alike)."""
+    out: dict = {"stored": {}, "removed": {}, "other": 0, "cpu_log": []}
+    for e in events:
+        kind = type(e).__name__
+        medium = getattr(e, "medium", None) or "GPU"
+        if medium == "CPU" and kind in ("BlockStored", "BlockRemoved"):
+            out["cpu_log"].append([kind == "BlockStored", [_hex(h) for h in e.block_hashes]])
+        if kind == "BlockStored":
+            out["stored"].setdefault(medium, []).append(
+                {
+                    "hashes": [_hex(h) for h in e.block_hashes],
+                    "parent": None if e.parent_block_hash is None else _hex(e.parent_block_hash),
+                    "tokens": list(e.token_ids),
+                    "block_size": e.block_size,
+                    "group": e.group_idx,
+                }
+            )
+        elif kind == "BlockRemoved":
+            out["removed"].setdefault(medium, []).append([_hex(h) for h in e.block_hashes])
+        else:
+            out["other"] += 1
+    return out
+
+
+def flush_events(llm, args: argparse.Namespace, rounds: int = 3) -> None:
+    """vLLM publishes the connector's events at an engine step: run a prompt shorter than one
+    block (nothing stored) a few times, with pauses for the feed's poll."""
+    for i in range(rounds):
+        time.sleep(0.4)
+        run(llm, [[5 + i, 6, 7, 8]], 1)
+    time.sleep(0.5)
+
+
+def scenario_events(args: argparse.Namespace) -> dict:
+    collector = EventCollector(args.events_port)
+    llm = make_llm(args)
+    before, _ = pool_path_live(llm, args)
+    batch = prompts(args.seed, 3, args.prompt_len)
+    first = run(llm, batch, args.max_tokens)
+    per_prompt = args.prompt_len // args.chunk_tokens
+    settle_pool(args.socket, min_committed=before + len(batch) * per_prompt)
+    evicted = 0
+    for i in range(args.fillers):  # until the pool had to evict
+        llm.reset_prefix_cache()
+        run(llm, prompts(args.seed + 1000 + i, 4, args.prompt_len), 2)
+        settle_pool(args.socket)
+        evicted = stats_evicted(args.socket)
+        if evicted >= 3 * per_prompt:
+            break
+    flush_events(llm, args)
+    report = {
+        "first": first,
+        "events": events_report(collector.stop()),
+        "counters": namespace_counters(args.socket),
+        "evicted": stats_evicted(args.socket),
+        "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
+        "chunk_tokens": args.chunk_tokens,
+        "prompts": batch,
+    }
+    return report
+
+
+def scenario_events_fresh(args: argparse.Namespace) -> dict:
+    collector = EventCollector(args.events_port)
+    llm = make_llm(args)
+    flush_events(llm, args, rounds=5)
+    return {
+        "events": events_report(collector.stop()),
+        "counters": namespace_counters(args.socket),
+    }
+
+
+def stats_evicted(socket: str) -> int:
+    stats = stats_now(socket, timeout_s=5)
+    return sum(ns.evicted_blocks for ns in stats.namespaces) if stats is not None else 0
+
+
 def scenario_disabled(args: argparse.Namespace) -> dict:
     """The same prompts through an engine with the connector configured, then without one."""
     import gc
@@ -585,6 +719,8 @@ def main() -> int:
             "truncate",
             "adopt",
             "adopt_fresh",
+            "events",
+            "events_fresh",
         ],
     )
     ap.add_argument("--model", required=True)
@@ -606,6 +742,7 @@ def main() -> int:
     ap.add_argument("--pool-size", default="64Mi")
     ap.add_argument("--fillers", type=int, default=6)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--events-port", type=int, default=0, help="--kv-events-config ZMQ port")
     ap.add_argument("--lazy-watermark", type=int, default=0)
     ap.add_argument("--sidecar-pid-file", default="")
     ap.add_argument("--corrupt-pool", default="", help="pool file to overwrite (reset scenario)")
@@ -629,6 +766,8 @@ def main() -> int:
         "truncate": scenario_truncate,
         "adopt": scenario_adopt,
         "adopt_fresh": scenario_adopt_fresh,
+        "events": scenario_events,
+        "events_fresh": scenario_events_fresh,
     }[args.scenario]
     report = fn(args)
     Path(args.out).write_text(json.dumps(report))

@@ -44,6 +44,7 @@ class FakePool:
         self.present: set[bytes] = set()
         self.aborted: list[int] = []
         self.queried: list[int] = []  # queries per Lookup call
+        self.salts: list[tuple[str, object]] = []  # (call, the cache salts it carried)
 
     # the PoolClient surface the scheduler uses
     @property
@@ -58,8 +59,9 @@ class FakePool:
         if not self.up:
             raise PoolUnavailable("down")
 
-    def lookup(self, queries, timeout_s=None):
+    def lookup(self, queries, timeout_s=None, salts=None):
         self._check("lookup")
+        self.salts.append(("lookup", salts))
         self.queried.append(len(queries))
         out = []
         for q in queries:
@@ -85,10 +87,11 @@ class FakePool:
         self.pins[pin] = slots
         return pin, slots
 
-    def reserve_load_many(self, key_lists, *, count_lookup=False, timeout_s=None):
+    def reserve_load_many(self, key_lists, *, count_lookup=False, timeout_s=None, salts=None):
         """One pipelined round: the real client's contract (a pin per list, None if it failed).
         Recorded as "lookup_pin" when the sidecar would count it as a lookup too."""
         self._check("lookup_pin" if count_lookup else "reserve_load_many")
+        self.salts.append(("lookup_pin" if count_lookup else "reserve_load_many", salts))
         return [self._pin(keys) for keys in key_lists]
 
     def release(self, pins):
@@ -97,8 +100,9 @@ class FakePool:
             self.pins.pop(p, None)
         return 0
 
-    def reserve_store(self, keys):
+    def reserve_store(self, keys, announce=(), salts=()):
         self._check("reserve_store")
+        self.salts.append(("reserve_store", list(salts)))
         decisions, slots = [], []
         for k in keys:
             if k in self.committed or k in self.present:
@@ -609,7 +613,7 @@ def test_eager_skips_what_the_gpu_prefix_cache_already_held():
     mgr.req_blocks["r"] = [bp.allocate(7)]
     reserved: list[int] = []
     real = fake.reserve_store
-    fake.reserve_store = lambda keys: reserved.append(len(keys)) or real(keys)
+    fake.reserve_store = lambda keys, *rest: reserved.append(len(keys)) or real(keys, *rest)
     s.build_connector_meta(SchedOut({"r": 72}))
     settle(s)
     assert reserved == [1]

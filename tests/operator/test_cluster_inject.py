@@ -70,3 +70,5 @@ def test_policy_applies_and_lists() -> None:
     assert res.returncode == 0, res.stderr
     listed = run("kubectl", "get", "kvop", "-n", NS)
     assert listed.returncode == 0 and "POOL" in listed.stdout and "16Gi" in listed.stdout
+    header = listed.stdout.splitlines()[0].split()
+    assert header[header.index("READY") + 1 : header.index("READY") + 3] == ["CAPACITY", "USED"]

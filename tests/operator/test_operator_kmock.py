@@ -412,6 +412,9 @@ async def test_a_disabled_connector_degrades_the_policy_until_it_is_active(
             )
             assert status["degradedReasons"] == {"ConnectorDisabled": 1}
             assert status["unreachableSidecars"] == 0
+            # the sidecar's pool (16Mi, nothing stored) in the status and `kubectl get` columns
+            assert (status["poolCapacityBytes"], status["poolUsedBytes"]) == (16 << 20, 0)
+            assert (status["poolCapacity"], status["poolUsed"]) == ("16Mi", "0")
             (event,) = await eventually(lambda: events(kmock))
             assert event["reason"] == "KVOffloadConnectorDisabled"
             assert event["involvedObject"]["fieldPath"] == "spec.containers{vllm}"

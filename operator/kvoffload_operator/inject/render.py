@@ -27,6 +27,7 @@ from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
 from kvoffload_operator.inject.engine import ShellEdit, insert_flag
 from kvoffload_operator.policy import Delivery, Policy, SecurityProfile, SidecarSpec
 from kvoffload_operator.sizing import PYTHON_DIR_LIMIT, RUN_DIR_LIMIT, size_pool
+from kvoffload_operator.tenants import sidecar_flag
 
 INSTALLER_NAME = "kvoffload-connector-install"
 POOL_VOLUME, RUN_VOLUME, PYTHON_VOLUME = "kvoffload-pool", "kvoffload-run", "kvoffload-python"
@@ -137,6 +138,8 @@ def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults)
         args.append("--hugepages")
     if policy.pool.numa_node is not None:
         args.append(f"--numa-node={policy.pool.numa_node}")
+    if policy.tenants:  # per-tenant quotas of the pool, by the requests' cache_salt
+        args.append(f"--tenants={sidecar_flag(policy.tenants)}")
     return {
         "name": SIDECAR_NAME,
         "image": policy.sidecar.image or defaults.sidecar_image,

@@ -94,10 +94,12 @@ class RegisterResponse(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RankRegion, _Mapping]]] = ..., pool_ready: _Optional[bool] = ..., prefault_fraction: _Optional[float] = ..., committed_blocks: _Optional[int] = ..., pool_generation: _Optional[str] = ..., session_socket: _Optional[str] = ...) -> None: ...
 
 class KeyList(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "cache_salt")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     keys: bytes
-    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, keys: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace_id", "queries")
@@ -114,16 +116,18 @@ class LookupResponse(_message.Message):
     def __init__(self, hit_counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveLoadRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "keys", "count_lookup")
+    __slots__ = ("namespace_id", "client_id", "keys", "count_lookup", "cache_salt")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     COUNT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_id: int
     keys: bytes
     count_lookup: bool
-    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., count_lookup: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., count_lookup: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReserveLoadResponse(_message.Message):
     __slots__ = ("pin_id", "slots")
@@ -150,14 +154,20 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released_slots: _Optional[int] = ...) -> None: ...
 
 class ReserveStoreRequest(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "keys")
+    __slots__ = ("namespace_id", "client_id", "keys", "announce", "cache_salts", "key_salts")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALTS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SALTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_id: int
     keys: bytes
-    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    announce: _containers.RepeatedScalarFieldContainer[bytes]
+    cache_salts: _containers.RepeatedScalarFieldContainer[str]
+    key_salts: bytes
+    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., announce: _Optional[_Iterable[bytes]] = ..., cache_salts: _Optional[_Iterable[str]] = ..., key_salts: _Optional[bytes] = ...) -> None: ...
 
 class ReserveStoreResponse(_message.Message):
     __slots__ = ("store_id", "decisions", "slots")
@@ -199,12 +209,54 @@ class AbortStoreResponse(_message.Message):
     freed_slots: int
     def __init__(self, freed_slots: _Optional[int] = ...) -> None: ...
 
+class EventsRequest(_message.Message):
+    __slots__ = ("namespace_id", "log_id", "after_seq", "cursor", "max_events")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    log_id: str
+    after_seq: int
+    cursor: int
+    max_events: int
+    def __init__(self, namespace_id: _Optional[str] = ..., log_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., cursor: _Optional[int] = ..., max_events: _Optional[int] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("seq", "removed", "key", "announce")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    removed: bool
+    key: bytes
+    announce: bytes
+    def __init__(self, seq: _Optional[int] = ..., removed: _Optional[bool] = ..., key: _Optional[bytes] = ..., announce: _Optional[bytes] = ...) -> None: ...
+
+class EventsResponse(_message.Message):
+    __slots__ = ("log_id", "seq", "snapshot", "events", "cursor", "first")
+    LOG_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    log_id: str
+    seq: int
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    cursor: int
+    first: bool
+    def __init__(self, log_id: _Optional[str] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ..., cursor: _Optional[int] = ..., first: _Optional[bool] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes")
+    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +277,8 @@ class NamespaceStats(_message.Message):
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUERIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     spec: NamespaceSpec
     num_ranks: int
@@ -245,7 +299,41 @@ class NamespaceStats(_message.Message):
     evicted_blocks: int
     stored_bytes: int
     loaded_bytes: int
-    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ...) -> None: ...
+    queried_blocks: int
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
+    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+
+class TenantStats(_message.Message):
+    __slots__ = ("name", "guaranteed_fraction", "max_fraction", "guaranteed_slots", "max_slots", "used_slots", "committed_slots", "used_bytes", "stored_blocks", "evicted_blocks", "lookups", "hit_blocks", "miss_blocks", "queried_blocks")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    GUARANTEED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MISS_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUERIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    guaranteed_fraction: float
+    max_fraction: float
+    guaranteed_slots: int
+    max_slots: int
+    used_slots: int
+    committed_slots: int
+    used_bytes: int
+    stored_blocks: int
+    evicted_blocks: int
+    lookups: int
+    hit_blocks: int
+    miss_blocks: int
+    queried_blocks: int
+    def __init__(self, name: _Optional[str] = ..., guaranteed_fraction: _Optional[float] = ..., max_fraction: _Optional[float] = ..., guaranteed_slots: _Optional[int] = ..., max_slots: _Optional[int] = ..., used_slots: _Optional[int] = ..., committed_slots: _Optional[int] = ..., used_bytes: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., queried_blocks: _Optional[int] = ...) -> None: ...
 
 class RpcLatency(_message.Message):
     __slots__ = ("method", "count", "p50_seconds", "p99_seconds")

@@ -74,6 +74,11 @@ class KVPoolStub:
                 request_serializer=kvoffload_dot_v1_dot_pool__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvoffload_dot_v1_dot_pool__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Events = channel.unary_unary(
+                '/kvoffload.v1.KVPool/Events',
+                request_serializer=kvoffload_dot_v1_dot_pool__pb2.EventsRequest.SerializeToString,
+                response_deserializer=kvoffload_dot_v1_dot_pool__pb2.EventsResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/kvoffload.v1.KVPool/Session',
                 request_serializer=kvoffload_dot_v1_dot_pool__pb2.SessionRequest.SerializeToString,
@@ -142,6 +147,15 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Events(self, request, context):
+        """Blocks that became visible in or were evicted from a namespace, for vLLM's KV events
+        (BlockStored/BlockRemoved with medium CPU); a snapshot of every visible block for a
+        client that is new to this log.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """One long-lived stream per client carrying the same calls with less
         per-call overhead. Responses come back in request order with the same
@@ -194,6 +208,11 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvoffload_dot_v1_dot_pool__pb2.StatsRequest.FromString,
                     response_serializer=kvoffload_dot_v1_dot_pool__pb2.StatsResponse.SerializeToString,
+            ),
+            'Events': grpc.unary_unary_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=kvoffload_dot_v1_dot_pool__pb2.EventsRequest.FromString,
+                    response_serializer=kvoffload_dot_v1_dot_pool__pb2.EventsResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -417,6 +436,33 @@ class KVPool:
             '/kvoffload.v1.KVPool/Stats',
             kvoffload_dot_v1_dot_pool__pb2.StatsRequest.SerializeToString,
             kvoffload_dot_v1_dot_pool__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvoffload.v1.KVPool/Events',
+            kvoffload_dot_v1_dot_pool__pb2.EventsRequest.SerializeToString,
+            kvoffload_dot_v1_dot_pool__pb2.EventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
