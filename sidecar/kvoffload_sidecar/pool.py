@@ -34,7 +34,7 @@ from kvoffload_sidecar.errors import (
     Unavailable,
 )
 from kvoffload_sidecar.events import EventLog, EventPage
-from kvoffload_sidecar.index import SlotIndex, SlotState
+from kvoffload_sidecar.index import SlotIndex, Slots, SlotState, StoreRecord
 from kvoffload_sidecar.keys import (
     MAX_KEYS_PER_CALL,
     NamespaceId,
@@ -790,14 +790,7 @@ class Pool:
         for pin_id in client.pins:
             ns.index.unpin(pin_id)
         for store_id in client.stores:
-            record = ns.index.stores.get(store_id)
-            slots = ns.index.abort_store(store_id)
-            if ns.tenants is not None and record is not None:
-                ns.tenants.abort(record.keys or ())  # the abort cut them into `keys`
-            if ns.events is not None:
-                ns.events.aborted(store_id)
-            self._mark_free(ns, slots)
-            ns.free.release_many(slots)
+            self._abort(ns, store_id)
         ns.clients.discard(client.client_id)
         del self._clients[client.client_id]
 
@@ -1021,10 +1014,7 @@ class Pool:
                 tenant, len(keys), available, protected, may_evict=may_evict
             )
             if victims:
-                ns.free.release_many(ns.index.evict_many(victims))
-                ns.counters.evicted_blocks += len(victims)
-                if ns.events is not None:
-                    ns.events.removed(victims)
+                self._drop_victims(ns, victims)
             available += len(victims) - count
             admitted += keys[:count]
             refused += keys[count:]
@@ -1074,12 +1064,18 @@ class Pool:
             if victims is None:
                 ask //= 2
                 continue
-            ns.free.release_many(ns.index.evict_many(victims))
-            ns.counters.evicted_blocks += len(victims)
-            if ns.events is not None:
-                ns.events.removed(victims)
+            self._drop_victims(ns, victims)
             n -= len(victims)
             ask = min(ask, n)
+
+    @staticmethod
+    def _drop_victims(ns: _Namespace, victims: Sequence[PoolKey]) -> None:
+        """Lock held: evicted keys leave the index (their slots free), counted and logged for KV
+        events; the one place both eviction paths (`_evict`, `_admit_tenants`) go through."""
+        ns.free.release_many(ns.index.evict_many(victims))
+        ns.counters.evicted_blocks += len(victims)
+        if ns.events is not None:
+            ns.events.removed(victims)
 
     def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:
         """Rank `rank` wrote its part of the store. True when every rank has (keys now visible);
@@ -1113,19 +1109,25 @@ class Pool:
         with self._lock:
             ns = self._namespace(namespace_id)
             self._check_id(store_id, "store id")
-            record = ns.index.stores.get(store_id)
-            slots = ns.index.abort_store(store_id)
-            if ns.tenants is not None and record is not None:
-                ns.tenants.abort(record.keys or ())  # the abort cut them into `keys`
-            if ns.events is not None:
-                ns.events.aborted(store_id)
-            self._mark_free(ns, slots)
-            ns.free.release_many(slots)
+            record, slots = self._abort(ns, store_id)
             if record is not None:
                 client = self._clients.get(record.client_id)
                 if client is not None:
                     client.stores.discard(store_id)
             return len(slots)
+
+    def _abort(self, ns: _Namespace, store_id: int) -> tuple[StoreRecord | None, Slots]:
+        """Lock held: an open store's slots are free again (index, tenants, event log, slot
+        table, free list); its record (None when unknown) and the slots freed."""
+        record = ns.index.stores.get(store_id)
+        slots = ns.index.abort_store(store_id)
+        if ns.tenants is not None and record is not None:
+            ns.tenants.abort(record.keys or ())  # the abort cut them into `keys`
+        if ns.events is not None:
+            ns.events.aborted(store_id)
+        self._mark_free(ns, slots)
+        ns.free.release_many(slots)
+        return record, slots
 
     def events(
         self, namespace_id: str, log_id: str, after_seq: int, cursor: int, max_events: int
