@@ -66,6 +66,7 @@ except ImportError:  # a checkout without `pip install -e .` (the GPU machine's 
     sys.path[:0] = [str(ROOT / p) for p in ("connector", "sidecar", "protos/gen", "cli")]
 
 from harness import report, spread  # noqa: E402
+from kvoffload_connector.sidecar_proc import stop_process  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
@@ -150,13 +151,8 @@ class Sidecar:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 def boot_times(log_path: Path) -> list[dict[str, float]]:

@@ -30,6 +30,17 @@ def memory_dir(prefix: str = "kvo-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 15 s (a sidecar drains for at most its 5 s grace)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
 class SidecarProcess:
     """`kvoffload sidecar --pool-size SIZE --pool-dir DIR --socket DIR/pool.sock`."""
 
@@ -91,13 +102,8 @@ class SidecarProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def log(self) -> str:
         try:

@@ -34,6 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
+from kvoffload_connector.sidecar_proc import stop_process  # re-exported for the process tests
 
 KEY_SIZE = 32
 SLOT_BYTES = 64 << 10
@@ -182,17 +183,6 @@ def sidecar_process(
         yield handle
     finally:
         stop_process(proc)
-
-
-def stop_process(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM, then SIGKILL after 15 s (a sidecar drains for at most its 5 s grace)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
 
 
 class ServerThread:
