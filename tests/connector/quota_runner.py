@@ -21,37 +21,28 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine_runner import make_llm as engine_make_llm  # noqa: E402
 from engine_runner import prompts, settle_pool  # noqa: E402
 
 
 def make_llm(args: argparse.Namespace):
-    from vllm import LLM
-
-    return LLM(
+    """engine_runner's engine: the tiny model, 32-token GPU blocks, 64-token pool chunks, eager
+    stores, the deadlines a busy 2-core box needs."""
+    engine = argparse.Namespace(
         model=args.model,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
+        socket=args.socket,
+        chunk=64,
         block_size=32,
-        max_model_len=1024,
-        max_num_seqs=8,
-        kv_cache_memory_bytes=8 << 20,
-        seed=0,
-        kv_transfer_config={
-            "kv_connector": "KVOffloadConnector",
-            "kv_connector_module_path": "kvoffload_connector.connector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "socket": args.socket,
-                "chunk_size": 64,
-                "mode": "eager",
-                "lookup_timeout_ms": 1000,  # a busy 2-core box starves the sidecar
-                "rpc_timeout_ms": 3000,
-            },
-        },
+        extra_config=None,
+        mode="eager",
+        load_mode="",
+        default_reconnect=False,
+        lazy_watermark=0,
+        kv_bytes=8 << 20,
+        tp=1,
+        events_port=0,
     )
+    return engine_make_llm(engine)
 
 
 def run(llm, batch: list[list[int]], salt: str) -> list[int]:
