@@ -14,14 +14,10 @@
 set -uo pipefail
 budget=${1:-540}
 OUT=${OUT:-out/adopt}
-mkdir -p "$OUT" /tmp/site
+mkdir -p "$OUT"
 t_start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - t_start))); }
-if ls .gpu/whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .gpu/whl/*.whl || exit 4
-fi
-export PYTHONPATH=/tmp/site:$PWD/connector:$PWD/sidecar:$PWD/protos/gen:$PWD/cli PYTHONUNBUFFERED=1
+source bench/gpu_env.sh
 { date -u; nproc; free -g | head -2; python3 -c 'import sys, numpy; print(sys.version.split()[0], numpy.__version__)'; } | tee "$OUT/env.txt"
 bash bench/build_native.sh | tee -a "$OUT/env.txt"
 

@@ -11,16 +11,10 @@
 set -uo pipefail
 budget=${1:-560}
 OUT=${OUT:-out/drill}
-mkdir -p "$OUT" /tmp/vsite /tmp/site
+mkdir -p "$OUT"
 t_start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - t_start))); }
-[[ -f /tmp/vsite/vllm/__init__.py ]] || tar -xJf .gpu/vllm026-h100-carry.tar.xz -C /tmp/vsite || exit 3
-if ls .gpu/whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .gpu/whl/*.whl || exit 4
-fi
-export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD/connector:$PWD/sidecar:$PWD/protos/gen:$PWD/cli
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
+source bench/gpu_env.sh vllm
 export PYTHONHASHSEED=${PYTHONHASHSEED:-0}  # block hashes agree across processes (as injected)
 { date -u; nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1; } | tee "$OUT/env.txt"
 bash bench/build_native.sh | tee -a "$OUT/env.txt"

@@ -21,19 +21,8 @@ mkdir -p "$OUT"
 t_start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - t_start))); }
 
-mkdir -p /tmp/vsite /tmp/site
-[[ -f /tmp/vsite/vllm/__init__.py ]] || tar -xJf .gpu/vllm026-h100-carry.tar.xz -C /tmp/vsite || exit 3
-native=$(python3 -c 'import google.protobuf as p, grpc; print("protobuf", p.__version__, "grpcio", grpc.__version__)' 2>&1 | tail -1)
-need_wheels=no
-if ls .gpu/whl/*.whl >/dev/null 2>&1; then
-  need_wheels=yes
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .gpu/whl/*.whl || exit 4
-fi
-export PYTHONPATH=/tmp/site:/tmp/vsite:$PWD/connector:$PWD/sidecar:$PWD/protos/gen:$PWD/cli
-export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1
-# Block hashes must agree across processes (the operator's injector sets the same).
-export PYTHONHASHSEED=${PYTHONHASHSEED:-0}
+source bench/gpu_env.sh vllm
+export PYTHONHASHSEED=${PYTHONHASHSEED:-0}  # block hashes agree across processes (as injected)
 
 {
   date -u
