@@ -99,6 +99,15 @@ class _PlannedChunk:
     salt: str | None = None  # the request's vLLM cache_salt (the sidecar's per-tenant quotas)
 
 
+@dataclass(frozen=True)
+class _LazyChunk:
+    """Lazy mode: a finished request's chunk, stored once its GPU blocks near eviction, and
+    the block hashes it had then (a block reused for other tokens no longer matches)."""
+
+    chunk: _PlannedChunk
+    hashes: tuple[Any, ...]
+
+
 @dataclass
 class SchedulerStats:
     """Counters since the last `take_stats` (scheduler-side half of ConnectorStats)."""
@@ -158,9 +167,7 @@ class OffloadScheduler:
         self.block_pool: Any = None
         self.kv_cache_manager: Any = None
         self._tracked_blocks: dict[str, list[list[int]]] = {}  # vLLM 0.26 only
-        self._lazy: dict[
-            int, tuple[str, int, int, tuple[Any, ...], tuple[Any, ...], bytes, bytes, str | None]
-        ] = {}
+        self._lazy: dict[int, _LazyChunk] = {}  # GPU block id -> the finished chunk it is in
         watermark = cfg.lazy_watermark_blocks or 2 * num_groups * max(
             self.chunk_blocks, -(-max_num_batched_tokens // block_size)
         )
@@ -679,20 +686,20 @@ class OffloadScheduler:
                 blocks = tuple(pool.blocks[i] for i in ids)
                 if any(b.is_null or b.block_hash is None for b in blocks):
                     continue
-                key = bytes(request.block_hashes[(c + 1) * self.chunk_blocks - 1]) + g.to_bytes(
-                    4, "big"
+                key = PoolKey(
+                    bytes(request.block_hashes[(c + 1) * self.chunk_blocks - 1])
+                    + g.to_bytes(4, "big")
                 )
-                hashes = tuple(b.block_hash for b in blocks)
-                entry = (
+                chunk = _PlannedChunk(
                     request.request_id,
                     g,
                     c,
-                    blocks,
-                    hashes,
                     key,
+                    list(blocks),
                     self._announce(request, g, c),
                     _salt(request),
                 )
+                entry = _LazyChunk(chunk, tuple(b.block_hash for b in blocks))
                 for b in blocks:
                     self._lazy[b.block_id] = entry
 
@@ -728,13 +735,15 @@ class OffloadScheduler:
             blk = blk.next_free_block
             if entry is None:
                 continue
-            req_id, g, c, blocks, hashes, key, announce, salt = entry
-            for b in blocks:
+            chunk = entry.chunk
+            for b in chunk.blocks:
                 self._lazy.pop(b.block_id, None)
-            if key in seen or any(b.block_hash != h for b, h in zip(blocks, hashes, strict=True)):
+            if chunk.key in seen or any(
+                b.block_hash != h for b, h in zip(chunk.blocks, entry.hashes, strict=True)
+            ):
                 continue  # already planned, or a block was reused for other tokens
-            seen.add(key)
-            planned.append(_PlannedChunk(req_id, g, c, PoolKey(key), list(blocks), announce, salt))
+            seen.add(chunk.key)
+            planned.append(chunk)
         return planned
 
     def _reserve(self, planned: list[_PlannedChunk]) -> None:
