@@ -21,11 +21,25 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvoffload_sidecar.keys import PoolKey
+from kvoffload_sidecar.errors import InvalidArgument
+from kvoffload_sidecar.keys import MAX_KEYS_PER_CALL, PoolKey
 
 MIN_RING = 4096
+MAX_ANNOUNCE_BYTES = 256 << 10  # a 2,048-token chunk's blob is ~12 KiB: room for larger ones
 SNAPSHOT_TTL_S = 60.0  # a snapshot a client stopped paging through is dropped after this
 MAX_SNAPSHOTS = 4
+
+
+def check_announce(announce: Sequence[bytes]) -> None:
+    """Bad input is refused before anything is reserved: at most one blob per key of a call,
+    each at most MAX_ANNOUNCE_BYTES (the sidecar keeps them while the block is held)."""
+    if len(announce) > MAX_KEYS_PER_CALL:
+        raise InvalidArgument(f"announce has {len(announce)} blobs, more than {MAX_KEYS_PER_CALL}")
+    for i, blob in enumerate(announce):
+        if len(blob) > MAX_ANNOUNCE_BYTES:
+            raise InvalidArgument(
+                f"announce[{i}] is {len(blob)} bytes, more than {MAX_ANNOUNCE_BYTES}"
+            )
 
 
 @dataclass(frozen=True)

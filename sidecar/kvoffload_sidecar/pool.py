@@ -33,7 +33,7 @@ from kvoffload_sidecar.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvoffload_sidecar.events import EventLog, EventPage
+from kvoffload_sidecar.events import EventLog, EventPage, check_announce
 from kvoffload_sidecar.index import SlotIndex, Slots, SlotState, StoreRecord
 from kvoffload_sidecar.keys import (
     MAX_KEYS_PER_CALL,
@@ -902,6 +902,8 @@ class Pool:
 
         `announce`: per key, what KV events say of its block (events.py), or nothing.
         `salts`: the keys' cache salts, for per-tenant quotas (--tenants; tenants.py)."""
+        if announce:
+            check_announce(announce)
         with self._lock:
             reservation = self._reserve_store(namespace_id, client_id, keys, salts)
             if announce and reservation.store_id:

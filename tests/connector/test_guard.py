@@ -455,3 +455,28 @@ def test_prom_metrics_never_raise(tmp_path, fresh_guard):
     cfg = _vllm_config({"socket": str(tmp_path / "p.sock")})
     assert KVOffloadConnector.build_prom_metrics(cfg, _types(_BrokenGauge), ["e"], {0: ["0"]})
     assert KVOffloadConnector.build_prom_metrics(cfg, {}, ["e"], {0: ["0"]}) is None
+
+
+def test_kv_events_that_fail_to_build_leave_the_engine_stepping_and_are_said_once(
+    tmp_path, fresh_guard, caplog
+):
+    """take_events runs in vLLM's engine step: whatever goes wrong building the host tier's
+    events (here the feed raising), the step gets no events, and the reason is logged once."""
+    conn = _build(tmp_path)
+    try:
+        assert conn.active, conn.disabled_reason
+        assert list(conn.take_events()) == []  # --kv-events-config off: nothing, no feed
+
+        class BrokenFeed:
+            def take(self):
+                raise RuntimeError("cannot build BlockStored")
+
+        conn._scheduler.event_feed = BrokenFeed()
+        with caplog.at_level(logging.WARNING, logger="kvoffload_connector"):
+            for _ in range(3):
+                assert list(conn.take_events()) == []
+        said = [r for r in caplog.records if "KV events of the host tier are off" in r.message]
+        assert len(said) == 1 and "cannot build BlockStored" in said[0].message
+    finally:
+        conn._scheduler.event_feed = None
+        conn.shutdown()

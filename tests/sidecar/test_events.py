@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import MiB
 from kvoffload_sidecar import events as sidecar_events
+from kvoffload_sidecar.errors import InvalidArgument
+from kvoffload_sidecar.keys import MAX_KEYS_PER_CALL
 
 pytest.importorskip("vllm")
 pytest.importorskip("msgspec")
@@ -223,3 +225,18 @@ def test_nothing_is_logged_until_a_feed_asks(pool_reg):
     log = pool._namespaces[reg.namespace_id].events
     assert not log.active and len(log._ring) == 0
     assert log.blob_count == 2  # kept for a later snapshot
+
+
+def test_oversized_or_too_many_announce_blobs_are_refused_before_anything_is_reserved(pool_reg):
+    pool, reg = pool_reg
+    req = _request(4, seed=4)
+    key = _key(req, 0)
+    for announce, needle in (
+        ([b"x" * (sidecar_events.MAX_ANNOUNCE_BYTES + 1)], r"announce\[0\] is"),
+        ([b""] * (MAX_KEYS_PER_CALL + 1), "blobs, more than"),
+    ):
+        with pytest.raises(InvalidArgument, match=needle):
+            pool.reserve_store(reg.namespace_id, reg.client_id, key, announce)
+    ns = pool.stats().namespaces[0]
+    assert ns.reserved_slots == 0 and ns.committed_slots == 0  # nothing reserved, nothing lost
+    assert _store(pool, reg, req, [0])  # the same key stores fine with a good blob
