@@ -202,6 +202,7 @@ class EventFeed:
         self.polls = 0
         self.failures = 0
         self._said = False  # the first events handed to vLLM are logged once
+        self._said_failure = False  # so is the first failed poll
 
     # -- the scheduler's side ------------------------------------------------------------
     def start(self) -> None:
@@ -235,7 +236,15 @@ class EventFeed:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - the sidecar away, a bad page: ask again
                 self.failures += 1
-                log.debug("kvoffload: events poll failed: %s", exc)
+                if not self._said_failure:  # once: an older sidecar without Events says so here
+                    self._said_failure = True
+                    log.info(
+                        "kvoffload: KV events: cannot read the pool's event log yet (%s); the "
+                        "host tier's events start once it answers (retrying)",
+                        exc,
+                    )
+                else:
+                    log.debug("kvoffload: events poll failed: %s", exc)
 
     def poll(self) -> int:
         """Read the log until caught up (all snapshot pages included); events queued."""

@@ -240,3 +240,38 @@ def test_oversized_or_too_many_announce_blobs_are_refused_before_anything_is_res
     ns = pool.stats().namespaces[0]
     assert ns.reserved_slots == 0 and ns.committed_slots == 0  # nothing reserved, nothing lost
     assert _store(pool, reg, req, [0])  # the same key stores fine with a good blob
+
+
+def test_a_feed_whose_sidecar_cannot_answer_says_so_once_and_catches_up_later(pool_reg, caplog):
+    """An older sidecar without Events, or one that is away: the feed's thread says why once,
+    keeps asking, and announces what the pool holds once it answers."""
+    import logging
+    import time
+
+    pool, reg = pool_reg
+    answering = {"yes": False}
+
+    def fetch(log_id, after_seq, cursor, max_events):
+        if not answering["yes"]:
+            raise RuntimeError("events: StatusCode.UNIMPLEMENTED")
+        return pool.events(reg.namespace_id, log_id, after_seq, cursor, max_events)
+
+    req = _request(4, seed=5)
+    _store(pool, reg, req, [0, 1])
+    feed = EventFeed(fetch, interval_s=0.01)
+    with caplog.at_level(logging.DEBUG, logger="kvoffload_connector"):
+        feed.start()
+        try:
+            deadline = time.monotonic() + 5
+            while feed.failures < 5:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            answering["yes"] = True
+            while len(feed.announced) < 2:
+                assert time.monotonic() < deadline, feed.failures
+                time.sleep(0.01)
+        finally:
+            feed.close()
+    said = [r for r in caplog.records if r.levelno >= logging.INFO and "event log" in r.message]
+    assert len(said) == 1 and "UNIMPLEMENTED" in said[0].message
+    assert [type(e).__name__ for e in feed.take()] == ["BlockStored", "BlockStored"]
