@@ -46,6 +46,12 @@ class LoadMode(enum.Enum):
 
     ASYNC = "async"
     LAYERED = "layered"
+    # ADAPTIVE (opt-in): LAYERED while the engine keeps up, ASYNC while requests queue (one
+    # answered a whole step ago is still not admitted). Queued requests wait anyway, so an
+    # asynchronous load costs them little, and the running requests' steps carry no load.
+    # Under `vllm serve` on an H100 (docs/BENCHMARKS.md, issue 20) it beat LAYERED at 16 QPS
+    # and lost at 32 in one call each: not the default until more calls decide.
+    ADAPTIVE = "adaptive"
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,11 @@ class ConnectorConfig:
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:
     # nothing else is running for the wait to delay. With company, lookups batch in background.
     inline_lookup: bool = True
+    # With company, a new request's lookup also runs inline while the scheduler thread has spent
+    # less than this on inline lookups in the current step (and the last ones were that fast):
+    # one framed round trip (~0.1-0.3 ms) instead of the request waiting a whole engine step for
+    # a background answer, which cost TTFT under load (issue 20). 0: only a lone request.
+    inline_lookup_ms: int = 2
     # Session calls on the sidecar's framed socket (no gRPC per call) when the sidecar offers
     # it; false keeps them on the gRPC Session stream.
     framed_session: bool = True
@@ -122,6 +133,7 @@ _INT_KEYS = {
     "reconnect_max_ms": 1,
     "lazy_watermark_blocks": 0,
     "events_interval_ms": 10,
+    "inline_lookup_ms": 0,
 }
 
 
@@ -169,7 +181,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
                 fields["load_mode"] = LoadMode(value)
             except ValueError:
                 raise ValueError(
-                    "kv_connector_extra_config['load_mode'] must be 'async' or 'layered', "
+                    "kv_connector_extra_config['load_mode'] must be 'adaptive', 'async' or "
+                    "'layered', "
                     f"got {value!r}"
                 ) from None
         elif key in _INT_KEYS:

@@ -50,6 +50,9 @@ from kvoffload_connector.metadata import (
 log = logging.getLogger(__name__)
 
 STORE_NEW = 1  # pool_pb2.STORE_DECISION_NEW (kept numeric: no proto import on this path)
+# A waiting request whose hit is shorter than its prompt allows asks again this many steps after
+# its answer (a prefix another request was storing at its lookup is likely in by then).
+REFRESH_STEPS = 2
 
 
 @dataclass
@@ -72,6 +75,9 @@ class _Req:
     stored_chunks: int = 0  # chunks already in, or on their way to, the pool
     load_job: int | None = None
     planned: bool = False  # eager: seen by a store plan since it was (re)scheduled
+    load_async: bool = False  # the load mode last answered to vLLM for this request
+    answer_step: int = 0  # the step its answer came in
+    refreshing: bool = False  # a second lookup in flight for a longer hit (waiting request)
 
 
 @dataclass
@@ -150,12 +156,20 @@ class OffloadScheduler:
         self._answered = threading.Event()  # set by _rpc after each lookup answer
         self._reqs: dict[str, _Req] = {}
         self._lookup_queue: list[_Req] = []
+        self._refresh_queue: list[_Req] = []  # answered, still waiting, hit shorter than asked
+        self._refreshes_in_flight = 0
+        self.refreshed_hits = 0  # refreshes that found a longer hit (tests, debugging)
         self._loads_out: list[LoadJob] = []
         self._stores_out: list[StoreJob] = []
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._reservations_in_flight = 0
         self._lookups_in_flight = 0
+        self._inline_spent_s = 0.0  # inline lookups' time in the current step
+        self._step = 0  # build_connector_meta calls: engine steps
+        # requests answered (schedulable) and not yet admitted: req id -> step of the answer
+        self._schedulable: dict[str, int] = {}
+        self._lookup_ewma_s = 0.0  # recent lookup round trips (inline and background)
         self._registration: Registration | None = None
         self._no_pool = (
             ""  # a worker's reason for having no pool (stops the first-registration wait)
@@ -206,12 +220,18 @@ class OffloadScheduler:
                         continue
                     st.queued = False
                     st.answer = answer if answer is not None else _Answer(0, [], [], "")
+                    st.answer_step = self._step
+            elif kind == "refresh":
+                self._refreshes_in_flight -= 1
+                for req_id, answer in payload:
+                    self._adopt_refresh(self._reqs.get(req_id), answer)
             elif kind == "store":
                 self._reservations_in_flight -= 1
                 self._on_reserved(*payload)
             elif kind == "lookup_seconds":
                 self.stats.lookups += 1
                 self.stats.lookup_seconds += payload
+                self._lookup_ewma_s += 0.25 * (payload - self._lookup_ewma_s)
 
     # -- lookups ------------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -224,6 +244,7 @@ class OffloadScheduler:
         cap = (request.num_tokens - 1) // self.block_size * self.block_size
         if n_full == 0 or min(n_full * self.chunk_tokens, cap) <= num_computed_tokens:
             self._reqs.setdefault(req_id, _Req(req_id, request))
+            self._schedulable.setdefault(req_id, self._step)
             return 0, False
         st = self._reqs.get(req_id)
         if st is None:
@@ -252,28 +273,44 @@ class OffloadScheduler:
                 return None, False  # a hit: worth waiting for the ranks' device registration
             self._release(st.answer.pins)  # waited long enough: recompute
             st.answer = _Answer(0, [], [], "")
+        self._maybe_refresh(st, min(n_full, cap // self.chunk_tokens))
         hit_end = min(st.answer.hit_chunks * self.chunk_tokens, cap)
         st.hit_end = hit_end
+        queueing = self._queueing()
+        self._schedulable.setdefault(req_id, self._step)
         if hit_end <= num_computed_tokens:
             return 0, False
-        return hit_end - num_computed_tokens, self.cfg.load_mode is LoadMode.ASYNC
+        mode = self.cfg.load_mode
+        st.load_async = mode is LoadMode.ASYNC or (mode is LoadMode.ADAPTIVE and queueing)
+        return hit_end - num_computed_tokens, st.load_async
+
+    def _queueing(self) -> bool:
+        """The engine is saturated: a request answered in an earlier step is still waiting to
+        be admitted (vLLM's token or sequence budget, or free blocks, held it back)."""
+        step = self._step
+        return any(s < step for s in self._schedulable.values())
 
     def _may_look_up_inline(self, req_id: str) -> bool:
-        """Only a request alone in the engine (no other unfinished request) asks inline: the
-        round trip then delays nobody, and a burst still batches (the second one queues)."""
-        return (
-            self.cfg.inline_lookup
-            and self._usable()
-            and not self._lookup_queue
-            and len(self._reqs) == 1
-            and req_id in self._reqs
-        )
+        """A request alone in the engine asks inline: the round trip delays nobody. With
+        company it asks inline while this step's inline lookups stay within
+        `inline_lookup_ms` and recent round trips were that fast: a round trip on the scheduler
+        thread costs the running requests ~0.1-0.3 ms, a background answer costs the new
+        request a whole engine step. Past the budget (a burst, a slow sidecar) lookups batch
+        in the background."""
+        if not (self.cfg.inline_lookup and self._usable() and not self._lookup_queue):
+            return False
+        if len(self._reqs) == 1 and req_id in self._reqs:
+            return True
+        budget_s = self.cfg.inline_lookup_ms / 1e3
+        return self._inline_spent_s + self._lookup_ewma_s < budget_s
 
     def _look_up_inline(self, st: _Req) -> None:
         """The lookup and its pins in this scheduling call (deadline: `lookup_timeout_ms`), so
-        a lone request's hit is scheduled now, not after two empty engine steps."""
+        the request's hit (or miss) is scheduled now, not after an engine step."""
         self._lookups_in_flight += 1
+        t0 = time.perf_counter()
         self._lookup_rpc([(st.req_id, self._request_keys(st.request))], _salts([st]))
+        self._inline_spent_s += time.perf_counter() - t0
         self._drain()
 
     def _usable(self) -> bool:
@@ -324,7 +361,65 @@ class OffloadScheduler:
             self._first_query_at = now
         return (now - self._first_query_at) * 1e3 < self.cfg.register_wait_ms
 
+    def _send_refreshes(self) -> None:
+        """One background round for the step's refreshes (never inline: they only lengthen a
+        hit the request already has, so nobody waits for them)."""
+        queue, self._refresh_queue = self._refresh_queue, []
+        if not queue:
+            return
+        if not self._usable():
+            for st in queue:
+                st.refreshing = False
+            return
+        batch = [(st.req_id, self._request_keys(st.request)) for st in queue]
+        salts = _salts(queue)
+        self._refreshes_in_flight += 1
+        self._rpc.submit(lambda: self._lookup_rpc(batch, salts, kind="refresh"))
+
+    def _maybe_refresh(self, st: _Req, possible_chunks: int) -> None:
+        """A request still waiting to be admitted asks again, every REFRESH_STEPS steps, when
+        its hit is shorter than its prompt allows: chunks that other requests stored since
+        its lookup (the same prefix stored moments before) would be recomputed otherwise.
+        vLLM's own connectors look up on every visit; this keeps kvoffload's pinned answer
+        and re-asks in the background only while it can grow."""
+        if (
+            st.refreshing
+            or st.load_job is not None
+            or st.answer is None
+            or st.answer.hit_chunks >= possible_chunks
+            or self._step - st.answer_step < REFRESH_STEPS
+        ):
+            return
+        st.refreshing = True
+        self._refresh_queue.append(st)
+
+    def _adopt_refresh(self, st: _Req | None, answer: _Answer | None) -> None:
+        """A refresh's answer replaces the request's when it is longer and nothing loads yet;
+        otherwise its pins go back."""
+        if st is not None:
+            st.refreshing = False
+        keep = (
+            st is not None
+            and answer is not None
+            and st.answer is not None
+            and st.load_job is None
+            and not st.queued
+            and answer.hit_chunks > st.answer.hit_chunks
+        )
+        if not keep:
+            if answer is not None and answer.pins:
+                self._release(answer.pins)
+            if st is not None and st.answer is not None:
+                st.answer_step = self._step  # asked again in REFRESH_STEPS steps
+            return
+        assert st is not None and st.answer is not None and answer is not None
+        self._release(st.answer.pins)
+        st.answer = answer
+        st.answer_step = self._step
+        self.refreshed_hits += 1
+
     def _send_lookups(self) -> None:
+        self._send_refreshes()
         if not self._lookup_queue:
             return
         if not self._usable() and not self._waiting_for_ranks():
@@ -362,7 +457,10 @@ class OffloadScheduler:
         return max(0, first_token // self.chunk_tokens - 1)
 
     def _lookup_rpc(
-        self, batch: list[tuple[str, list[list[PoolKey]]]], salts: dict[str, str] | None = None
+        self,
+        batch: list[tuple[str, list[list[PoolKey]]]],
+        salts: dict[str, str] | None = None,
+        kind: str = "lookup",
     ) -> None:
         """Background (or inline for a lone request): the batch's hits, pinned (`salts`: the
         requests' cache salts, by request id, for the sidecar's per-tenant counts). Full attention
@@ -385,7 +483,7 @@ class OffloadScheduler:
             if not self.sliding:  # full attention only: look up and pin in one round trip
                 answers = self._pin_prefixes(batch, generation, salts)
                 self._results.append(("lookup_seconds", time.perf_counter() - t0))
-                self._results.append(("lookup", answers))
+                self._results.append((kind, answers))
                 self._answered.set()
                 return
             hits = self._hybrid_hits(batch, salts)
@@ -395,7 +493,7 @@ class OffloadScheduler:
             log.debug("kvoffload: lookup failed (miss): %s", e)
             done = {r for r, _ in answers}
             answers += [(req_id, None) for req_id, _ in batch if req_id not in done]
-        self._results.append(("lookup", answers))
+        self._results.append((kind, answers))
         self._answered.set()
 
     def _pin_prefixes(
@@ -550,6 +648,7 @@ class OffloadScheduler:
 
     # -- loads --------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._schedulable.pop(request.request_id, None)  # admitted
         st = self._reqs.get(request.request_id)
         if st is None or st.answer is None:
             return
@@ -585,7 +684,7 @@ class OffloadScheduler:
         st.load_job = job_id
         st.stored_chunks = max(st.stored_chunks, answer.hit_chunks)
         self.stats.hit_tokens += num_external_tokens
-        layered = self.cfg.load_mode is LoadMode.LAYERED
+        layered = not st.load_async
         self._loads_out.append(LoadJob(job_id, st.req_id, tuple(transfers), generation, layered))
 
     # -- stores -------------------------------------------------------------------------
@@ -829,6 +928,11 @@ class OffloadScheduler:
             # starve the RPC thread of the GIL. No scheduled work is delayed by this.
             self._answered.wait(min(self.cfg.lookup_timeout_ms, 50) / 1e3)
         self._answered.clear()
+        self._inline_spent_s = 0.0  # the next scheduling call is a new step
+        self._step += 1
+        if self._schedulable:
+            for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():
+                self._schedulable.pop(req_id, None)
         if self._results:
             self._drain()
         if self.kv_cache_manager is None:
@@ -931,6 +1035,7 @@ class OffloadScheduler:
         if self.cfg.mode is StoreMode.LAZY and self.block_pool is not None:
             self._remember_for_lazy(request, block_ids)
         self._tracked_blocks.pop(request.request_id, None)
+        self._schedulable.pop(request.request_id, None)
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.answer is not None and st.load_job is None:
             self._release(st.answer.pins)
@@ -941,6 +1046,7 @@ class OffloadScheduler:
             self._jobs
             or self._reservations_in_flight
             or self._lookups_in_flight
+            or self._refreshes_in_flight
             or self._results
             or self._stores_out
             or self._loads_out

@@ -234,6 +234,7 @@ def make(
     inline=False,
     ready_wait_ms=0,
     clock=None,
+    inline_ms=2,
 ):
     """A scheduler on a fake pool; lookups batch in the background unless `inline`."""
     fake = pool or FakePool()
@@ -245,6 +246,7 @@ def make(
             "ready_wait_ms": ready_wait_ms,
             "load_mode": load,
             "inline_lookup": inline,
+            "inline_lookup_ms": inline_ms,
         },
         BS,
     )
@@ -342,8 +344,65 @@ def test_a_lone_request_is_answered_and_pinned_in_the_call_that_first_sees_it():
     assert fake.calls == ["lookup_pin"]
 
 
-def test_with_another_request_in_the_engine_the_lookup_goes_to_the_background():
-    s, fake, *_ = make(inline=True)
+def test_with_company_a_lookup_is_inline_within_the_steps_budget():
+    """Under load a new request is answered in the call that first sees it (no engine step
+    lost to a background answer) while the step's inline round trips stay within
+    `inline_lookup_ms`; past it, the rest of the step's lookups batch in the background, and
+    the next step starts a new budget."""
+    s, fake, *_ = make(inline=True, inline_ms=2)
+    running = Request("a", list(range(300)))
+    assert s.get_num_new_matched_tokens(running, 0) == (0, False)  # alone: inline
+    fast = Request("b", list(range(1000, 1300)))
+    commit_prompt(fake, fast, 4)
+    assert s.get_num_new_matched_tokens(fast, 0) == (256, True)  # company, fast pool: inline
+    assert fake.calls == ["lookup_pin"] * 2
+    pin_many = fake.reserve_load_many
+
+    def slow(*args, **kwargs):
+        time.sleep(0.003)  # one round trip longer than the whole budget
+        return pin_many(*args, **kwargs)
+
+    fake.reserve_load_many = slow  # type: ignore[method-assign]
+    c, d = Request("c", list(range(2000, 2300))), Request("d", list(range(3000, 3300)))
+    commit_prompt(fake, d, 4)
+    assert s.get_num_new_matched_tokens(c, 0) == (0, False)  # inline, spends the budget
+    assert s.get_num_new_matched_tokens(d, 0) == (None, False)  # this step: background
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert s.get_num_new_matched_tokens(d, 0) == (256, True)
+    fake.reserve_load_many = pin_many  # type: ignore[method-assign]
+    e = Request("e", list(range(4000, 4300)))
+    assert s.get_num_new_matched_tokens(e, 0) == (0, False)  # a new step, a new budget
+
+
+def test_a_pool_slower_than_the_budget_turns_inline_lookups_off_until_it_is_fast():
+    s, fake, *_ = make(inline=True, inline_ms=2)
+    assert s.get_num_new_matched_tokens(Request("a", list(range(300))), 0) == (0, False)
+    pin_many = fake.reserve_load_many
+
+    def slow(*args, **kwargs):
+        time.sleep(0.004)
+        return pin_many(*args, **kwargs)
+
+    fake.reserve_load_many = slow  # type: ignore[method-assign]
+    inline_answers = 0
+    for i in range(12):  # one new request per step, each round trip 4 ms
+        req = Request(f"r{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 300)))
+        inline_answers += s.get_num_new_matched_tokens(req, 0)[0] is not None
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    assert 1 <= inline_answers < 6  # the first ones, until the recent round trips say slow
+    fake.reserve_load_many = pin_many  # type: ignore[method-assign]
+    for i in range(12, 40):  # fast again: background answers bring the estimate down
+        req = Request(f"r{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 300)))
+        answered_now = s.get_num_new_matched_tokens(req, 0)[0] is not None
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    assert answered_now
+
+
+def test_with_inline_lookup_ms_0_a_lookup_with_company_goes_to_the_background():
+    s, fake, *_ = make(inline=True, inline_ms=0)
     running, new = Request("a", list(range(300))), Request("b", list(range(1000, 1300)))
     commit_prompt(fake, new, 4)
     assert s.get_num_new_matched_tokens(running, 0) == (0, False)  # alone: answered inline
@@ -385,6 +444,97 @@ def test_layered_load_runs_the_request_in_the_same_step():
     s.update_connector_output(WorkerReport(done={job.job_id: 1}))
     settle(s)
     assert all(b.ref_cnt == 1 for b in blocks[:8]) and fake.pins == {}
+
+
+def test_adaptive_loads_are_layered_while_the_engine_keeps_up_and_async_while_it_queues():
+    """load_mode=adaptive (the default): a hit loads layered (in the step that runs it) until a
+    request answered in an earlier step is still not admitted: the engine queues, so hits load
+    asynchronously (they wait anyway, and the running requests' steps carry no load); once
+    the queue drains, hits are layered again."""
+    s, fake, bp, _ = make(load="adaptive", inline=True)
+    a, b, c, d = (Request(x, list(range(1000 * i, 1000 * i + 300))) for i, x in enumerate("abcd"))
+    for r in (a, b, c, d):
+        commit_prompt(fake, r, 4)
+    assert s.get_num_new_matched_tokens(a, 0) == (256, False)  # nothing queues: layered
+    s.update_state_after_alloc(a, KVBlocks((bp.allocate(19),)), 256)
+    (job,) = s.build_connector_meta(SchedOut({"a": 300 - 256})).loads
+    assert job.layered
+    assert s.get_num_new_matched_tokens(b, 0) == (256, False)  # answered, not admitted ...
+    s.build_connector_meta(SchedOut({"a": 1}))  # ... a step passes without it: queueing
+    assert s.get_num_new_matched_tokens(c, 0) == (256, True)  # so this hit loads async
+    s.update_state_after_alloc(c, KVBlocks((bp.allocate(19),)), 256)
+    (job,) = s.build_connector_meta(SchedOut({"a": 1})).loads
+    assert job.req_id == "c" and not job.layered
+    s.update_state_after_alloc(b, KVBlocks((bp.allocate(19),)), 256)  # b admitted at last
+    s.build_connector_meta(SchedOut({"a": 1, "b": 44}))
+    assert s.get_num_new_matched_tokens(d, 0) == (256, False)  # the queue drained: layered
+
+
+def test_a_request_whose_lookup_is_in_flight_does_not_count_as_queueing():
+    s, fake, *_ = make(load="adaptive", inline=False)
+    a, b = Request("a", list(range(300))), Request("b", list(range(1000, 1300)))
+    commit_prompt(fake, b, 4)
+    assert s.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    s.build_connector_meta(SchedOut({}))  # the lookups' step: nobody was schedulable yet
+    settle(s)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(b, 0) == (256, False)  # answered now: layered
+
+
+def test_a_waiting_request_asks_again_and_takes_the_longer_hit_others_stored_meanwhile():
+    """The pool held 2 of the prompt's 4 chunks at the lookup (another request was storing
+    the rest). While vLLM keeps the request waiting, a background refresh every
+    REFRESH_STEPS steps finds the 4 chunks; the answer grows and the short one's pins go
+    back. A refresh that finds nothing longer keeps the answer and gives its pins back."""
+    from kvoffload_connector.scheduler import REFRESH_STEPS
+
+    s, fake, *_ = make(load="layered", inline=True)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 2)
+    assert s.get_num_new_matched_tokens(req, 0) == (128, False)
+    for _ in range(REFRESH_STEPS):  # vLLM could not admit it: steps pass
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (128, False)  # due: a refresh goes out
+    s.build_connector_meta(SchedOut({}))  # ... with this step's lookups: nothing grew yet
+    settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (128, False)
+    s.build_connector_meta(SchedOut({}))  # releases go out with the step
+    settle(s)
+    assert sum(len(p) for p in fake.pins.values()) == 2  # the refresh's pins went back
+    commit_prompt(fake, req, 4)  # the other request's stores commit
+    for _ in range(REFRESH_STEPS + 1):
+        s.get_num_new_matched_tokens(req, 0)
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (256, False)
+    assert s.refreshed_hits == 1
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert sum(len(p) for p in fake.pins.values()) == 4  # only the longer answer is pinned
+    s.request_finished(req, ([],))
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert fake.pins == {}
+
+
+def test_no_refresh_for_a_full_hit_or_an_admitted_request():
+    from kvoffload_connector.scheduler import REFRESH_STEPS
+
+    s, fake, bp, _ = make(load="layered", inline=True)
+    full, part = Request("f", list(range(300))), Request("p", list(range(1000, 1300)))
+    commit_prompt(fake, full, 4)
+    commit_prompt(fake, part, 2)
+    assert s.get_num_new_matched_tokens(full, 0) == (256, False)
+    assert s.get_num_new_matched_tokens(part, 0) == (128, False)
+    s.update_state_after_alloc(part, KVBlocks((bp.allocate(19),)), 128)  # admitted: loads
+    calls = len(fake.calls)
+    for _ in range(REFRESH_STEPS + 2):
+        s.get_num_new_matched_tokens(full, 0)
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    assert [c for c in fake.calls[calls:] if c == "lookup_pin"] == []
 
 
 def test_eager_store_holds_blocks_until_every_rank_reports():

@@ -1,0 +1,117 @@
+"""bench/serve_sweep.py end to end on the CPU build: real `vllm serve` processes, vLLM's own
+`vllm bench serve` client, the kvoffload sidecar; and the served model's tokenizer.
+
+The sweep's GPU numbers come from the same code (bench/serve_gpu_run.sh); here a tiny Llama
+with a GPU KV cache of a dozen 128-token blocks makes the prefixes leave the GPU cache, so the
+kvoffload server must serve hits from the host tier while the one without a connector cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serve_model import build_model_dir, build_tokenizer  # noqa: E402
+
+
+def test_the_served_tokenizer_round_trips_every_id_as_one_word(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    out = build_model_dir(ROOT / "tests/connector/models/tiny-llama/config.json", tmp_path / "m")
+    config = json.loads((out / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(out))
+    vocab = config["vocab_size"]
+    assert len(tok) == vocab == build_tokenizer(vocab).get_vocab_size()
+    ids = [0, 5, 77, config["vocab_size"] - 6]
+    text = tok.decode(ids)
+    assert text.split() == [f"w{i}" for i in ids]
+    assert tok.encode(text, add_special_tokens=False) == ids  # N words = N tokens, exactly
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "w1 w2 w3"}], tokenize=False, add_generation_prompt=True
+    )
+    assert "w1 w2 w3" in chat and chat.rstrip().endswith("<|end_header_id|>")
+    assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|eot_id|>")
+
+
+@pytest.mark.vllm
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/serve_sweep.py"),
+        "--model",
+        str(ROOT / "tests/connector/models/tiny-llama"),
+        "--configs",
+        "none,kvo-eager",
+        "--dtype",
+        "float32",
+        "--graphs",
+        "none",
+        "--gpu-blocks",
+        "12",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        "--gpu-mem-util",  # on the CPU build: the share of host memory vLLM may take
+        "0.3",
+        "--cpu-gib",
+        "0.25",
+        "--rates",
+        "8",
+        "--random-rates",
+        "8",
+        "--point-s",
+        "2",
+        "--min-requests",
+        "16",
+        "--max-requests",
+        "16",
+        "--prefix-len",
+        "512",
+        "--suffix-len",
+        "64",
+        "--num-prefixes",
+        "4",
+        "--output-len",
+        "4",
+        "--random-input-len",
+        "256",
+        "--budget-s",
+        "420",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, check=False)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert proc.returncode == 0, (report.get("servers"), proc.stdout[-2000:])
+    assert {c: s["status"] for c, s in report["servers"].items()} == {
+        "none": "ok",
+        "kvo-eager": "ok",
+    }
+    rows = {(r["config"], r["point"]): r for r in report["rows"]}
+    assert set(rows) == {(c, p) for c in ("none", "kvo-eager") for p in ("random@8", "prefix@8")}
+    for row in rows.values():
+        assert row["rc"] == 0 and row["completed"] == 16 and row["failed"] == 0
+        assert len(row["ttfts_ms"]) == 16 and row["median_ttft_ms"] > 0
+        assert row["counters"]["vllm:generation_tokens"] == 16 * 4  # --ignore-eos: exact
+    # 0% hits: random prompts share nothing, on either tier
+    assert rows[("kvo-eager", "random@8")]["host_hit_rate"] == 0
+    # prefixes repeat 4x and leave the 12-block GPU cache: only kvoffload serves them again
+    assert rows[("none", "prefix@8")]["host_hit_rate"] is None  # no connector, no queries
+    assert rows[("kvo-eager", "prefix@8")]["host_hit_rate"] > 0
+    stats = report["servers"]["kvo-eager"]["sidecar_stats"]
+    (ns,) = stats["namespaces"]
+    assert int(ns["hitBlocks"]) > 0 and int(ns["storedBlocks"]) > 0
+    assert "-- prefix@8 --" in "\n".join(report["tables"])
