@@ -77,8 +77,15 @@ class ConnectorConfig:
     # With company, a new request's lookup also runs inline while the scheduler thread has spent
     # less than this on inline lookups in the current step (and the last ones were that fast):
     # one framed round trip (~0.1-0.3 ms) instead of the request waiting a whole engine step for
-    # a background answer, which cost TTFT under load (issue 20). 0: only a lone request.
-    inline_lookup_ms: int = 2
+    # a background answer (issue 20; the H100 serving sweep ran with 2). 0 (default): only a
+    # lone request asks inline. Opt-in until understood: with 2, a CPU engine under a burst of
+    # one tenant's requests stored 30% fewer of that tenant's chunks
+    # (tests/connector/test_vllm_quotas.py).
+    inline_lookup_ms: int = 0
+    # A request vLLM keeps waiting whose hit is shorter than its prompt allows asks the pool
+    # again this many steps after its answer (0: never), as vLLM's connectors look up on every
+    # visit: a prefix another request was storing at the first lookup is in by then.
+    refresh_steps: int = 2
     # Session calls on the sidecar's framed socket (no gRPC per call) when the sidecar offers
     # it; false keeps them on the gRPC Session stream.
     framed_session: bool = True
@@ -134,6 +141,7 @@ _INT_KEYS = {
     "lazy_watermark_blocks": 0,
     "events_interval_ms": 10,
     "inline_lookup_ms": 0,
+    "refresh_steps": 0,
 }
 
 

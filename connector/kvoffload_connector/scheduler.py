@@ -50,9 +50,6 @@ from kvoffload_connector.metadata import (
 log = logging.getLogger(__name__)
 
 STORE_NEW = 1  # pool_pb2.STORE_DECISION_NEW (kept numeric: no proto import on this path)
-# A waiting request whose hit is shorter than its prompt allows asks again this many steps after
-# its answer (a prefix another request was storing at its lookup is likely in by then).
-REFRESH_STEPS = 2
 
 
 @dataclass
@@ -377,17 +374,18 @@ class OffloadScheduler:
         self._rpc.submit(lambda: self._lookup_rpc(batch, salts, kind="refresh"))
 
     def _maybe_refresh(self, st: _Req, possible_chunks: int) -> None:
-        """A request still waiting to be admitted asks again, every REFRESH_STEPS steps, when
+        """A request still waiting to be admitted asks again, every `refresh_steps` steps, when
         its hit is shorter than its prompt allows: chunks that other requests stored since
         its lookup (the same prefix stored moments before) would be recomputed otherwise.
         vLLM's own connectors look up on every visit; this keeps kvoffload's pinned answer
         and re-asks in the background only while it can grow."""
         if (
-            st.refreshing
+            not self.cfg.refresh_steps
+            or st.refreshing
             or st.load_job is not None
             or st.answer is None
             or st.answer.hit_chunks >= possible_chunks
-            or self._step - st.answer_step < REFRESH_STEPS
+            or self._step - st.answer_step < self.cfg.refresh_steps
         ):
             return
         st.refreshing = True
@@ -410,7 +408,7 @@ class OffloadScheduler:
             if answer is not None and answer.pins:
                 self._release(answer.pins)
             if st is not None and st.answer is not None:
-                st.answer_step = self._step  # asked again in REFRESH_STEPS steps
+                st.answer_step = self._step  # asked again in refresh_steps steps
             return
         assert st is not None and st.answer is not None and answer is not None
         self._release(st.answer.pins)

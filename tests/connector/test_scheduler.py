@@ -235,6 +235,7 @@ def make(
     ready_wait_ms=0,
     clock=None,
     inline_ms=2,
+    refresh_steps=2,
 ):
     """A scheduler on a fake pool; lookups batch in the background unless `inline`."""
     fake = pool or FakePool()
@@ -247,6 +248,7 @@ def make(
             "load_mode": load,
             "inline_lookup": inline,
             "inline_lookup_ms": inline_ms,
+            "refresh_steps": refresh_steps,
         },
         BS,
     )
@@ -485,15 +487,13 @@ def test_a_request_whose_lookup_is_in_flight_does_not_count_as_queueing():
 def test_a_waiting_request_asks_again_and_takes_the_longer_hit_others_stored_meanwhile():
     """The pool held 2 of the prompt's 4 chunks at the lookup (another request was storing
     the rest). While vLLM keeps the request waiting, a background refresh every
-    REFRESH_STEPS steps finds the 4 chunks; the answer grows and the short one's pins go
+    `refresh_steps` steps finds the 4 chunks; the answer grows and the short one's pins go
     back. A refresh that finds nothing longer keeps the answer and gives its pins back."""
-    from kvoffload_connector.scheduler import REFRESH_STEPS
-
     s, fake, *_ = make(load="layered", inline=True)
     req = Request("r", list(range(300)))
     commit_prompt(fake, req, 2)
     assert s.get_num_new_matched_tokens(req, 0) == (128, False)
-    for _ in range(REFRESH_STEPS):  # vLLM could not admit it: steps pass
+    for _ in range(2):  # vLLM could not admit it: steps pass
         s.build_connector_meta(SchedOut({}))
         settle(s)
     assert s.get_num_new_matched_tokens(req, 0) == (128, False)  # due: a refresh goes out
@@ -504,7 +504,7 @@ def test_a_waiting_request_asks_again_and_takes_the_longer_hit_others_stored_mea
     settle(s)
     assert sum(len(p) for p in fake.pins.values()) == 2  # the refresh's pins went back
     commit_prompt(fake, req, 4)  # the other request's stores commit
-    for _ in range(REFRESH_STEPS + 1):
+    for _ in range(2 + 1):
         s.get_num_new_matched_tokens(req, 0)
         s.build_connector_meta(SchedOut({}))
         settle(s)
@@ -519,22 +519,27 @@ def test_a_waiting_request_asks_again_and_takes_the_longer_hit_others_stored_mea
     assert fake.pins == {}
 
 
-def test_no_refresh_for_a_full_hit_or_an_admitted_request():
-    from kvoffload_connector.scheduler import REFRESH_STEPS
-
-    s, fake, bp, _ = make(load="layered", inline=True)
+@pytest.mark.parametrize("refresh_steps", [2, 0])
+def test_no_refresh_for_a_full_hit_an_admitted_request_or_refresh_steps_0(refresh_steps):
+    s, fake, bp, _ = make(load="layered", inline=True, refresh_steps=refresh_steps)
     full, part = Request("f", list(range(300))), Request("p", list(range(1000, 1300)))
     commit_prompt(fake, full, 4)
     commit_prompt(fake, part, 2)
+    waiting = Request("w", list(range(2000, 2300)))
+    commit_prompt(fake, waiting, 1)
     assert s.get_num_new_matched_tokens(full, 0) == (256, False)
     assert s.get_num_new_matched_tokens(part, 0) == (128, False)
+    assert s.get_num_new_matched_tokens(waiting, 0) == (64, False)
     s.update_state_after_alloc(part, KVBlocks((bp.allocate(19),)), 128)  # admitted: loads
     calls = len(fake.calls)
-    for _ in range(REFRESH_STEPS + 2):
+    for _ in range(6):  # refreshes in steps 2 and 5 (2 steps after each answer)
         s.get_num_new_matched_tokens(full, 0)
+        s.get_num_new_matched_tokens(waiting, 0)
         s.build_connector_meta(SchedOut({}))
         settle(s)
-    assert [c for c in fake.calls[calls:] if c == "lookup_pin"] == []
+    refreshes = [c for c in fake.calls[calls:] if c == "lookup_pin"]
+    # only the waiting short hit asks again, and only when refreshes are on
+    assert len(refreshes) == (2 if refresh_steps else 0)
 
 
 def test_eager_store_holds_blocks_until_every_rank_reports():
