@@ -52,6 +52,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from e2e_gpu import kv_transfer_config as e2e_kv_transfer_config  # noqa: E402
 from harness import machine, table  # noqa: E402
 from serve_model import build_model_dir  # noqa: E402
 
@@ -98,15 +99,8 @@ class Point:
 def kv_transfer_config(config: str, socket_path: str, cpu_bytes: int) -> dict[str, Any] | None:
     """The `--kv-transfer-config` of one configuration."""
     base, *overrides = config.split("+")
-    if base == "none":
-        return None
-    if base in ("offloading", "simple"):
-        name = "OffloadingConnector" if base == "offloading" else "SimpleCPUOffloadConnector"
-        return {
-            "kv_connector": name,
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": cpu_bytes},
-        }
+    if base in ("none", "offloading", "simple"):  # as the end-to-end bench configures them
+        return e2e_kv_transfer_config(base, socket_path, cpu_bytes)
     if base in ("kvo-eager", "kvo-lazy"):
         return {
             "kv_connector": "KVOffloadConnector",
