@@ -23,6 +23,26 @@ __all__ = ["machine", "percentile", "report", "rotations", "spread", "table"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _commit() -> str:
+    """HEAD's short hash, with "+dirty" when tracked files differ from it (a number measured
+    on uncommitted code says so)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return (
+            f"{head}+dirty"
+            if head and git("status", "--porcelain", "--untracked-files=no")
+            else head
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def machine() -> dict[str, Any]:
     """Where a number was measured: host, CPUs, GPU when there is one, commit, date (UTC)."""
     info: dict[str, Any] = {
@@ -32,16 +52,7 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    try:
-        info["commit"] = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        info["commit"] = ""
+    info["commit"] = _commit()
     try:
         gpu = subprocess.run(
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],

@@ -84,6 +84,9 @@ METRICS = (
     Metric("TPOT p99", "p99_tpot_ms", 2, False, "tpots_ms", 99.0),
     Metric("host hit", "host_hit_rate", 3),
     Metric("GPU hit", "gpu_hit_rate", 3),
+    # once per request, by source (calls from before these counters leave them empty)
+    Metric("computed", "computed_share", 3, False),
+    Metric("from host", "host_cached_share", 3),
     Metric("preempt", "preemptions", 0, False),
 )
 BY_KEY = {m.key: m for m in METRICS}

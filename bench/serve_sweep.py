@@ -69,6 +69,10 @@ COUNTERS = (
     "vllm:prompt_tokens",
     "vllm:generation_tokens",
 )
+# prompt tokens by where their KV came from, counted once per request (the hit counters above
+# count every scheduling attempt, so a request that waits at the queue's head counts many times)
+BY_SOURCE = "vllm:prompt_tokens_by_source"
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,8 @@ class Server:
             from kvoffload_connector.sidecar_proc import SidecarProcess
 
             self.sidecar = SidecarProcess(
-                f"{self.a.cpu_gib:g}Gi", log_path=self.log_path.with_suffix(".sidecar.log")
+                str(int(self.a.cpu_gib * (1 << 30))),
+                log_path=self.log_path.with_suffix(".sidecar.log"),
             )
             self.sidecar.start(timeout_s=120)
         env = dict(os.environ)
@@ -252,9 +257,15 @@ class Server:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             text = r.read().decode()
         found = dict.fromkeys(COUNTERS, 0.0)
+        found.update(dict.fromkeys((f"{BY_SOURCE}:{s}" for s in SOURCES), 0.0))
         for fam in text_string_to_metric_families(text):
-            if fam.name in found:
-                found[fam.name] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+            for s in fam.samples:
+                if not s.name.endswith("_total"):
+                    continue
+                if fam.name in COUNTERS:
+                    found[fam.name] += s.value
+                elif fam.name == BY_SOURCE and s.labels.get("source") in SOURCES:
+                    found[f"{BY_SOURCE}:{s.labels['source']}"] += s.value
         return found
 
     def sidecar_stats(self) -> dict[str, Any] | None:
@@ -480,6 +491,11 @@ def run_point(
         delta["vllm:external_prefix_cache_hits"], delta["vllm:prefix_cache_queries"]
     )
     row["preemptions"] = delta["vllm:num_preemptions"]
+    # where each prompt token's KV came from (once per request; None where vLLM lacks it)
+    prompt = sum(delta[f"{BY_SOURCE}:{s}"] for s in SOURCES)
+    shares = ("computed_share", "gpu_cached_share", "host_cached_share")
+    for source, key in zip(SOURCES, shares, strict=True):
+        row[key] = _ratio(delta[f"{BY_SOURCE}:{source}"], prompt)
     row["counters"] = delta
     return row
 

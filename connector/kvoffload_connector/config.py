@@ -74,17 +74,17 @@ class ConnectorConfig:
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:
     # nothing else is running for the wait to delay. With company, lookups batch in background.
     inline_lookup: bool = True
-    # With company, a new request's lookup also runs inline while the scheduler thread has spent
-    # less than this on inline lookups in the current step (and the last ones were that fast):
-    # one framed round trip (~0.1-0.3 ms) instead of the request waiting a whole engine step for
-    # a background answer (issue 20; the H100 serving sweep ran with 2). 0 (default): only a
-    # lone request asks inline. Opt-in until understood: with 2, a CPU engine under a burst of
-    # one tenant's requests stored 30% fewer of that tenant's chunks
-    # (tests/connector/test_vllm_quotas.py).
-    inline_lookup_ms: int = 0
-    # A request vLLM keeps waiting whose hit is shorter than its prompt allows asks the pool
-    # again this many steps after its answer (0: never), as vLLM's connectors look up on every
-    # visit: a prefix another request was storing at the first lookup is in by then.
+    # With company, a new request's lookup (and a waiting request's refresh) also runs inline
+    # while the scheduler thread has spent less than this on inline lookups in the current step
+    # (and the last ones were that fast): one framed round trip (~0.1-0.3 ms) instead of the
+    # request waiting a whole engine step for a background answer. Past it, lookups batch in
+    # the background. 0: only a lone request asks inline. H100 sweep at 16/32 QPS: +1-4%
+    # requests/s and 8-11% lower TTFT p50 against 0 (docs/BENCHMARKS.md, issue 20).
+    inline_lookup_ms: int = 2
+    # A request vLLM visits again whose answer is this many steps old and shorter than its
+    # prompt allows asks the pool again before it is admitted (0: never), as vLLM's own
+    # connectors look up on every visit: a prefix another request was storing at the first
+    # lookup is in by then, and would be computed twice otherwise.
     refresh_steps: int = 2
     # Session calls on the sidecar's framed socket (no gRPC per call) when the sidecar offers
     # it; false keeps them on the gRPC Session stream.

@@ -153,7 +153,6 @@ class OffloadScheduler:
         self._answered = threading.Event()  # set by _rpc after each lookup answer
         self._reqs: dict[str, _Req] = {}
         self._lookup_queue: list[_Req] = []
-        self._refresh_queue: list[_Req] = []  # answered, still waiting, hit shorter than asked
         self._refreshes_in_flight = 0
         self.refreshed_hits = 0  # refreshes that found a longer hit (tests, debugging)
         self._loads_out: list[LoadJob] = []
@@ -270,7 +269,8 @@ class OffloadScheduler:
                 return None, False  # a hit: worth waiting for the ranks' device registration
             self._release(st.answer.pins)  # waited long enough: recompute
             st.answer = _Answer(0, [], [], "")
-        self._maybe_refresh(st, min(n_full, cap // self.chunk_tokens))
+        if self._refresh_due(st, min(n_full, cap // self.chunk_tokens)) and not self._refresh(st):
+            return None, False  # asked again in the background: admitted with it next step
         hit_end = min(st.answer.hit_chunks * self.chunk_tokens, cap)
         st.hit_end = hit_end
         queueing = self._queueing()
@@ -358,38 +358,39 @@ class OffloadScheduler:
             self._first_query_at = now
         return (now - self._first_query_at) * 1e3 < self.cfg.register_wait_ms
 
-    def _send_refreshes(self) -> None:
-        """One background round for the step's refreshes (never inline: they only lengthen a
-        hit the request already has, so nobody waits for them)."""
-        queue, self._refresh_queue = self._refresh_queue, []
-        if not queue:
-            return
-        if not self._usable():
-            for st in queue:
-                st.refreshing = False
-            return
-        batch = [(st.req_id, self._request_keys(st.request)) for st in queue]
-        salts = _salts(queue)
-        self._refreshes_in_flight += 1
-        self._rpc.submit(lambda: self._lookup_rpc(batch, salts, kind="refresh"))
+    def _refresh_due(self, st: _Req, possible_chunks: int) -> bool:
+        """A request vLLM visits again whose answer is `refresh_steps` steps old and shorter
+        than its prompt allows. Under load vLLM walks past requests whose lookups are still out
+        and asks the ones behind them, so a request is often answered long before it reaches
+        the queue's head; the prefix another request was computing then is in the pool by the
+        time it is admitted, and a stale miss would compute it again (H100 sweep, 32 QPS: 25%
+        more prefill tokens than vLLM's OffloadingConnector, which looks up on every visit)."""
+        return bool(
+            self.cfg.refresh_steps
+            and not st.refreshing
+            and st.load_job is None
+            and st.answer is not None
+            and st.answer.hit_chunks < possible_chunks
+            and self._step - st.answer_step >= self.cfg.refresh_steps
+            and self._usable()
+        )
 
-    def _maybe_refresh(self, st: _Req, possible_chunks: int) -> None:
-        """A request still waiting to be admitted asks again, every `refresh_steps` steps, when
-        its hit is shorter than its prompt allows: chunks that other requests stored since
-        its lookup (the same prefix stored moments before) would be recomputed otherwise.
-        vLLM's own connectors look up on every visit; this keeps kvoffload's pinned answer
-        and re-asks in the background only while it can grow."""
-        if (
-            not self.cfg.refresh_steps
-            or st.refreshing
-            or st.load_job is not None
-            or st.answer is None
-            or st.answer.hit_chunks >= possible_chunks
-            or self._step - st.answer_step < self.cfg.refresh_steps
-        ):
-            return
+    def _refresh(self, st: _Req) -> bool:
+        """Ask again for `st`: inline within the step's budget (True: its answer is fresh now),
+        else in the background (False: the request waits one step for it, never longer, since
+        a refresh in flight is not due again)."""
         st.refreshing = True
-        self._refresh_queue.append(st)
+        self._refreshes_in_flight += 1
+        batch = [(st.req_id, self._request_keys(st.request))]
+        if self._may_look_up_inline(st.req_id):
+            t0 = time.perf_counter()
+            self._lookup_rpc(batch, _salts([st]), kind="refresh")
+            self._inline_spent_s += time.perf_counter() - t0
+            self._drain()
+            return True
+        salts = _salts([st])
+        self._rpc.submit(lambda: self._lookup_rpc(batch, salts, kind="refresh"))
+        return False
 
     def _adopt_refresh(self, st: _Req | None, answer: _Answer | None) -> None:
         """A refresh's answer replaces the request's when it is longer and nothing loads yet;
@@ -417,7 +418,6 @@ class OffloadScheduler:
         self.refreshed_hits += 1
 
     def _send_lookups(self) -> None:
-        self._send_refreshes()
         if not self._lookup_queue:
             return
         if not self._usable() and not self._waiting_for_ranks():
@@ -917,7 +917,7 @@ class OffloadScheduler:
     # -- per step -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
         if (
-            self._lookups_in_flight
+            (self._lookups_in_flight or self._refreshes_in_flight)
             and not self._results
             and not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
         ):

@@ -106,11 +106,17 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
         assert row["rc"] == 0 and row["completed"] == 16 and row["failed"] == 0
         assert len(row["ttfts_ms"]) == 16 and row["median_ttft_ms"] > 0
         assert row["counters"]["vllm:generation_tokens"] == 16 * 4  # --ignore-eos: exact
+        # by source, once per request: the three shares cover every prompt token
+        shares = [row[k] for k in ("computed_share", "gpu_cached_share", "host_cached_share")]
+        assert abs(sum(shares) - 1) < 1e-3, shares
     # 0% hits: random prompts share nothing, on either tier
     assert rows[("kvo-eager", "random@8")]["host_hit_rate"] == 0
     # prefixes repeat 4x and leave the 12-block GPU cache: only kvoffload serves them again
     assert rows[("none", "prefix@8")]["host_hit_rate"] is None  # no connector, no queries
     assert rows[("kvo-eager", "prefix@8")]["host_hit_rate"] > 0
+    assert rows[("kvo-eager", "prefix@8")]["host_cached_share"] > 0
+    assert rows[("none", "prefix@8")]["host_cached_share"] == 0
+    assert rows[("kvo-eager", "random@8")]["computed_share"] == 1
     stats = report["servers"]["kvo-eager"]["sidecar_stats"]
     (ns,) = stats["namespaces"]
     assert int(ns["hitBlocks"]) > 0 and int(ns["storedBlocks"]) > 0

