@@ -70,6 +70,10 @@ class ConnectorConfig:
     reconnect_max_ms: int = 500  # at most this long between attempts: back within ~1 s
     lazy_watermark_blocks: int = 0  # lazy mode: blocks at the free-queue head to protect (0=auto)
     store_decode: bool = True  # also store chunks filled by generated tokens
+    # Eager mode: store a chunk only once this many of the engine's requests asked for it
+    # (vLLM's OffloadingConnector calls it the same). 0 or 1: store every computed chunk. 2:
+    # a prompt seen once costs no store (reuse.py).
+    store_threshold: int = 0
     # A request alone in the engine gets its lookup answered inside the scheduling call that
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:
     # nothing else is running for the wait to delay. With company, lookups batch in background.
@@ -142,6 +146,7 @@ _INT_KEYS = {
     "events_interval_ms": 10,
     "inline_lookup_ms": 0,
     "refresh_steps": 0,
+    "store_threshold": 0,
 }
 
 

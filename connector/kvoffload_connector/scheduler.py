@@ -46,6 +46,7 @@ from kvoffload_connector.metadata import (
     StoreJob,
     WorkerReport,
 )
+from kvoffload_connector.reuse import ReuseTracker
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class SchedulerStats:
     queried_tokens: int = 0
     store_chunks_planned: int = 0
     store_chunks_dropped: int = 0
+    store_chunks_below_threshold: int = 0
 
 
 class OffloadScheduler:
@@ -183,6 +185,7 @@ class OffloadScheduler:
         )
         self.lazy_watermark = watermark
         self.stats = SchedulerStats()
+        self.reuse = ReuseTracker(cfg.store_threshold)
         # KV events (--kv-events-config): the chunks' announce blobs go with their reservation,
         # and a feed follows the pool's event log (events.py)
         self.event_feed: EventFeed | None = None
@@ -238,13 +241,10 @@ class OffloadScheduler:
         n_full = len(request.block_hashes) // self.chunk_blocks
         # n-1 rule: the last prompt token is always computed, so at most this many tokens hit.
         cap = (request.num_tokens - 1) // self.block_size * self.block_size
+        st = self._reqs.get(req_id) or self._new_req(request)
         if n_full == 0 or min(n_full * self.chunk_tokens, cap) <= num_computed_tokens:
-            self._reqs.setdefault(req_id, _Req(req_id, request))
             self._schedulable.setdefault(req_id, self._step)
             return 0, False
-        st = self._reqs.get(req_id)
-        if st is None:
-            st = self._reqs[req_id] = _Req(req_id, request)
         if self._results:
             self._drain()
         if st.answer is None:
@@ -280,6 +280,21 @@ class OffloadScheduler:
         mode = self.cfg.load_mode
         st.load_async = mode is LoadMode.ASYNC or (mode is LoadMode.ADAPTIVE and queueing)
         return hit_end - num_computed_tokens, st.load_async
+
+    def _new_req(self, request: Any) -> _Req:
+        """A request's first visit: its state, and (store_threshold) one more ask of each of
+        its full chunks."""
+        st = self._reqs[request.request_id] = _Req(request.request_id, request)
+        if self.reuse.enabled:
+            full_chunks = len(request.block_hashes) // self.chunk_blocks
+            self.reuse.count(self._chunk_hashes(request, 0, full_chunks))
+        return st
+
+    def _chunk_hashes(self, request: Any, first: int, end: int) -> list[bytes]:
+        """Chunks [first, end) of a request, each named by its last block's hash (which covers
+        the prefix up to it, in every group)."""
+        hashes, n = request.block_hashes, self.chunk_blocks
+        return [bytes(hashes[(c + 1) * n - 1]) for c in range(first, end)]
 
     def _queueing(self) -> bool:
         """The engine is saturated: a request answered in an earlier step is still waiting to
@@ -707,15 +722,21 @@ class OffloadScheduler:
                 # earlier request, whose eager stores sent it already (re-reserving it is a
                 # round of PRESENT answers and block references held for nothing).
                 st.planned = True
-                st.stored_chunks = max(
-                    st.stored_chunks, req.num_computed_tokens // self.chunk_tokens
-                )
+                gpu_chunks = req.num_computed_tokens // self.chunk_tokens
+                if self.reuse.enabled:  # except what this request brought to the threshold
+                    gpu_chunks = self.reuse.first_unstored(self._chunk_hashes(req, 0, gpu_chunks))
+                st.stored_chunks = max(st.stored_chunks, gpu_chunks)
             computed = req.num_computed_tokens + n_sched
             if not self.cfg.store_decode:
                 computed = min(computed, req.num_prompt_tokens)
             full = min(computed // self.chunk_tokens, len(req.block_hashes) // self.chunk_blocks)
             if full <= st.stored_chunks:
                 continue
+            storable = full
+            if self.reuse.enabled:
+                new = self._chunk_hashes(req, st.stored_chunks, full)
+                storable = st.stored_chunks + self.reuse.storable(new)
+                self.stats.store_chunks_below_threshold += full - storable
             block_ids = self._block_ids_of(req_id)
             if block_ids is None:
                 continue
@@ -726,7 +747,7 @@ class OffloadScheduler:
                 self.window_start(g, prompt_hit // self.chunk_tokens)
                 for g in range(self.num_groups)
             ]
-            for c in range(st.stored_chunks, full):
+            for c in range(st.stored_chunks, storable):
                 for g in range(self.num_groups):
                     if c < keep_from[g]:
                         continue
@@ -1059,6 +1080,7 @@ class OffloadScheduler:
             or st.hit_tokens
             or st.store_chunks_planned
             or st.store_chunks_dropped
+            or st.store_chunks_below_threshold
         )
 
     def take_stats(self) -> SchedulerStats:

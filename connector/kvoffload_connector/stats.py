@@ -24,6 +24,7 @@ COUNTERS = (
     "queried_tokens",  # tokens asked about
     "store_chunks_planned",
     "store_chunks_dropped",  # sidecar away / no space
+    "store_chunks_below_threshold",  # asked for fewer than store_threshold times: not stored
     "loaded_bytes",
     "load_seconds",
     "stored_bytes",
@@ -71,6 +72,7 @@ class ConnectorStats(KVConnectorStats):
             else 0.0,
             "lookup_ms": round(1e3 * d.get("lookup_seconds", 0) / max(1, d.get("lookups", 0)), 3),
             "stores_dropped": int(d.get("store_chunks_dropped", 0)),
+            "stores_below_threshold": int(d.get("store_chunks_below_threshold", 0)),
             "failed_loads": int(d.get("failed_loads", 0)),
         }
 
@@ -99,6 +101,10 @@ class PromMetrics(KVConnectorPromMetrics):
         "store_chunks_dropped": (
             "kvoffload_connector_dropped_store_chunks_total",
             "Chunks not stored (sidecar away, no space)",
+        ),
+        "store_chunks_below_threshold": (
+            "kvoffload_connector_below_threshold_store_chunks_total",
+            "Chunks not stored: asked for fewer than store_threshold times",
         ),
         "failed_loads": (
             "kvoffload_connector_failed_loads_total",

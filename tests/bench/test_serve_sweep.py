@@ -40,6 +40,9 @@ def test_the_served_tokenizer_round_trips_every_id_as_one_word(tmp_path: Path) -
     assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|eot_id|>")
 
 
+GATED = "kvo-eager+store_threshold=2"
+
+
 @pytest.mark.vllm
 @pytest.mark.process
 @pytest.mark.slow
@@ -52,7 +55,7 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
         "--model",
         str(ROOT / "tests/connector/models/tiny-llama"),
         "--configs",
-        "none,kvo-eager",
+        f"none,kvo-eager,{GATED}",
         "--dtype",
         "float32",
         "--graphs",
@@ -99,9 +102,13 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
     assert {c: s["status"] for c, s in report["servers"].items()} == {
         "none": "ok",
         "kvo-eager": "ok",
+        GATED: "ok",
     }
+    # each configuration was warmed up with unreported requests before its first point
+    assert all(s["warmup"]["rc"] == 0 for s in report["servers"].values())
     rows = {(r["config"], r["point"]): r for r in report["rows"]}
-    assert set(rows) == {(c, p) for c in ("none", "kvo-eager") for p in ("random@8", "prefix@8")}
+    configs = ("none", "kvo-eager", GATED)
+    assert set(rows) == {(c, p) for c in configs for p in ("random@8", "prefix@8")}
     for row in rows.values():
         assert row["rc"] == 0 and row["completed"] == 16 and row["failed"] == 0
         assert len(row["ttfts_ms"]) == 16 and row["median_ttft_ms"] > 0
@@ -121,3 +128,9 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
     (ns,) = stats["namespaces"]
     assert int(ns["hitBlocks"]) > 0 and int(ns["storedBlocks"]) > 0
     assert "-- prefix@8 --" in "\n".join(report["tables"])
+    # store_threshold=2: a prefix's first request skips its store (vLLM's /metrics counts the
+    # chunks); the second stores it, so the later ones hit the pool
+    skipped = "kvoffload_connector_below_threshold_store_chunks"
+    assert rows[(GATED, "prefix@8")]["counters"][skipped] > 0
+    assert rows[("kvo-eager", "prefix@8")]["counters"][skipped] == 0
+    assert rows[(GATED, "prefix@8")]["host_cached_share"] > 0

@@ -18,6 +18,7 @@ from kvoffload_connector.client import PoolUnavailable, StoreReservation
 from kvoffload_connector.config import parse_extra_config
 from kvoffload_connector.keys import make_key
 from kvoffload_connector.metadata import Registration, WorkerReport
+from kvoffload_connector.reuse import ReuseTracker
 from kvoffload_connector.scheduler import OffloadScheduler
 
 BS = 32  # tokens per GPU block
@@ -236,6 +237,7 @@ def make(
     clock=None,
     inline_ms=2,
     refresh_steps=2,
+    store_threshold=0,
 ):
     """A scheduler on a fake pool; lookups batch in the background unless `inline`."""
     fake = pool or FakePool()
@@ -249,6 +251,7 @@ def make(
             "inline_lookup": inline,
             "inline_lookup_ms": inline_ms,
             "refresh_steps": refresh_steps,
+            "store_threshold": store_threshold,
         },
         BS,
     )
@@ -580,6 +583,57 @@ def test_no_refresh_for_a_full_hit_an_admitted_request_or_refresh_steps_0(refres
     refreshes = [c for c in fake.calls[calls:] if c == "lookup_pin"]
     # only the waiting short hit asks again, and only when refreshes are on
     assert len(refreshes) == (2 if refresh_steps else 0)
+
+
+def _prefill(s, bp, mgr, req, gpu_hit_tokens=0):
+    """vLLM admits `req` with `gpu_hit_tokens` from its GPU cache and runs its whole prompt;
+    the planned store chunks of that step (0 when nothing was reserved)."""
+    req.num_computed_tokens = gpu_hit_tokens
+    mgr.req_blocks[req.request_id] = [bp.allocate(len(req.prompt) // BS + 1)]
+    before = s.stats.store_chunks_planned
+    s.build_connector_meta(SchedOut({req.request_id: len(req.prompt) - gpu_hit_tokens}))
+    settle(s)
+    return s.stats.store_chunks_planned - before
+
+
+def test_store_threshold_stores_a_prefix_once_the_second_request_asks_for_it():
+    """store_threshold=2 (vLLM's name): a prompt seen once is not stored at all; the request
+    that asks for it the second time stores it, from its GPU blocks when it found them there
+    (the first request skipped them, so nobody else will), and a third asks nothing again."""
+    for second_gpu_hit in (0, 192):
+        s, fake, bp, mgr = make(store_threshold=2)
+        first, second, third = (Request(r, list(range(200))) for r in ("a", "b", "c"))
+        assert ask(s, first) == (0, False)
+        assert _prefill(s, bp, mgr, first) == 0
+        assert s.stats.store_chunks_below_threshold == 3 and "reserve_store" not in fake.calls
+        ask(s, second, second_gpu_hit)
+        assert _prefill(s, bp, mgr, second, second_gpu_hit) == 3
+        assert fake.calls.count("reserve_store") == 1
+        ask(s, third, 192)  # in the GPU cache, and stored by the second request
+        assert _prefill(s, bp, mgr, third, 192) == 0
+        assert s.stats.store_chunks_below_threshold == 3
+
+
+def test_store_threshold_off_stores_at_first_sight_and_counts_nothing():
+    for threshold in (0, 1):
+        s, fake, bp, mgr = make(store_threshold=threshold)
+        req = Request("a", list(range(200)))
+        assert ask(s, req) == (0, False)
+        assert _prefill(s, bp, mgr, req) == 3
+        assert s.stats.store_chunks_below_threshold == 0 and len(s.reuse._counts) == 0
+
+
+def test_reuse_tracker_counts_once_per_ask_and_forgets_the_least_recent():
+    t = ReuseTracker(2, capacity=3)
+    t.count([b"a", b"b"])
+    t.count([b"a", b"b", b"c"])
+    assert t.storable([b"a", b"b", b"c"]) == 2 and t.first_unstored([b"a", b"b"]) == 0
+    t.count([b"a", b"b", b"c"])  # a and b now above the threshold: stored by an earlier ask
+    assert t.first_unstored([b"a", b"b", b"c"]) == 2
+    t.count([b"d"])  # a 4th key: the least recently asked (a) goes
+    assert t.times(b"a") == 0 and t.times(b"d") == 1
+    with pytest.raises(ValueError):
+        ReuseTracker(2, capacity=0)
 
 
 def test_eager_store_holds_blocks_until_every_rank_reports():
