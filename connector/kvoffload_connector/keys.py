@@ -35,14 +35,20 @@ def make_key(block_hash: bytes, group: int) -> PoolKey:
 
 
 def chunk_keys(
-    block_hashes: Sequence[bytes], chunk_blocks: int, group: int, limit: int | None = None
+    block_hashes: Sequence[bytes],
+    chunk_blocks: int,
+    group: int,
+    limit: int | None = None,
+    start: int = 0,
 ) -> list[PoolKey]:
-    """Keys of the full chunks of one group, in prefix order (at most `limit`)."""
+    """Keys of the full chunks of one group, in prefix order: chunks [start, limit)."""
     suffix = group.to_bytes(GROUP_BYTES, "big")
     n = len(block_hashes) // chunk_blocks
     if limit is not None:
         n = min(n, limit)
-    return [PoolKey(bytes(block_hashes[(c + 1) * chunk_blocks - 1]) + suffix) for c in range(n)]
+    return [
+        PoolKey(bytes(block_hashes[(c + 1) * chunk_blocks - 1]) + suffix) for c in range(start, n)
+    ]
 
 
 def pack(keys: Sequence[bytes], key_size: int) -> bytes:

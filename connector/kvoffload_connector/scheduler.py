@@ -286,15 +286,13 @@ class OffloadScheduler:
         its full chunks."""
         st = self._reqs[request.request_id] = _Req(request.request_id, request)
         if self.reuse.enabled:
-            full_chunks = len(request.block_hashes) // self.chunk_blocks
-            self.reuse.count(self._chunk_hashes(request, 0, full_chunks))
+            self.reuse.count(self._reuse_keys(request))
         return st
 
-    def _chunk_hashes(self, request: Any, first: int, end: int) -> list[bytes]:
-        """Chunks [first, end) of a request, each named by its last block's hash (which covers
-        the prefix up to it, in every group)."""
-        hashes, n = request.block_hashes, self.chunk_blocks
-        return [bytes(hashes[(c + 1) * n - 1]) for c in range(first, end)]
+    def _reuse_keys(self, request: Any, start: int = 0, end: int | None = None) -> list[PoolKey]:
+        """Chunks [start, end) of a request as the reuse gate counts them: group 0's keys (a
+        chunk's last block hash covers the prefix up to it, in every group)."""
+        return chunk_keys(request.block_hashes, self.chunk_blocks, 0, end, start)
 
     def _queueing(self) -> bool:
         """The engine is saturated: a request answered in an earlier step is still waiting to
@@ -396,14 +394,13 @@ class OffloadScheduler:
         a refresh in flight is not due again)."""
         st.refreshing = True
         self._refreshes_in_flight += 1
-        batch = [(st.req_id, self._request_keys(st.request))]
+        batch, salts = [(st.req_id, self._request_keys(st.request))], _salts([st])
         if self._may_look_up_inline(st.req_id):
             t0 = time.perf_counter()
-            self._lookup_rpc(batch, _salts([st]), kind="refresh")
+            self._lookup_rpc(batch, salts, kind="refresh")
             self._inline_spent_s += time.perf_counter() - t0
             self._drain()
             return True
-        salts = _salts([st])
         self._rpc.submit(lambda: self._lookup_rpc(batch, salts, kind="refresh"))
         return False
 
@@ -724,7 +721,7 @@ class OffloadScheduler:
                 st.planned = True
                 gpu_chunks = req.num_computed_tokens // self.chunk_tokens
                 if self.reuse.enabled:  # except what this request brought to the threshold
-                    gpu_chunks = self.reuse.first_unstored(self._chunk_hashes(req, 0, gpu_chunks))
+                    gpu_chunks = self.reuse.first_unstored(self._reuse_keys(req, 0, gpu_chunks))
                 st.stored_chunks = max(st.stored_chunks, gpu_chunks)
             computed = req.num_computed_tokens + n_sched
             if not self.cfg.store_decode:
@@ -732,14 +729,14 @@ class OffloadScheduler:
             full = min(computed // self.chunk_tokens, len(req.block_hashes) // self.chunk_blocks)
             if full <= st.stored_chunks:
                 continue
-            storable = full
-            if self.reuse.enabled:
-                new = self._chunk_hashes(req, st.stored_chunks, full)
-                storable = st.stored_chunks + self.reuse.storable(new)
-                self.stats.store_chunks_below_threshold += full - storable
             block_ids = self._block_ids_of(req_id)
             if block_ids is None:
                 continue
+            storable = full
+            if self.reuse.enabled:
+                new = self._reuse_keys(req, st.stored_chunks, full)
+                storable = st.stored_chunks + self.reuse.storable(new)
+                self.stats.store_chunks_below_threshold += full - storable
             hashes = req.block_hashes
             # sliding-window groups keep only what a hit at the prompt's end (or later) reads
             prompt_hit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
