@@ -175,6 +175,17 @@ def test_bad_config_value_disables_and_says_why_once(tmp_path, fresh_guard, capl
     assert _status(tmp_path, "worker")["state"] == "disabled"
 
 
+@pytest.mark.parametrize("key", ["inline_lookup_ms", "refresh_steps", "store_threshold"])
+@pytest.mark.parametrize(("value", "says"), [(-1, "must be >= 0"), ("soon", "must be an integer")])
+def test_the_serving_keys_reject_bad_values_by_name(key, value, says):
+    """Session 14's keys go through the same validated parser: a clear error naming the key
+    (the guard above turns it into serving without the pool, said once)."""
+    with pytest.raises(ValueError) as e:
+        parse_extra_config({key: value}, 16)
+    assert f"['{key}']" in str(e.value) and says in str(e.value)
+    assert getattr(parse_extra_config({key: "3"}, 16), key) == 3  # strings from the CRD parse
+
+
 def test_unimportable_dependency_disables(tmp_path, fresh_guard, monkeypatch, caplog):
     monkeypatch.setenv(guard.FAIL_IMPORT_ENV, "grpc")
     with caplog.at_level(logging.WARNING, logger="kvoffload_connector"):
