@@ -15,10 +15,7 @@ back through a deque that the scheduler drains at its next hook.
   blocks get a reference (`BlockPool.touch`) when planned and lose it when the
   store job finished on every rank, so no block is reused before its bytes are
   in the pool: this fences request completion, preemption and sliding-window
-  frees alike. Slots come from a batched `ReserveStore`, sent by the next
-  scheduling call after the chunks were planned (eager): with vLLM's async
-  scheduling that call runs while the GPU computes those chunks, so a prefill's
-  first token never waits for the reservation's work. The job goes to the
+  frees alike. Slots come from a batched `ReserveStore`; the job goes to the
   workers in the step after the reservation answered.
 - Completion: workers report per-job outcomes in `WorkerReport`; a job is
   complete when every rank reported it.
@@ -162,7 +159,6 @@ class OffloadScheduler:
         self.refreshed_hits = 0  # refreshes that found a longer hit (tests, debugging)
         self._loads_out: list[LoadJob] = []
         self._stores_out: list[StoreJob] = []
-        self._held: list[_PlannedChunk] = []  # planned and touched, reserved next step
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._reservations_in_flight = 0
@@ -865,22 +861,12 @@ class OffloadScheduler:
             planned.append(chunk)
         return planned
 
-    def _hold(self, planned: list[_PlannedChunk]) -> None:
-        """Reference the chunks' blocks now (a request may finish or be preempted before
-        the next step); their reservation goes out with the next scheduling call."""
+    def _reserve(self, planned: list[_PlannedChunk]) -> None:
+        if not planned:
+            return
         for p in planned:
             self._touch(p.blocks)
         self.stats.store_chunks_planned += len(planned)
-        self._held.extend(planned)
-
-    def _reserve_held(self) -> None:
-        held, self._held = self._held, []
-        self._reserve(held)
-
-    def _reserve(self, planned: list[_PlannedChunk]) -> None:
-        """Ask the sidecar for slots (background) for chunks whose blocks are touched."""
-        if not planned:
-            return
         if not self._usable():
             self._rpc.submit(self.client.ensure)  # reconnect in the background, drop these
             self._tell_unusable()
@@ -968,18 +954,10 @@ class OffloadScheduler:
         if self.kv_cache_manager is None:
             self._track_block_ids(scheduler_output)
         if self.block_pool is not None:
-            # Last step's eager chunks first: vLLM's async scheduling runs this call while the
-            # GPU computes that step, so the reservation's work (here and on the RPC thread)
-            # stays off the critical path of the step that planned them (a prefill's TTFT).
-            self._reserve_held()
             if self.cfg.mode is StoreMode.EAGER:
-                self._hold(self._plan_eager(scheduler_output))
+                self._reserve(self._plan_eager(scheduler_output))
             else:
-                lazy = self._plan_lazy()
-                for p in lazy:
-                    self._touch(p.blocks)
-                self.stats.store_chunks_planned += len(lazy)
-                self._reserve(lazy)
+                self._reserve(self._plan_lazy())
         self._send_lookups()
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         # A preempted request's blocks with stores in flight stay referenced until stored, so
@@ -1083,7 +1061,6 @@ class OffloadScheduler:
         return bool(
             self._jobs
             or self._reservations_in_flight
-            or self._held
             or self._lookups_in_flight
             or self._refreshes_in_flight
             or self._results

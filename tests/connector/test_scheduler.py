@@ -275,12 +275,6 @@ def settle(s: OffloadScheduler) -> None:
     assert s._rpc.drain(5)
 
 
-def reserve_step(s):
-    """The next scheduling call: it sends the last step's planned chunks for their slots."""
-    s.build_connector_meta(SchedOut({}))
-    settle(s)
-
-
 def ask(s, req, computed=0):
     """Ask until answered, one 'step' (build_connector_meta) per None, like vLLM does."""
     for _ in range(5):
@@ -599,7 +593,6 @@ def _prefill(s, bp, mgr, req, gpu_hit_tokens=0):
     before = s.stats.store_chunks_planned
     s.build_connector_meta(SchedOut({req.request_id: len(req.prompt) - gpu_hit_tokens}))
     settle(s)
-    reserve_step(s)
     return s.stats.store_chunks_planned - before
 
 
@@ -651,7 +644,6 @@ def test_eager_store_holds_blocks_until_every_rank_reports():
     mgr.req_blocks["r"] = [blocks]
     s.build_connector_meta(SchedOut({"r": 200}))  # prefill: 3 full chunks after this step
     settle(s)
-    reserve_step(s)
     assert fake.calls.count("reserve_store") == 1
     assert all(b.ref_cnt == 2 for b in blocks[:6]) and blocks[6].ref_cnt == 1
     meta = s.build_connector_meta(SchedOut({}))  # the job leaves in the next step
@@ -671,31 +663,6 @@ def test_eager_store_holds_blocks_until_every_rank_reports():
     assert not s.has_pending_work()
 
 
-def test_a_prefill_step_sends_no_reservation_and_a_finished_request_is_still_stored():
-    """The step that computes a prompt only plans and references its chunks: their reservation
-    goes out with the next scheduling call (which vLLM's async scheduling makes while the GPU
-    runs the prefill), so no RPC work competes with the prefill for the engine's thread. A
-    request that finishes in between loses nothing: its blocks stay ours until stored."""
-    s, fake, bp, mgr = make()
-    req = Request("r", list(range(200)))
-    assert ask(s, req) == (0, False)
-    blocks = bp.allocate(7)
-    mgr.req_blocks["r"] = [blocks]
-    s.build_connector_meta(SchedOut({"r": 200}))
-    settle(s)
-    assert "reserve_store" not in fake.calls
-    assert all(b.ref_cnt == 2 for b in blocks[:6]) and s.has_pending_work()
-    s.request_finished(req, ([b.block_id for b in blocks],))
-    bp.free_blocks(blocks)
-    assert all(b.ref_cnt == 1 for b in blocks[:6])
-    reserve_step(s)
-    assert fake.calls.count("reserve_store") == 1
-    (job,) = s.build_connector_meta(SchedOut({})).stores
-    assert sorted(job.transfers[0].gpu_blocks) == sorted(b.block_id for b in blocks[:6])
-    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
-    assert all(b.ref_cnt == 0 for b in blocks) and not s.has_pending_work()
-
-
 def test_present_chunks_are_not_written_and_blocks_released():
     s, fake, bp, mgr = make()
     req = Request("r", list(range(130)))
@@ -705,7 +672,6 @@ def test_present_chunks_are_not_written_and_blocks_released():
     mgr.req_blocks["r"] = [blocks]
     s.build_connector_meta(SchedOut({"r": 130}))
     settle(s)
-    reserve_step(s)
     meta = s.build_connector_meta(SchedOut({}))
     (job,) = meta.stores
     assert job.transfers[0].gpu_blocks == (blocks[2].block_id, blocks[3].block_id)
@@ -719,7 +685,6 @@ def test_failed_store_aborts_the_reservation():
     mgr.req_blocks["r"] = [bp.allocate(2)]
     s.build_connector_meta(SchedOut({"r": 64}))
     settle(s)
-    reserve_step(s)
     (job,) = s.build_connector_meta(SchedOut({})).stores
     s.update_connector_output(WorkerReport(failed={job.job_id: 1}))
     settle(s)
@@ -737,7 +702,6 @@ def test_sidecar_away_means_misses_and_dropped_stores():
     mgr.req_blocks["r"] = [blocks]
     s.build_connector_meta(SchedOut({"r": 300}))
     settle(s)
-    reserve_step(s)
     assert all(b.ref_cnt == 1 for b in blocks)  # dropped stores hold nothing
     assert s.build_connector_meta(SchedOut({})).stores == ()
     assert s.stats.store_chunks_dropped == 4
@@ -818,7 +782,6 @@ def test_preempted_request_blocks_stay_held_until_their_store_finishes():
     mgr.req_blocks["r"] = [blocks]
     s.build_connector_meta(SchedOut({"r": 64}))
     settle(s)
-    reserve_step(s)
     (job,) = s.build_connector_meta(SchedOut({})).stores
     s.build_connector_meta(SchedOut({}, preempted_req_ids={"r"}))
     bp.free_blocks(blocks)  # vLLM frees the preempted request's blocks
@@ -902,7 +865,6 @@ def test_eager_skips_what_the_gpu_prefix_cache_already_held():
     fake.reserve_store = lambda keys, *rest: reserved.append(len(keys)) or real(keys, *rest)
     s.build_connector_meta(SchedOut({"r": 72}))
     settle(s)
-    reserve_step(s)
     assert reserved == [1]
     stored = [
         c for c in range(3) if make_key(req.block_hashes[(c + 1) * 2 - 1], 0) in fake.committed
@@ -973,7 +935,6 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
     mgr.req_blocks["r"] = [bp.allocate(10), bp.allocate(10)]
     s.build_connector_meta(SchedOut({"r": 300}))  # the whole prompt in one step
     settle(s)
-    reserve_step(s)
     stored = {
         (g, c)
         for g in (0, 1)
@@ -1046,9 +1007,7 @@ def test_vllm026_without_kv_cache_manager_follows_block_tables_from_the_output()
     req.num_computed_tokens = 100
     s.build_connector_meta(out2)  # 200 tokens: chunks 1 and 2 complete
     settle(s)
-    stores = list(s.build_connector_meta(SchedOut({})).stores)  # chunk 0's job; 1-2 reserved
-    settle(s)
-    stores += s.build_connector_meta(SchedOut({})).stores
+    stores = s.build_connector_meta(SchedOut({})).stores
     got = sorted(b for job in stores for t in job.transfers for b in t.gpu_blocks)
     assert got == sorted(ids[:6])
 

@@ -63,8 +63,6 @@ def test_a_store_batch_carries_one_salt_per_key() -> None:
     mgr.req_blocks["a"], mgr.req_blocks["b"] = [bp.allocate(7)], [bp.allocate(5)]
     s.build_connector_meta(SchedOut({"a": 200, "b": 130}))  # 3 chunks of a, 2 of b
     settle(s)
-    s.build_connector_meta(SchedOut({}))  # the reservation goes out with the next step
-    settle(s)
     assert [c for c in fake.salts if c[0] == "reserve_store"] == [
         ("reserve_store", ["tenant-a"] * 3 + [None] * 2)
     ]
