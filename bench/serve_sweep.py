@@ -102,15 +102,20 @@ class Point:
         return self.requests / self.rate
 
 
-def kv_transfer_config(config: str, socket_path: str, cpu_bytes: int) -> dict[str, Any] | None:
-    """The `--kv-transfer-config` of one configuration."""
+def kv_transfer_config(
+    config: str, socket_path: str, cpu_bytes: int, traced: bool = False
+) -> dict[str, Any] | None:
+    """The `--kv-transfer-config` of one configuration (traced: the connector module is
+    bench/engine_trace.py, kvoffload's connector with the engine loop's timeline recorded)."""
     base, *overrides = config.split("+")
     if base in ("none", "offloading", "simple"):  # as the end-to-end bench configures them
         return e2e_kv_transfer_config(base, socket_path, cpu_bytes)
     if base in ("kvo-eager", "kvo-lazy"):
         return {
             "kv_connector": "KVOffloadConnector",
-            "kv_connector_module_path": "kvoffload_connector.connector",
+            "kv_connector_module_path": "engine_trace"
+            if traced
+            else "kvoffload_connector.connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "socket": socket_path,
@@ -167,7 +172,10 @@ class Server:
     def argv(self) -> list[str]:
         a = self.a
         kv = kv_transfer_config(
-            self.config, self.sidecar.socket if self.sidecar else "", int(a.cpu_gib * (1 << 30))
+            self.config,
+            self.sidecar.socket if self.sidecar else "",
+            int(a.cpu_gib * (1 << 30)),
+            traced=bool(a.engine_trace),
         )
         argv = vllm_cli(
             "serve",
@@ -225,6 +233,11 @@ class Server:
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core apart
         env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
+        if self.a.engine_trace:
+            env["KVO_ENGINE_TRACE_DIR"] = str(Path(self.a.engine_trace) / self.config)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
+            )
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv())}\n".encode())
@@ -674,6 +687,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-graph-batch", type=int, default=128, help="largest decode graph")
     p.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` arg")
+    p.add_argument(
+        "--engine-trace",
+        default="",
+        help="DIR: kvo configurations record the engine loop's timeline there (engine_trace.py)",
+    )
     # workloads
     p.add_argument("--rates", type=floats, default=floats("2,4,8,16,32"))
     p.add_argument("--random-rates", type=floats, default=floats("2"))

@@ -1,0 +1,167 @@
+"""Timeline of vLLM's engine-core loop around the kvoffload connector (a diagnostic).
+
+`bench/serve_sweep.py --engine-trace DIR` starts kvo configurations with this module as the
+connector module: the connector is kvoffload's own, and importing the module wraps, in the
+engine-core process, the scheduler's `schedule`/`update_from_output`, the executor's
+`execute_model`, the wait for a step's async output, the output thread's socket send, the
+connector's step hooks and every call on the connector's RPC threads, each recorded as
+(label, thread, start, end). A thread writes them to DIR/trace-PID.json every few seconds.
+
+Why: a request's time to first token is its prefill step plus whatever the engine's one
+Python thread does before the output thread may send that step's tokens; this shows what.
+
+    python bench/engine_trace.py DIR [DIR...]   # per prefill step: median offsets of events
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+_EVENTS: list[tuple[str, int, float, float]] = []
+_MAX_EVENTS = 400_000
+_PATCHED = False
+
+
+def _record(label: str, t0: float) -> None:
+    if len(_EVENTS) < _MAX_EVENTS:
+        _EVENTS.append((label, threading.get_ident(), t0, time.perf_counter()))
+
+
+def _wrap(owner: object, name: str, label: str, describe=None) -> None:
+    fn = getattr(owner, name, None)
+    if fn is None:
+        return
+
+    def wrapped(*a, **kw):
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        _record(label if describe is None else f"{label}:{describe(a, out)}", t0)
+        return out
+
+    setattr(owner, name, wrapped)
+
+
+def _scheduled(a, out) -> str:
+    return str(getattr(out, "total_num_scheduled_tokens", "?"))
+
+
+def _dump_forever(out_dir: Path) -> None:
+    path = out_dir / f"trace-{os.getpid()}.json"
+    while True:
+        time.sleep(3.0)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(_EVENTS[:]))
+        tmp.replace(path)
+
+
+def install(out_dir: str, connector_cls: type) -> None:
+    """Wrap vLLM's loop and the connector in this process (once)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    _PATCHED = True
+    import zmq
+    from kvoffload_connector import client
+    from vllm.v1.core.sched import scheduler
+    from vllm.v1.executor import uniproc_executor
+
+    _wrap(scheduler.Scheduler, "schedule", "schedule", _scheduled)
+    _wrap(scheduler.Scheduler, "update_from_output", "update_from_output")
+    _wrap(uniproc_executor.UniProcExecutor, "execute_model", "execute_model")
+    _wrap(uniproc_executor.UniProcExecutor, "sample_tokens", "sample_tokens")
+    _wrap(uniproc_executor.AsyncOutputFuture, "result", "wait_output")
+    _wrap(zmq.Socket, "send_multipart", "send")
+    _wrap(zmq.Socket, "send", "send1")
+    for hook in (
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "update_connector_output",
+        "request_finished",
+        "start_load_kv",
+        "wait_for_save",
+        "get_finished",
+        "build_connector_worker_meta",
+        "get_kv_connector_stats",
+    ):
+        _wrap(connector_cls, hook, f"kvo.{hook}")
+    submit = client.RpcThread.submit
+
+    def traced_submit(self, fn):
+        label = f"rpc.{getattr(fn, '__name__', '?')}"
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                _record(label, t0)
+
+        return submit(self, run)
+
+    client.RpcThread.submit = traced_submit
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    threading.Thread(target=_dump_forever, args=(Path(out_dir),), daemon=True).start()
+
+
+if os.environ.get("KVO_ENGINE_TRACE_DIR"):  # imported by vLLM as the connector module
+    from kvoffload_connector.connector import KVOffloadConnector
+
+    install(os.environ["KVO_ENGINE_TRACE_DIR"], KVOffloadConnector)
+
+
+def prefill_timelines(events: list, min_tokens: int = 512, window_s: float = 0.08) -> dict:
+    """Per prefill step (a `schedule` of >= min_tokens tokens): each later event's start and
+    end offset (ms) from that schedule's start, by label and occurrence, within window_s."""
+    events = sorted(events, key=lambda e: e[2])
+    starts = [
+        e[2]
+        for e in events
+        if e[0].startswith("schedule:")
+        and e[0].split(":")[1].isdigit()
+        and int(e[0].split(":")[1]) >= min_tokens
+    ]
+    offsets: dict[str, list[tuple[float, float]]] = {}
+    for s in starts:
+        seen: dict[str, int] = {}
+        for label, _tid, t0, t1 in events:
+            if t0 < s or t0 > s + window_s:
+                continue
+            name = label.split(":")[0] if label.startswith("schedule:") else label
+            k = seen.get(name, 0)
+            seen[name] = k + 1
+            offsets.setdefault(f"{name}#{k}", []).append(((t0 - s) * 1e3, (t1 - s) * 1e3))
+    return {"prefills": len(starts), "offsets": offsets}
+
+
+def main(dirs: list[str]) -> int:
+    for d in dirs:
+        for f in sorted(Path(d).glob("trace-*.json")):
+            tl = prefill_timelines(json.loads(f.read_text()))
+            n = tl["prefills"]
+            print(f"== {f} ({n} prefill steps)")
+            rows = []
+            for key, v in tl["offsets"].items():
+                if len(v) < max(3, n // 2):
+                    continue
+                rows.append(
+                    (
+                        statistics.median(x[0] for x in v),
+                        key,
+                        statistics.median(x[1] - x[0] for x in v),
+                        len(v),
+                    )
+                )
+            for start, key, dur, cnt in sorted(rows)[:60]:
+                print(f"  {start:8.3f} ms  +{dur:7.3f}  {key:40s} n={cnt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
