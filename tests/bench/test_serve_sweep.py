@@ -92,6 +92,8 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
         "256",
         "--budget-s",
         "420",
+        "--engine-trace",
+        str(tmp_path / "trace"),
         "--out",
         str(out),
     ]
@@ -134,3 +136,15 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
     assert rows[(GATED, "prefix@8")]["counters"][skipped] > 0
     assert rows[("kvo-eager", "prefix@8")]["counters"][skipped] == 0
     assert rows[(GATED, "prefix@8")]["host_cached_share"] > 0
+    # --engine-trace: each kvo server's engine core recorded its loop and the connector's hooks
+    # (bench/engine_trace.py); the configuration without a connector loads nothing of it
+    for config in ("kvo-eager", GATED):
+        events = [
+            e
+            for f in (tmp_path / "trace" / config).glob("trace-*.json")
+            for e in json.loads(f.read_text())
+        ]
+        labels = {e[0].split(":")[0] for e in events}
+        assert {"schedule", "kvo.build_connector_meta", "kvo.get_num_new_matched_tokens"} <= labels
+        assert all(e[3] >= e[2] for e in events)
+    assert not (tmp_path / "trace" / "none").exists()

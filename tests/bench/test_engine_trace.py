@@ -1,0 +1,45 @@
+"""bench/engine_trace.py: the traced connector's configuration and the prefill timeline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from engine_trace import prefill_timelines  # noqa: E402
+from serve_sweep import kv_transfer_config  # noqa: E402
+
+
+def test_a_traced_kvo_configuration_loads_the_trace_module_with_the_same_keys() -> None:
+    plain = kv_transfer_config("kvo-eager+store_threshold=2", "/s.sock", 1 << 30)
+    traced = kv_transfer_config("kvo-eager+store_threshold=2", "/s.sock", 1 << 30, traced=True)
+    assert plain["kv_connector_module_path"] == "kvoffload_connector.connector"
+    assert traced["kv_connector_module_path"] == "engine_trace"
+    assert traced["kv_connector"] == plain["kv_connector"] == "KVOffloadConnector"
+    assert traced["kv_connector_extra_config"] == plain["kv_connector_extra_config"]
+    assert plain["kv_connector_extra_config"]["store_threshold"] == "2"
+    assert kv_transfer_config("none", "", 1 << 30, traced=True) is None  # nothing to trace
+
+
+def test_prefill_timelines_measure_each_event_from_its_prefill_schedule() -> None:
+    events = [  # (label, thread, start s, end s)
+        ("schedule:1024", 1, 10.000, 10.001),
+        ("execute_model", 1, 10.001, 10.020),
+        ("rpc.<lambda>", 2, 10.002, 10.003),
+        ("schedule:1", 1, 10.021, 10.0215),
+        ("schedule:1", 1, 10.030, 10.0305),
+        ("send", 3, 10.200, 10.201),  # past the 80 ms window
+        ("schedule:8", 1, 11.000, 11.001),  # a decode step: not a prefill
+        ("schedule:600", 1, 12.000, 12.002),
+        ("execute_model", 1, 12.002, 12.012),
+    ]
+    tl = prefill_timelines(events, min_tokens=512, window_s=0.08)
+    assert tl["prefills"] == 2
+    off = tl["offsets"]
+    assert [round(a, 3) for a, _ in off["execute_model#0"]] == [1.0, 2.0]
+    assert [round(b - a, 3) for a, b in off["execute_model#0"]] == [19.0, 10.0]
+    assert [round(a, 3) for a, _ in off["schedule#1"]] == [21.0]  # the decode after it
+    assert [round(a, 3) for a, _ in off["schedule#2"]] == [30.0]
+    assert "send#0" not in off and "rpc.<lambda>#0" in off
