@@ -4,8 +4,9 @@
 connector module: the connector is kvoffload's own, and importing the module wraps, in the
 engine-core process, the scheduler's `schedule`/`update_from_output`, the executor's
 `execute_model`, the wait for a step's async output, the output thread's socket send, the
-connector's step hooks and every call on the connector's RPC threads, each recorded as
-(label, thread, start, end). A thread writes them to DIR/trace-PID.json every few seconds.
+connector's step hooks, every call on the connector's RPC threads and every garbage
+collection (`gc0`..`gc2`), each recorded as (label, thread, start, end). A thread writes
+them to DIR/trace-PID.json every few seconds.
 
 Why: a request's time to first token is its prefill step plus whatever the engine's one
 Python thread does before the output thread may send that step's tokens; this shows what.
@@ -106,6 +107,17 @@ def install(out_dir: str, connector_cls: type) -> None:
         return submit(self, run)
 
     client.RpcThread.submit = traced_submit
+    import gc
+
+    gc_start: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:  # a collection pauses every thread
+        if phase == "start":
+            gc_start[:] = [time.perf_counter()]
+        elif gc_start:
+            _record(f"gc{info.get('generation', '?')}", gc_start[0])
+
+    gc.callbacks.append(on_gc)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     threading.Thread(target=_dump_forever, args=(Path(out_dir),), daemon=True).start()
 
