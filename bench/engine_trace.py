@@ -5,8 +5,8 @@ connector module: the connector is kvoffload's own, and importing the module wra
 engine-core process, the scheduler's `schedule`/`update_from_output`, the executor's
 `execute_model`, the wait for a step's async output, the output thread's socket send, the
 connector's step hooks, every call on the connector's RPC threads and every garbage
-collection (`gc0`..`gc2`), each recorded as (label, thread, start, end). A thread writes
-them to DIR/trace-PID.json every few seconds.
+collection (`gc0`..`gc2`), each recorded as (label, thread, start, end). A thread appends
+them to DIR/trace-PID.jsonl every few seconds.
 
 Why: a request's time to first token is its prefill step plus whatever the engine's one
 Python thread does before the output thread may send that step's tokens; this shows what.
@@ -53,12 +53,22 @@ def _scheduled(a, out) -> str:
 
 
 def _dump_forever(out_dir: Path) -> None:
-    path = out_dir / f"trace-{os.getpid()}.json"
+    """Append the events recorded since the last turn, one JSON line each: this thread shares
+    the GIL with the engine it measures, so a turn costs what is new, not the whole run."""
+    path = out_dir / f"trace-{os.getpid()}.jsonl"
+    written = 0
     while True:
         time.sleep(3.0)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(_EVENTS[:]))
-        tmp.replace(path)
+        end = len(_EVENTS)
+        if end > written:
+            with path.open("a") as f:
+                f.write("".join(json.dumps(e) + "\n" for e in _EVENTS[written:end]))
+            written = end
+
+
+def load_events(path: Path) -> list[list]:
+    """The events of one trace file, as written by the engine's dump thread."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def install(out_dir: str, connector_cls: type) -> None:
@@ -154,8 +164,11 @@ def prefill_timelines(events: list, min_tokens: int = 512, window_s: float = 0.0
 
 def main(dirs: list[str]) -> int:
     for d in dirs:
-        for f in sorted(Path(d).glob("trace-*.json")):
-            tl = prefill_timelines(json.loads(f.read_text()))
+        files = sorted(Path(d).glob("trace-*.jsonl"))
+        if not files:
+            print(f"== {d}: no trace-*.jsonl files")
+        for f in files:
+            tl = prefill_timelines(load_events(f))
             n = tl["prefills"]
             print(f"== {f} ({n} prefill steps)")
             rows = []

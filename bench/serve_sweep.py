@@ -233,8 +233,10 @@ class Server:
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core apart
         env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
-        if self.a.engine_trace:
-            env["KVO_ENGINE_TRACE_DIR"] = str(Path(self.a.engine_trace) / self.config)
+        if self.a.engine_trace and self.config.startswith("kvo"):
+            trace_dir = Path(self.a.engine_trace) / self.config
+            trace_dir.mkdir(parents=True, exist_ok=True)  # a bad path fails here, not in vLLM
+            env["KVO_ENGINE_TRACE_DIR"] = str(trace_dir)
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
             )

@@ -63,6 +63,10 @@ def main() -> int:
     ap.add_argument("--for", dest="total", type=float, default=300.0)
     ap.add_argument("--top", type=int, default=10)
     a = ap.parse_args()
+    if not a.match:
+        ap.error("--match: give at least one command-line pattern")
+    if a.window <= 0 or a.total < a.window:
+        ap.error(f"--window must be > 0 and --for at least one window, got {a.window}, {a.total}")
     t_end = time.monotonic() + a.total
     prev: dict = {}
     while time.monotonic() < t_end:

@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from engine_trace import load_events  # noqa: E402
 from serve_model import build_model_dir, build_tokenizer  # noqa: E402
 
 
@@ -140,9 +141,7 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
     # (bench/engine_trace.py); the configuration without a connector loads nothing of it
     for config in ("kvo-eager", GATED):
         events = [
-            e
-            for f in (tmp_path / "trace" / config).glob("trace-*.json")
-            for e in json.loads(f.read_text())
+            e for f in (tmp_path / "trace" / config).glob("trace-*.jsonl") for e in load_events(f)
         ]
         labels = {e[0].split(":")[0] for e in events}
         assert {"schedule", "kvo.build_connector_meta", "kvo.get_num_new_matched_tokens"} <= labels

@@ -47,3 +47,22 @@ def test_a_busy_descendant_of_a_matched_process_tops_the_list() -> None:
     top = windows[-1].splitlines()[1]  # the busiest thread of the last window
     share = float(top.split("%")[0])
     assert "yes" in top and share > 50, out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--window", "1"], "--match"),
+        (["--match", "x", "--window", "0"], "--window must be > 0"),
+        (["--match", "x", "--window", "5", "--for", "2"], "--for at least one window"),
+    ],
+)
+def test_bad_flags_are_refused_by_name(args: list[str], says: str) -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench/thread_cpu.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+    assert run.returncode == 2 and says in run.stderr
