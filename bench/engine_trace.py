@@ -128,8 +128,47 @@ def install(out_dir: str, connector_cls: type) -> None:
             _record(f"gc{info.get('generation', '?')}", gc_start[0])
 
     gc.callbacks.append(on_gc)
+    ablate(os.environ.get("KVO_ABLATE", ""))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     threading.Thread(target=_dump_forever, args=(Path(out_dir),), daemon=True).start()
+
+
+ABLATIONS = {"nodma": ("dma",), "nogather": ("gather",), "nocopy": ("dma", "gather")}
+
+
+def ablate(name: str) -> None:
+    """Diagnostic only (serve_sweep's `+ablate=NAME`, random prompts, 0% hits): leave out part
+    of every STORE's GPU work while keeping its host side (reservation, enqueue, events,
+    commit), to tell which part of an eager store slows the engine. The blocks it commits hold
+    garbage, so a run with hits would change tokens: never use it beyond that diagnostic.
+    nodma: no copy from the staging ring to the pool; nogather: no gather kernel into the ring;
+    nocopy: neither."""
+    if not name:
+        return
+    if name not in ABLATIONS:
+        raise ValueError(f"KVO_ABLATE={name!r}; known: {', '.join(ABLATIONS)}")
+    from kvoffload_connector.transfer import cuda
+
+    skip = ABLATIONS[name]
+    if "dma" in skip:
+        dma = cuda.CudaEngine._dma
+
+        def no_store_dma(self, runs, base, buf, to_pool, stream, raw):
+            if not to_pool:
+                dma(self, runs, base, buf, to_pool, stream, raw)
+
+        cuda.CudaEngine._dma = no_store_dma
+    if "gather" in skip:
+        kernel = cuda.CudaEngine._copy_kernel
+
+        def no_gather(self, p, ids_ptr, buf, stream, to_staging, ctas):
+            if not to_staging:
+                kernel(self, p, ids_ptr, buf, stream, to_staging, ctas)
+
+        cuda.CudaEngine._copy_kernel = no_gather
+    print(
+        f"engine_trace: ABLATION {name}: stores skip {', '.join(skip)} (garbage blocks)", flush=True
+    )
 
 
 if os.environ.get("KVO_ENGINE_TRACE_DIR"):  # imported by vLLM as the connector module

@@ -108,6 +108,10 @@ def kv_transfer_config(
     """The `--kv-transfer-config` of one configuration (traced: the connector module is
     bench/engine_trace.py, kvoffload's connector with the engine loop's timeline recorded)."""
     base, *overrides = config.split("+")
+    if any(o.startswith("ablate=") for o in overrides):
+        if not traced or not base.startswith("kvo"):
+            raise ValueError(f"{config}: +ablate= needs a kvo configuration and --engine-trace")
+        overrides = [o for o in overrides if not o.startswith("ablate=")]
     if base in ("none", "offloading", "simple"):  # as the end-to-end bench configures them
         return e2e_kv_transfer_config(base, socket_path, cpu_bytes)
     if base in ("kvo-eager", "kvo-lazy"):
@@ -124,6 +128,11 @@ def kv_transfer_config(
             },
         }
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
+
+
+def ablation(config: str) -> str:
+    """The `+ablate=NAME` of a traced kvo configuration (engine_trace.ablate), or ''."""
+    return next((o.split("=", 1)[1] for o in config.split("+")[1:] if o.startswith("ablate=")), "")
 
 
 def plan_points(a: argparse.Namespace) -> list[Point]:
@@ -237,6 +246,7 @@ class Server:
             trace_dir = Path(self.a.engine_trace) / self.config
             trace_dir.mkdir(parents=True, exist_ok=True)  # a bad path fails here, not in vLLM
             env["KVO_ENGINE_TRACE_DIR"] = str(trace_dir)
+            env["KVO_ABLATE"] = ablation(self.config)
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
             )
@@ -566,8 +576,10 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
                 # a wedged server must not eat the call: a point gets a generous multiple of
                 # its own length, then the configuration is given up
                 limit = min(left - 10, a.point_timeout_s + 3 * point.expected_s())
+                wall0 = time.time()
                 row = run_point(a, server, point, work, timeout_s=limit)
                 row["order"] = a.configs.index(config)
+                row["wall_span"] = [round(wall0, 3), round(time.time(), 3)]  # for side probes
                 report["rows"].append(row)
                 print(f"   {point.label}: {_brief(row)}", flush=True)
                 _save(out, report)
@@ -732,7 +744,10 @@ def configs_arg(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if not a.engine_trace and any(ablation(c) for c in a.configs):
+        parser.error("--configs: +ablate= needs --engine-trace (the ablation lives there)")
     report = sweep(a)
     failed = [c for c, s in report["servers"].items() if s.get("status") != "ok"]
     return 1 if failed else 0

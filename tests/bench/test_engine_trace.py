@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+import engine_trace  # noqa: E402
 from engine_trace import prefill_timelines  # noqa: E402
 from serve_sweep import kv_transfer_config  # noqa: E402
 
@@ -43,3 +46,56 @@ def test_prefill_timelines_measure_each_event_from_its_prefill_schedule() -> Non
     assert [round(a, 3) for a, _ in off["schedule#1"]] == [21.0]  # the decode after it
     assert [round(a, 3) for a, _ in off["schedule#2"]] == [30.0]
     assert "send#0" not in off and "rpc.<lambda>#0" in off
+
+
+def test_an_ablation_is_traced_only_and_kept_out_of_the_connector_config(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from serve_sweep import ablation
+
+    cfg = "kvo-eager+ablate=nodma+store_threshold=2"
+    assert ablation(cfg) == "nodma" and ablation("kvo-eager+store_threshold=2") == ""
+    traced = kv_transfer_config(cfg, "/s.sock", 1 << 30, traced=True)
+    assert traced["kv_connector_extra_config"] == {
+        "socket": "/s.sock",
+        "mode": "eager",
+        "store_threshold": "2",
+    }
+    with pytest.raises(ValueError, match="--engine-trace"):
+        kv_transfer_config(cfg, "/s.sock", 1 << 30)
+    from serve_sweep import main
+
+    with pytest.raises(SystemExit):  # refused before any server starts
+        main(["--configs", "kvo-eager+ablate=nodma", "--out", "/nonexistent/x.json"])
+    assert "+ablate= needs --engine-trace" in capsys.readouterr().err
+
+
+def test_ablations_drop_only_the_stores_part_they_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvoffload_connector.transfer import cuda
+
+    calls: list[tuple[str, bool]] = []
+    monkeypatch.setattr(
+        cuda.CudaEngine,
+        "_dma",
+        lambda self, r, b, buf, to_pool, s, raw: calls.append(("dma", to_pool)),
+    )
+    monkeypatch.setattr(
+        cuda.CudaEngine,
+        "_copy_kernel",
+        lambda self, p, ids, buf, s, to_staging, ctas: calls.append(("gather", to_staging)),
+    )
+    with pytest.raises(ValueError, match="known"):
+        engine_trace.ablate("nothing")
+    engine_trace.ablate("nodma")
+    eng = object.__new__(cuda.CudaEngine)
+    for flag in (True, False):
+        eng._dma(None, 0, 0, flag, None, 0)
+        eng._copy_kernel(None, 0, 0, None, flag, 2)
+    # the store's DMA (to the pool) is gone; its gather and all of a load stay
+    assert calls == [("gather", True), ("dma", False), ("gather", False)]
+    calls.clear()
+    engine_trace.ablate("nogather")  # on top of nodma: both gone now
+    for flag in (True, False):
+        eng._dma(None, 0, 0, flag, None, 0)
+        eng._copy_kernel(None, 0, 0, None, flag, 2)
+    assert calls == [("dma", False), ("gather", False)]
