@@ -12,6 +12,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -90,6 +91,20 @@ def spread(values: Iterable[float]) -> dict[str, float]:
         "p99": percentile(vals, 99),
         "max": max(vals),
     }
+
+
+def bootstrap_median_ci(
+    values: Sequence[float], resamples: int = 2000, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
+    """A percentile-bootstrap confidence interval of the median of `values` (paired ratios:
+    is 1.0 inside?). Seeded, so a report is reproducible from its samples."""
+    if not values:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    lo = percentile(meds, 100 * (1 - level) / 2)
+    return lo, percentile(meds, 100 * (1 + level) / 2)
 
 
 def rotations(items: Sequence[Any], rounds: int) -> list[list[Any]]:

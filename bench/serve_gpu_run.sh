@@ -3,6 +3,7 @@
 # `vllm serve` per configuration, `vllm bench serve` and bench/serve_chat.py as the clients.
 #
 #   bash bench/serve_gpu_run.sh [BUDGET_S] [serve_sweep.py flags...]   (repository root; carry .gpu)
+#   BENCH=serve_paired.py bash bench/serve_gpu_run.sh [BUDGET_S] [serve_paired.py flags...]
 #
 # `vllm serve` and `vllm bench serve` need a few packages the GPU image lacks (uvicorn, uvloop,
 # aiohttp, ...): .gpu/whl2 holds their wheels (`pip download` of the names in SERVE_MODULES below for
@@ -33,7 +34,7 @@ PY
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1; nproc; free -g | head -2; df -h /dev/shm | tail -1; } | tee "$OUT/env.txt"
 bash bench/build_native.sh >> "$OUT/env.txt" 2>&1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-timeout $((budget + 30)) python3 bench/serve_sweep.py --budget-s "$budget" --out "$OUT/sweep.json" "$@" 2>&1 \
+timeout $((budget + 30)) python3 "bench/${BENCH:-serve_sweep.py}" --budget-s "$budget" --out "$OUT/sweep.json" "$@" 2>&1 \
   | grep -v '^INFO\|^DEBUG\|^(APIServer\|^(EngineCore' | tail -120
 rc=${PIPESTATUS[0]}
 # the servers' logs are large: one file keeps each one's error lines and tail (device runs bring

@@ -1,0 +1,178 @@
+"""Paired light-load A/B of `vllm serve` configurations: the 0%-hit cost of offloading, with
+the machine's own drift taken out.
+
+Every configuration's server (serve_sweep's `Server`, each kvoffload one with its own sidecar)
+runs at once on the one GPU, each with its share of GPU memory and the same GPU KV cache. The
+client sends one request at a time, never two at once: a round sends one fresh random prompt
+(0% hits on either tier) to each server, in an order that rotates every round, then the next
+round. Why: on the shared GPU VM the host's speed drifts by 10-20% over minutes (a CPU canary
+beside sequential per-configuration runs moved with their TTFTs), which is larger than the
+1% being judged. Rounds seconds apart see the same machine, so each round's TTFT ratio to the
+baseline is a fair pair; the report gives the median ratio with a bootstrap 95% interval.
+
+    python bench/serve_paired.py --configs none,kvo-eager --rounds 300 --out X.json
+    (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import bootstrap_median_ci, machine, percentile, rotations, table  # noqa: E402
+from serve_model import build_model_dir  # noqa: E402
+from serve_sweep import SERVED_NAME, Server, build_parser  # noqa: E402
+
+
+def random_prompt(rng: random.Random, tokens: int, vocab: int) -> list[int]:
+    """Token ids that no other prompt of the run shares a block with (random from the first)."""
+    return [rng.randrange(16, vocab - 16) for _ in range(tokens)]
+
+
+def timed_request(url: str, prompt: list[int], max_tokens: int, timeout_s: float) -> dict:
+    """One streamed completion: seconds to the first token and to the last, tokens seen."""
+    body = json.dumps(
+        {
+            "model": SERVED_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    first = None
+    chunks = 0
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - t0
+            chunks += 1
+    if first is None:
+        raise RuntimeError("the stream ended without a token")
+    return {"ttft_s": first, "e2e_s": time.perf_counter() - t0, "chunks": chunks}
+
+
+def paired_summary(ttft: dict[str, list[float]], baseline: str) -> list[dict[str, Any]]:
+    """Per configuration: TTFT p50/p90 (ms) and, against `baseline`, the median of the
+    per-round ratios with its bootstrap 95% interval (round i of every configuration is a pair)."""
+    rows = []
+    for config, xs in ttft.items():
+        row: dict[str, Any] = {
+            "config": config,
+            "n": len(xs),
+            "ttft_p50_ms": round(statistics.median(xs) * 1e3, 2),
+            "ttft_p90_ms": round(percentile(xs, 90) * 1e3, 2),
+        }
+        if config != baseline:
+            ratios = [a / b for a, b in zip(xs, ttft[baseline], strict=True)]
+            lo, hi = bootstrap_median_ci(ratios)
+            row.update(
+                ratio_p50=round(statistics.median(ratios), 4),
+                ratio_ci95=[round(lo, 4), round(hi, 4)],
+                faster_rounds=sum(r < 1 for r in ratios),
+            )
+        rows.append(row)
+    return rows
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    out = Path(a.out)
+    work = out.with_suffix("")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    model_dir = build_model_dir(Path(a.model) / "config.json", work / "model")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    if a.gpu_mem_util_total:
+        a.gpu_mem_util = round(a.gpu_mem_util_total / len(a.configs), 3)
+    servers = [Server(a, c, model_dir, work) for c in a.configs]
+    report: dict[str, Any] = {
+        "benchmark": "serve_paired",
+        "machine": machine(),
+        "args": vars(a),
+        "servers": {},
+    }
+    rng = random.Random(a.seed)
+    samples: dict[str, list[dict]] = {c: [] for c in a.configs}
+    try:
+        for s in servers:  # one at a time: each profiles GPU memory with the others settled
+            s.start()
+            report["servers"][s.config] = {"start_s": round(s.start_s, 1), "argv": s.argv()}
+            print(f"   {s.config}: started in {s.start_s:.0f} s", flush=True)
+        t_end = time.monotonic() + a.measure_s
+        orders = rotations(servers, a.warmup_rounds + a.rounds)
+        for i, order in enumerate(orders):
+            if time.monotonic() > t_end:
+                print(f"   out of time after {i} rounds", flush=True)
+                break
+            for s in order:
+                prompt = random_prompt(rng, a.prompt_tokens, vocab)
+                r = timed_request(s.url, prompt, a.output_tokens, a.request_timeout_s)
+                if i >= a.warmup_rounds:
+                    samples[s.config].append({"round": i, **r})
+                time.sleep(a.gap_s)
+        for s in servers:
+            report["servers"][s.config]["sidecar_stats"] = s.sidecar_stats()
+    finally:
+        for s in servers:
+            s.stop()
+    n = min(len(v) for v in samples.values())  # whole rounds only: every ratio is a pair
+    ttft = {c: [x["ttft_s"] for x in v[:n]] for c, v in samples.items()}
+    report["rows"] = paired_summary(ttft, a.configs[0]) if n else []
+    report["samples"] = samples
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(f"\n== paired light load: {n} rounds, baseline {a.configs[0]} ==")
+    print(table(report["rows"]))
+    return report
+
+
+def build_paired_parser() -> argparse.ArgumentParser:
+    p = build_parser()
+    p.description = __doc__.split("\n\n")[0]
+    p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--warmup-rounds", type=int, default=10)
+    p.add_argument("--measure-s", type=float, default=360.0, help="stop rounds after this")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--gap-s", type=float, default=0.1, help="idle time after each request")
+    p.add_argument("--request-timeout-s", type=float, default=60.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gpu-mem-util-total",
+        type=float,
+        default=0.0,
+        help="split this share of GPU memory between the servers (else each gets --gpu-mem-util)",
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_paired_parser()
+    a = parser.parse_args(argv)
+    if len(a.configs) < 2:
+        parser.error("--configs: give a baseline and at least one configuration to pair with it")
+    if a.rounds < 1 or a.prompt_tokens < 1 or a.output_tokens < 1:
+        parser.error("--rounds, --prompt-tokens and --output-tokens must be >= 1")
+    run(a)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""bench/serve_paired.py: two real `vllm serve` processes (CPU build) at once, paired rounds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from harness import bootstrap_median_ci  # noqa: E402
+from serve_paired import main, paired_summary  # noqa: E402
+
+
+def test_paired_summary_pairs_round_by_round() -> None:
+    ttft = {"none": [0.010, 0.020, 0.030, 0.040], "kvo": [0.011, 0.022, 0.033, 0.044]}
+    base, kvo = paired_summary(ttft, "none")
+    assert base["config"] == "none" and "ratio_p50" not in base
+    assert base["ttft_p50_ms"] == 25.0
+    # every round 10% slower, though the medians of the two lists alone would hide the pairing
+    assert kvo["ratio_p50"] == pytest.approx(1.1)
+    assert kvo["ratio_ci95"] == [pytest.approx(1.1), pytest.approx(1.1)]
+    assert kvo["faster_rounds"] == 0
+
+
+def test_bootstrap_interval_holds_the_median_and_narrows_with_more_pairs() -> None:
+    few = [1.0, 1.02, 0.98, 1.05, 0.97, 1.01]
+    lo, hi = bootstrap_median_ci(few)
+    assert lo <= sorted(few)[3] and hi >= sorted(few)[2]
+    lo2, hi2 = bootstrap_median_ci(few * 20)
+    assert hi2 - lo2 < hi - lo
+
+
+def test_bad_flags_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--configs", "none"])
+    assert "--configs: give a baseline" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--configs", "none,kvo-eager", "--rounds", "0"])
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_two_cpu_servers_serve_paired_rounds_and_the_kvo_one_stores(tmp_path: Path) -> None:
+    out = tmp_path / "paired.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/serve_paired.py"),
+        "--model",
+        str(ROOT / "tests/connector/models/tiny-llama"),
+        "--configs",
+        "none,kvo-eager",
+        "--dtype",
+        "float32",
+        "--graphs",
+        "none",
+        "--gpu-blocks",
+        "16",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        "--gpu-mem-util-total",  # on the CPU build: the share of host memory, split in two
+        "0.3",
+        "--cpu-gib",
+        "0.25",
+        "--rounds",
+        "6",
+        "--warmup-rounds",
+        "1",
+        "--prompt-tokens",
+        "600",  # one full chunk (4 blocks of 128 tokens, vLLM's CPU default) per prompt
+        "--output-tokens",
+        "4",
+        "--gap-s",
+        "0",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    base, kvo = report["rows"]
+    assert (base["config"], kvo["config"]) == ("none", "kvo-eager")
+    assert base["n"] == kvo["n"] == 6
+    for config in ("none", "kvo-eager"):
+        samples = report["samples"][config]
+        assert [s["round"] for s in samples] == list(range(1, 7))  # warm-up round left out
+        # 4 tokens streamed; the first arrives before the last
+        assert all(s["chunks"] >= 4 and 0 < s["ttft_s"] <= s["e2e_s"] for s in samples)
+    assert kvo["ratio_ci95"][0] <= kvo["ratio_p50"] <= kvo["ratio_ci95"][1]
+    # eager stored each random prompt's full chunk, and nothing hit
+    (ns,) = report["servers"]["kvo-eager"]["sidecar_stats"]["namespaces"]
+    assert int(ns["storedBlocks"]) > 0 and int(ns.get("hitBlocks", 0)) == 0
+    assert report["servers"]["none"]["sidecar_stats"] is None
