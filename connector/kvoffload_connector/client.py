@@ -29,6 +29,7 @@ from kvoffload.v1 import pool_pb2, pool_pb2_grpc
 from kvoffload_connector.errors import PoolUnavailable
 from kvoffload_connector.framed import FramedSession
 from kvoffload_connector.keys import SpecFields, pack, unpack_slots
+from kvoffload_connector.presence import PresenceView, open_presence
 from kvoffload_connector.session import OrderedSession
 
 if TYPE_CHECKING:
@@ -244,6 +245,8 @@ class PoolClient:
         self.socket_path = socket_path
         self.framed = framed  # use the sidecar's framed socket for the session when offered
         self.transport = ""  # "framed" or "grpc": what the live session runs on
+        # the sidecar's presence map (presence.py) from the last registration, or None
+        self.presence: PresenceView | None = None
         self.client_name = client_name
         self.rpc_timeout_s = rpc_timeout_s
         self.backoff = Backoff(reconnect_min_s, reconnect_max_s)
@@ -373,6 +376,8 @@ class PoolClient:
         self.backoff.reset()
         self._socket_id = socket_id
         self.key_size = spec.key_size
+        # each registration names its sidecar's map: a restarted one writes a new file
+        self.presence = open_presence(self.socket_path, resp.presence_map)
         self.registrations += 1
         self.registration = RegisterResult(
             namespace_id=resp.namespace_id,

@@ -123,6 +123,7 @@ class SchedulerStats:
     store_chunks_planned: int = 0
     store_chunks_dropped: int = 0
     store_chunks_below_threshold: int = 0
+    presence_misses: int = 0  # misses the sidecar's presence map answered: no round trip
 
 
 class OffloadScheduler:
@@ -256,8 +257,14 @@ class OffloadScheduler:
                 ):
                     self._tell_unusable()
                     return 0, False
-                st.queued = True
                 self.stats.queried_tokens += request.num_tokens - num_computed_tokens
+                if self._usable() and self._surely_absent(request):
+                    st.answer = _Answer(0, [], [], "")  # the lookup's answer, without asking
+                    st.answer_step = self._step
+                    self.stats.presence_misses += 1
+                    self._schedulable.setdefault(req_id, self._step)
+                    return 0, False
+                st.queued = True
                 if self._may_look_up_inline(req_id):
                     self._look_up_inline(st)
                 else:
@@ -313,6 +320,20 @@ class OffloadScheduler:
             return True
         budget_s = self.cfg.inline_lookup_ms / 1e3
         return self._inline_spent_s + self._lookup_ewma_s < budget_s
+
+    def _surely_absent(self, request: Any) -> bool:
+        """The sidecar's presence map (presence.py) says the request's first chunk is not in
+        the pool, so no prefix of it is: a miss without a round trip. Full attention only (a
+        sliding-window hit is not a plain prefix); any doubt means ask."""
+        presence = getattr(self.client, "presence", None)  # stand-ins may lack it
+        if presence is None or self.sliding or len(request.block_hashes) < self.chunk_blocks:
+            return False
+        try:
+            return not presence.maybe_present(
+                chunk_keys(request.block_hashes, self.chunk_blocks, 0, 1)[0]
+            )
+        except (ValueError, IndexError, OSError):  # a map closed under us: ask
+            return False
 
     def _look_up_inline(self, st: _Req) -> None:
         """The lookup and its pins in this scheduling call (deadline: `lookup_timeout_ms`), so
@@ -392,6 +413,9 @@ class OffloadScheduler:
         """Ask again for `st`: inline within the step's budget (True: its answer is fresh now),
         else in the background (False: the request waits one step for it, never longer, since
         a refresh in flight is not due again)."""
+        if self._surely_absent(st.request):  # still nothing in the pool: the answer stands
+            st.answer_step = self._step
+            return True
         st.refreshing = True
         self._refreshes_in_flight += 1
         batch, salts = [(st.req_id, self._request_keys(st.request))], _salts([st])
@@ -1078,6 +1102,7 @@ class OffloadScheduler:
             or st.store_chunks_planned
             or st.store_chunks_dropped
             or st.store_chunks_below_threshold
+            or st.presence_misses
         )
 
     def take_stats(self) -> SchedulerStats:

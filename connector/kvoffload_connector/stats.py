@@ -25,6 +25,7 @@ COUNTERS = (
     "store_chunks_planned",
     "store_chunks_dropped",  # sidecar away / no space
     "store_chunks_below_threshold",  # asked for fewer than store_threshold times: not stored
+    "presence_misses",  # misses answered by the sidecar's presence map, without a lookup
     "loaded_bytes",
     "load_seconds",
     "stored_bytes",
@@ -73,6 +74,7 @@ class ConnectorStats(KVConnectorStats):
             "lookup_ms": round(1e3 * d.get("lookup_seconds", 0) / max(1, d.get("lookups", 0)), 3),
             "stores_dropped": int(d.get("store_chunks_dropped", 0)),
             "stores_below_threshold": int(d.get("store_chunks_below_threshold", 0)),
+            "presence_misses": int(d.get("presence_misses", 0)),
             "failed_loads": int(d.get("failed_loads", 0)),
         }
 
@@ -105,6 +107,10 @@ class PromMetrics(KVConnectorPromMetrics):
         "store_chunks_below_threshold": (
             "kvoffload_connector_below_threshold_store_chunks_total",
             "Chunks not stored: asked for fewer than store_threshold times",
+        ),
+        "presence_misses": (
+            "kvoffload_connector_presence_misses_total",
+            "Misses answered by the sidecar's presence map, without a lookup round trip",
         ),
         "failed_loads": (
             "kvoffload_connector_failed_loads_total",

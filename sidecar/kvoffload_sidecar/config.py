@@ -79,6 +79,7 @@ class SidecarConfig:
     """After adopting a pool: seconds the slots a dead sidecar had reserved for stores stay out
     of use (a copy its engines queued may still land in them)."""
     framed_sessions: bool = True
+    presence_map: bool = True
     """Also serve the Session protocol without gRPC on `<socket>.session` (frames.py)."""
     log_level: str = "INFO"
     """Python logging level name."""
@@ -153,6 +154,11 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag(
         "--framed-sessions",
         "serve the connector's Session calls without gRPC on SOCKET.session: true (default), false",
+    ),
+    _Flag(
+        "--presence-map",
+        "write SOCKET.presence, which lets connectors answer most misses without a round trip: "
+        "true (default), false",
     ),
     _Flag("--log-level", "DEBUG, INFO (default), WARNING, ERROR"),
     _Flag("--max-sessions", "framed session connections served at once (default 64)"),
@@ -287,6 +293,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "eviction": _parse_choice(EVICTION_POLICIES),
     "hugepages": _parse_bool,
     "framed_sessions": _parse_bool,
+    "presence_map": _parse_bool,
     "numa_node": _parse_int(0),
     "max_namespaces": _parse_int(1),
     "client_timeout": _parse_seconds,

@@ -139,6 +139,10 @@ class SlotIndex:
     def live_keys(self) -> int:
         return len(self._slot_of)
 
+    def live_keys_packed(self) -> bytes:
+        """Every key in the map (reserved or committed), back to back."""
+        return b"".join(k for k, _ in self._slot_of.items())
+
     # -- transitions --------------------------------------------------------------------------
 
     def _ensure(self, slot: int) -> None:

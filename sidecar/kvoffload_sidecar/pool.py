@@ -48,6 +48,7 @@ from kvoffload_sidecar.persist import Adoption, NamespaceLayout, SlotTable
 from kvoffload_sidecar.policies import CachePolicy, make_policy
 from kvoffload_sidecar.policies.base import consume
 from kvoffload_sidecar.policies.factory import resolve_policy
+from kvoffload_sidecar.presence import PresenceMap
 from kvoffload_sidecar.region import PrefaultGate, Region
 from kvoffload_sidecar.tenants import KeySalts, TenantPolicy, TenantsConfig, TenantStats
 
@@ -296,6 +297,7 @@ class Pool:
         self._next_client = self._id_base()
         self._next_pin = self._id_base()
         self._next_store = self._id_base()
+        self._presence: PresenceMap | None = None  # attach_presence
         self._commit_seq = persist.FIRST_SEQ  # next commit record's sequence number
         self._evict_from = 0.0  # clock time before which adopted blocks are not evicted
         self._withhold_until = 0.0  # clock time until which slots reserved at death stay out
@@ -479,6 +481,9 @@ class Pool:
         with self._lock:
             self._namespaces.clear()  # their slot tables are views of the mapping
             self._clients.clear()
+            if self._presence is not None:  # connectors still mapping it keep their copy
+                self._presence.close()
+                self._presence = None
             self._partitions = [None] * len(self._partitions)
         self._region.close(remove=remove)
         with self._lock:
@@ -937,6 +942,8 @@ class Pool:
         ns = self._namespace(namespace_id)
         client = self._owned_client(ns, client_id)
         packed, n_keys = check_packed(keys, ns.spec.key_size)
+        if self._presence is not None:  # before any key can be committed (presence.py)
+            self._mark_present(packed, ns.spec.key_size)
         if self._stores_from and self._clock() < self._stores_from:
             return StoreReservation(0, (_NO_SPACE,) * n_keys, ())  # a skipped store
         if not self._region.intact():  # the reaper rebuilds the file; writing it is SIGBUS
@@ -1026,6 +1033,33 @@ class Pool:
         kept = set(admitted)
         admitted = [k for k in fresh if k in kept]  # key order, as the index reserves them
         return admitted, refused, [first[k] for k in admitted]
+
+    def attach_presence(self, presence: PresenceMap) -> None:
+        """Keep `presence` (presence.py) true from now on: every live key marked at once (the
+        adopted ones too), every key a store reserves marked before it can be committed."""
+        with self._lock:
+            self._presence = presence
+            self._rebuild_presence()
+
+    def _mark_present(self, packed: bytes, key_size: int) -> None:
+        """Lock held."""
+        presence = self._presence
+        assert presence is not None
+        # a rebuild marks the index's keys only: it runs before this batch is marked, never
+        # after (the batch's new keys are not in the index yet)
+        if presence.rebuild_due(sum(ns.index.live_keys() for ns in self._namespaces.values())):
+            self._rebuild_presence()
+        presence.mark_packed(packed, key_size)
+
+    def _rebuild_presence(self) -> None:
+        """Lock held: the live keys of every namespace (reserved or committed) only."""
+        if self._presence is not None:
+            self._presence.rebuild(
+                [
+                    (ns.index.live_keys_packed(), ns.spec.key_size)
+                    for ns in self._namespaces.values()
+                ]
+            )
 
     @staticmethod
     def _reserve_new(ns: _Namespace, packed: bytes, n: int) -> np.ndarray | None:

@@ -41,6 +41,7 @@ from kvoffload_sidecar.errors import (
 from kvoffload_sidecar.frames import SOCKET_MODE, FramedSessions, socket_path_for
 from kvoffload_sidecar.metrics import SidecarMetrics, package_version
 from kvoffload_sidecar.pool import Pool
+from kvoffload_sidecar.presence import PresenceMap
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         self.open_sessions = 0  # gRPC Session streams and framed connections
         self._sessions_lock = threading.Lock()  # framed connections open and close in threads
         self.session_socket_name = ""  # the framed socket's file name, told to registrants
+        self.presence_map_name = ""  # the presence map's file name (presence.py), likewise
         self._session_tasks: set[asyncio.Task[Any]] = set()  # open gRPC Session handlers
         self._ending: set[asyncio.Task[Any]] = set()  # of those, cancelled by cancel_sessions
         self.status_dir: Path | None = None  # where connectors write their status files
@@ -159,6 +161,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         spec, num_ranks, slot_bytes, name = convert.register_args(req)
         convert.registration_to_proto(self._pool.register(spec, num_ranks, slot_bytes, name), out)
         out.session_socket = self.session_socket_name
+        out.presence_map = self.presence_map_name
 
     def _lookup(self, req: pb.LookupRequest, _session: int, out: pb.LookupResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)
@@ -542,4 +545,18 @@ def create_server(
         built.frames = FramedSessions(
             servicer, socket_path_for(sock), MAX_MESSAGE_BYTES, config.max_sessions
         )
+    if config.presence_map:
+        servicer.presence_map_name = attach_presence(pool, sock.with_name(sock.name + ".presence"))
     return built
+
+
+def attach_presence(pool: Pool, path: Path) -> str:
+    """The presence map beside the socket, kept by `pool`; its file name, or "" (logged) when
+    it cannot be written: connectors then look every request up, as without it."""
+    try:
+        presence = PresenceMap(path)
+    except OSError as e:
+        log.warning("no presence map at %s (%s): connectors look every request up", path, e)
+        return ""
+    pool.attach_presence(presence)
+    return path.name

@@ -1099,3 +1099,28 @@ def test_metadata_names_the_steps_longest_query_when_it_loads():
     s.update_state_after_alloc(req, KVBlocks((bp.allocate(19),)), 256)
     meta = s.build_connector_meta(SchedOut({"a": 1, "r": 300 - 256, "c": 17}))
     assert len(meta.loads) == 1 and meta.longest_query == 44
+
+
+def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
+    """The sidecar's presence map (a real writer's file): a request whose first chunk was never
+    reserved is a miss without a lookup; one whose prefix was stored is looked up and hits."""
+    from kvoffload_connector.presence import PresenceView
+    from kvoffload_sidecar.presence import PresenceMap
+
+    s, fake, *_ = make(load="layered", inline=True)
+    pm = PresenceMap(tmp_path / "pool.sock.presence", bits=16)
+    fake.presence = PresenceView(str(tmp_path / "pool.sock.presence"))
+    miss = Request("m", list(range(300)))
+    assert s.get_num_new_matched_tokens(miss, 0) == (0, False)
+    assert fake.calls == [] and s.stats.presence_misses == 1
+    assert s.stats.queried_tokens == 300  # still counted as asked: hit rates stay comparable
+    hit = Request("h", list(range(1000, 1300)))
+    commit_prompt(fake, hit, 4)
+    pm.mark_packed(b"".join(make_key(hit.block_hashes[c * 2 + 1], 0) for c in range(4)), 36)
+    assert s.get_num_new_matched_tokens(hit, 0) == (256, False)
+    assert fake.calls == ["lookup_pin"] and s.stats.presence_misses == 1
+    # a sliding-window model's hit is no plain prefix: it always asks
+    sw, fake_sw, *_ = make(load="layered", inline=True, groups=2, windows=[0, 64])
+    fake_sw.presence = fake.presence
+    assert sw.get_num_new_matched_tokens(Request("w", list(range(5000, 5300))), 0) == (0, False)
+    assert fake_sw.calls and sw.stats.presence_misses == 0

@@ -74,7 +74,7 @@ class RankRegion(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "regions", "pool_ready", "prefault_fraction", "committed_blocks", "pool_generation", "session_socket")
+    __slots__ = ("namespace_id", "client_id", "regions", "pool_ready", "prefault_fraction", "committed_blocks", "pool_generation", "session_socket", "presence_map")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class RegisterResponse(_message.Message):
     COMMITTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_MAP_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_id: int
     regions: _containers.RepeatedCompositeFieldContainer[RankRegion]
@@ -91,7 +92,8 @@ class RegisterResponse(_message.Message):
     committed_blocks: int
     pool_generation: str
     session_socket: str
-    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RankRegion, _Mapping]]] = ..., pool_ready: _Optional[bool] = ..., prefault_fraction: _Optional[float] = ..., committed_blocks: _Optional[int] = ..., pool_generation: _Optional[str] = ..., session_socket: _Optional[str] = ...) -> None: ...
+    presence_map: str
+    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RankRegion, _Mapping]]] = ..., pool_ready: _Optional[bool] = ..., prefault_fraction: _Optional[float] = ..., committed_blocks: _Optional[int] = ..., pool_generation: _Optional[str] = ..., session_socket: _Optional[str] = ..., presence_map: _Optional[str] = ...) -> None: ...
 
 class KeyList(_message.Message):
     __slots__ = ("keys", "cache_salt")

@@ -1,0 +1,59 @@
+"""The presence map through a real `kvoffload sidecar` process: named at registration, marked
+by stores, rebuilt from the adopted pool file after a SIGKILL, re-mapped at re-registration."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+from kvoffload_connector.client import PoolClient
+from kvoffload_connector.keys import build_spec, make_key
+from kvoffload_connector.sidecar_proc import SidecarProcess
+
+SPEC = build_spec(
+    model="tiny",
+    dtype="float32",
+    kv_layout="LB/test",
+    block_size=32,
+    chunk_blocks=2,
+    tp_size=1,
+    hash_algo="sha256",
+    group_specs=["Full:w0"],
+)
+
+
+def key(i: int) -> bytes:
+    return make_key(hashlib.sha256(i.to_bytes(8, "big")).digest(), 0)
+
+
+@pytest.mark.process
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("framed", [True, False], ids=["framed", "grpc"])
+def test_stores_mark_the_map_and_a_restarted_sidecar_marks_what_it_adopted(framed: bool) -> None:
+    sc = SidecarProcess(pool_size="16Mi").start()
+    try:
+        c = PoolClient(sc.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
+        reg = c.register(SPEC, 1, 8192)
+        view = c.presence
+        assert view is not None and os.path.dirname(view.path) == os.path.dirname(sc.socket)
+        assert not any(view.maybe_present(key(i)) for i in range(50))
+        res = c.reserve_store([key(1), key(2)])
+        assert view.maybe_present(key(1)) and view.maybe_present(key(2))  # before the commit
+        assert c.commit_store(reg.namespace_id, res.store_id, 0)
+        assert not any(view.maybe_present(key(i)) for i in range(3, 50))
+        sc.kill()  # no goodbye: the next sidecar adopts the pool file and rebuilds the map
+        sc.start()
+        deadline = time.monotonic() + 10
+        while not c.ensure() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.connected and c.registrations == 2
+        again = c.presence
+        assert again is not None and again is not view  # the new instance's file, mapped anew
+        assert again.maybe_present(key(1)) and again.maybe_present(key(2))
+        assert not again.maybe_present(key(3))
+        assert c.lookup([[key(1), key(2)]]) == [2]  # and the pool agrees
+        c.close()
+    finally:
+        sc.close()
