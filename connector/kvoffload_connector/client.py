@@ -536,7 +536,6 @@ class PoolClient:
         keys: Sequence[bytes],
         announce: Sequence[bytes] = (),
         salts: Sequence[str | None] = (),
-        timeout_s: float | None = None,
     ) -> StoreReservation:
         """Slots for the keys not in the pool yet; `announce`: per key, what KV events say of
         its block once visible (events.py), or nothing; `salts`: per key, its request's
@@ -548,7 +547,7 @@ class PoolClient:
         if any(salts):
             names, request.key_salts = key_salts(salts)
             request.cache_salts.extend(names)
-        r = self._call(timeout_s, reserve_store=request).reserve_store
+        r = self._call(None, reserve_store=request).reserve_store
         return StoreReservation(r.store_id, r.decisions, _slots(r.slots))
 
     def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:

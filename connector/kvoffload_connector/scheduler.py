@@ -898,33 +898,14 @@ class OffloadScheduler:
             return
         self._told_unusable = ""
         self._reservations_in_flight += 1
-        if self._may_reserve_inline():
-            t0 = time.perf_counter()
-            self._reserve_rpc(planned, self.cfg.lookup_timeout_ms / 1e3)
-            spent = time.perf_counter() - t0
-            self._inline_spent_s += spent
-            self._lookup_ewma_s += 0.25 * (spent - self._lookup_ewma_s)
-            self._drain()  # the store job goes out with this step's metadata
-            return
         self._rpc.submit(lambda: self._reserve_rpc(planned))
 
-    def _may_reserve_inline(self) -> bool:
-        """Reserve on the scheduler thread while this step's inline round trips stay within
-        `inline_lookup_ms` (the lookups' rule): the store job then leaves with this step's
-        metadata and the worker submits it right behind the forward that computes it, instead
-        of one step later in the window where the finished step's tokens wait for the engine
-        thread; and no RPC thread competes for the GIL while that forward is launched."""
-        if not (self.cfg.inline_lookup and self._usable()):
-            return False
-        return self._inline_spent_s + self._lookup_ewma_s < self.cfg.inline_lookup_ms / 1e3
-
-    def _reserve_rpc(self, planned: list[_PlannedChunk], timeout_s: float | None = None) -> None:
+    def _reserve_rpc(self, planned: list[_PlannedChunk]) -> None:
         try:
             reg = self.client.registration
             announce = [p.announce for p in planned] if self.event_feed is not None else ()
             salts = [p.salt for p in planned]  # per key: the sidecar's per-tenant quotas
-            keys = [p.key for p in planned]
-            res = self.client.reserve_store(keys, announce, salts, timeout_s=timeout_s)
+            res = self.client.reserve_store([p.key for p in planned], announce, salts)
             payload = (planned, res, reg.namespace_id if reg else "", reg.generation if reg else "")
         except PoolUnavailable:
             payload = (planned, None, "", "")

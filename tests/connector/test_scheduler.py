@@ -101,7 +101,7 @@ class FakePool:
             self.pins.pop(p, None)
         return 0
 
-    def reserve_store(self, keys, announce=(), salts=(), timeout_s=None):
+    def reserve_store(self, keys, announce=(), salts=()):
         self._check("reserve_store")
         self.salts.append(("reserve_store", list(salts)))
         decisions, slots = [], []
@@ -862,9 +862,7 @@ def test_eager_skips_what_the_gpu_prefix_cache_already_held():
     mgr.req_blocks["r"] = [bp.allocate(7)]
     reserved: list[int] = []
     real = fake.reserve_store
-    fake.reserve_store = lambda keys, *rest, **kw: (
-        reserved.append(len(keys)) or real(keys, *rest, **kw)
-    )
+    fake.reserve_store = lambda keys, *rest: reserved.append(len(keys)) or real(keys, *rest)
     s.build_connector_meta(SchedOut({"r": 72}))
     settle(s)
     assert reserved == [1]
@@ -1002,15 +1000,14 @@ def test_vllm026_without_kv_cache_manager_follows_block_tables_from_the_output()
     out = SchedOut({"r": 100})
     out.scheduled_new_reqs = [NewReq("r", (ids[:4],))]
     out.scheduled_cached_reqs = Cached([], [])
-    # reserved inline (the default): each step's store job leaves with that step's metadata
-    stores = list(s.build_connector_meta(out).stores)  # 100 tokens: 1 full chunk
+    s.build_connector_meta(out)  # 100 tokens: 1 full chunk
     out2 = SchedOut({"r": 100})
     out2.scheduled_new_reqs = []
     out2.scheduled_cached_reqs = Cached(["r"], [(ids[4:],)])
     req.num_computed_tokens = 100
-    stores += s.build_connector_meta(out2).stores  # 200 tokens: chunks 1 and 2 complete
+    s.build_connector_meta(out2)  # 200 tokens: chunks 1 and 2 complete
     settle(s)
-    stores += s.build_connector_meta(SchedOut({})).stores
+    stores = s.build_connector_meta(SchedOut({})).stores
     got = sorted(b for job in stores for t in job.transfers for b in t.gpu_blocks)
     assert got == sorted(ids[:6])
 
@@ -1127,34 +1124,3 @@ def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
     fake_sw.presence = fake.presence
     assert sw.get_num_new_matched_tokens(Request("w", list(range(5000, 5300))), 0) == (0, False)
     assert fake_sw.calls and sw.stats.presence_misses == 0
-
-
-@pytest.mark.parametrize("inline", [True, False], ids=["inline", "background"])
-def test_an_inline_reservation_sends_the_store_with_the_step_that_computes_it(inline):
-    """With inline round trips (the default) the prefill's store job is in the metadata of the
-    step that computes its blocks, so the worker submits it right behind that forward; without
-    them it waits for the RPC thread and goes out a step later."""
-    s, fake, bp, mgr = make(inline=inline)
-    req = Request("r", list(range(200)))
-    assert ask(s, req) == (0, False)
-    mgr.req_blocks["r"] = [bp.allocate(7)]
-    first = s.build_connector_meta(SchedOut({"r": 200}))
-    settle(s)
-    later = s.build_connector_meta(SchedOut({}))
-    now, after = (first.stores, later.stores) if inline else (later.stores, first.stores)
-    assert len(now) == 1 and not after
-    (job,) = now
-    assert sum(len(t.gpu_blocks) for t in job.transfers) == 6  # 3 full chunks of 2 blocks
-    assert fake.calls.count("reserve_store") == 1
-
-
-def test_a_slow_pool_turns_inline_reservations_off_until_it_is_fast():
-    """Past the step's inline budget, reservations go to the RPC thread (as lookups do)."""
-    s, fake, bp, mgr = make(inline=True, inline_ms=2)
-    s._lookup_ewma_s = 0.005  # recent round trips took 5 ms: over the 2 ms budget
-    req = Request("r", list(range(200)))
-    assert ask(s, req) == (0, False)
-    mgr.req_blocks["r"] = [bp.allocate(7)]
-    assert s.build_connector_meta(SchedOut({"r": 200})).stores == ()
-    settle(s)
-    assert len(s.build_connector_meta(SchedOut({})).stores) == 1
