@@ -168,6 +168,8 @@ class OffloadScheduler:
         self._step = 0  # build_connector_meta calls: engine steps
         # requests answered (schedulable) and not yet admitted: req id -> step of the answer
         self._schedulable: dict[str, int] = {}
+        # (salt, keys per group) of requests the presence map answered, for `_count_presence_misses`
+        self._presence_missed: list[tuple[str | None, list[list[PoolKey]]]] = []
         self._lookup_ewma_s = 0.0  # recent lookup round trips (inline and background)
         self._registration: Registration | None = None
         self._no_pool = (
@@ -262,6 +264,7 @@ class OffloadScheduler:
                     st.answer = _Answer(0, [], [], "")  # the lookup's answer, without asking
                     st.answer_step = self._step
                     self.stats.presence_misses += 1
+                    self._presence_missed.append((_salt(request), self._request_keys(request)))
                     self._schedulable.setdefault(req_id, self._step)
                     return 0, False
                 st.queued = True
@@ -334,6 +337,23 @@ class OffloadScheduler:
             )
         except (ValueError, IndexError, OSError):  # a map closed under us: ask
             return False
+
+    def _count_presence_misses(self) -> None:
+        """Tell the sidecar about the step's presence-map misses in one background Lookup, so
+        its lookup counters and hit rates (per namespace and tenant) still count every request
+        asked about; off the requests' path, which was answered already."""
+        if not self._presence_missed:
+            return
+        batch, self._presence_missed = self._presence_missed, []
+        queries = [keys for _, per_group in batch for keys in per_group]
+        salts = [salt for salt, per_group in batch for _ in per_group]
+        timeout_s = self.cfg.lookup_timeout_ms / 1e3
+
+        def count() -> None:
+            with contextlib.suppress(PoolUnavailable):
+                self.client.lookup(queries, timeout_s=timeout_s, salts=salts)
+
+        self._rpc.submit(count)
 
     def _look_up_inline(self, st: _Req) -> None:
         """The lookup and its pins in this scheduling call (deadline: `lookup_timeout_ms`), so
@@ -983,6 +1003,7 @@ class OffloadScheduler:
             else:
                 self._reserve(self._plan_lazy())
         self._send_lookups()
+        self._count_presence_misses()
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         # A preempted request's blocks with stores in flight stay referenced until stored, so
         # nothing waits here (vLLM's own connectors block the step on those stores instead).

@@ -1114,11 +1114,16 @@ def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
     assert s.get_num_new_matched_tokens(miss, 0) == (0, False)
     assert fake.calls == [] and s.stats.presence_misses == 1
     assert s.stats.queried_tokens == 300  # still counted as asked: hit rates stay comparable
+    # the step's misses reach the sidecar's lookup counters in one background Lookup
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert fake.calls == ["lookup"] and fake.queried == [1]
+    assert fake.salts[-1] == ("lookup", [None])
     hit = Request("h", list(range(1000, 1300)))
     commit_prompt(fake, hit, 4)
     pm.mark_packed(b"".join(make_key(hit.block_hashes[c * 2 + 1], 0) for c in range(4)), 36)
     assert s.get_num_new_matched_tokens(hit, 0) == (256, False)
-    assert fake.calls == ["lookup_pin"] and s.stats.presence_misses == 1
+    assert fake.calls == ["lookup", "lookup_pin"] and s.stats.presence_misses == 1
     # a sliding-window model's hit is no plain prefix: it always asks
     sw, fake_sw, *_ = make(load="layered", inline=True, groups=2, windows=[0, 64])
     fake_sw.presence = fake.presence
