@@ -126,6 +126,9 @@ class SchedulerStats:
     presence_misses: int = 0  # misses the sidecar's presence map answered: no round trip
 
 
+_MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
+
+
 class OffloadScheduler:
     def __init__(
         self,
@@ -170,6 +173,7 @@ class OffloadScheduler:
         self._schedulable: dict[str, int] = {}
         # (salt, keys per group) of requests the presence map answered, for `_count_presence_misses`
         self._presence_missed: list[tuple[str | None, list[list[PoolKey]]]] = []
+        self._missed_reported_at = float("-inf")  # the first misses are reported at once
         self._lookup_ewma_s = 0.0  # recent lookup round trips (inline and background)
         self._registration: Registration | None = None
         self._no_pool = (
@@ -339,11 +343,17 @@ class OffloadScheduler:
             return False
 
     def _count_presence_misses(self) -> None:
-        """Tell the sidecar about the step's presence-map misses in one background Lookup, so
-        its lookup counters and hit rates (per namespace and tenant) still count every request
-        asked about; off the requests' path, which was answered already."""
+        """Tell the sidecar about the presence-map misses in one background Lookup every
+        `miss_report_ms` (or once `_MISS_REPORT_MAX` requests wait), so its lookup counters and
+        hit rates (per namespace and tenant) still count every request asked about; off the
+        requests' path, which was answered already."""
         if not self._presence_missed:
             return
+        now = self._clock()
+        due = (now - self._missed_reported_at) * 1e3 >= self.cfg.miss_report_ms
+        if not due and len(self._presence_missed) < _MISS_REPORT_MAX:
+            return
+        self._missed_reported_at = now
         batch, self._presence_missed = self._presence_missed, []
         queries = [keys for _, per_group in batch for keys in per_group]
         salts = [salt for salt, per_group in batch for _ in per_group]
@@ -1131,6 +1141,8 @@ class OffloadScheduler:
         return s
 
     def shutdown(self) -> None:
+        self._missed_reported_at = float("-inf")
+        self._count_presence_misses()  # the last ones, before the RPC thread drains
         if self.event_feed is not None:
             self.event_feed.close()
         self._rpc.close()

@@ -1107,7 +1107,8 @@ def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
     from kvoffload_connector.presence import PresenceView
     from kvoffload_sidecar.presence import PresenceMap
 
-    s, fake, *_ = make(load="layered", inline=True)
+    now = [100.0]
+    s, fake, *_ = make(load="layered", inline=True, clock=lambda: now[0])
     pm = PresenceMap(tmp_path / "pool.sock.presence", bits=16)
     fake.presence = PresenceView(str(tmp_path / "pool.sock.presence"))
     miss = Request("m", list(range(300)))
@@ -1119,11 +1120,21 @@ def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
     settle(s)
     assert fake.calls == ["lookup"] and fake.queried == [1]
     assert fake.salts[-1] == ("lookup", [None])
+    # later ones wait for miss_report_ms (5 s): a round trip per step would cost prefills
+    assert s.get_num_new_matched_tokens(Request("m2", list(range(2000, 2300))), 0) == (0, False)
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert fake.calls == ["lookup"]
+    now[0] += 5.0
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert fake.calls == ["lookup", "lookup"] and fake.queried == [1, 1]
+    fake.calls.clear()
     hit = Request("h", list(range(1000, 1300)))
     commit_prompt(fake, hit, 4)
     pm.mark_packed(b"".join(make_key(hit.block_hashes[c * 2 + 1], 0) for c in range(4)), 36)
     assert s.get_num_new_matched_tokens(hit, 0) == (256, False)
-    assert fake.calls == ["lookup", "lookup_pin"] and s.stats.presence_misses == 1
+    assert fake.calls == ["lookup_pin"] and s.stats.presence_misses == 2
     # a sliding-window model's hit is no plain prefix: it always asks
     sw, fake_sw, *_ = make(load="layered", inline=True, groups=2, windows=[0, 64])
     fake_sw.presence = fake.presence
