@@ -220,3 +220,27 @@ def test_connections_served_at_once_race_on_shared_keys_and_leave_the_index_whol
     while server.sidecar.servicer.open_sessions and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.sidecar.servicer.open_sessions == 0
+
+
+def test_register_names_the_presence_map_and_the_flag_turns_it_off(tmp_path: Path) -> None:
+    """`pool.sock.presence` beside the socket, readable by any uid of the pod (0644), named at
+    registration; `--presence-map false`: no file and no name (connectors ask every time)."""
+    for on in (True, False):
+        (tmp_path / str(on)).mkdir()
+        with (
+            socket_dir() as sock_dir,
+            ServerThread(server_config(tmp_path / str(on), sock_dir, presence_map=on)) as srv,
+            Client(srv.target) as c,
+        ):
+            wait_ready(c)
+            reg = c.stub.Register(
+                pb.RegisterRequest(
+                    spec=spec(), num_ranks=1, slot_bytes_per_rank=64 << 10, client_name="t"
+                )
+            )
+            path = srv.config.socket.with_name("pool.sock.presence")
+            assert reg.presence_map == ("pool.sock.presence" if on else "")
+            assert path.exists() is on
+            if on:
+                assert stat.S_IMODE(path.stat().st_mode) == 0o644
+        assert not path.exists()  # removed when the sidecar stops
