@@ -146,6 +146,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 def build_paired_parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.description = __doc__.split("\n\n")[0]
+    # not beside the sweeps: serve_report.py reads every file in bench/results/serve
+    p.set_defaults(out=str(Path(__file__).resolve().parent / "results/serve_paired/paired.json"))
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--warmup-rounds", type=int, default=10)
     p.add_argument("--measure-s", type=float, default=360.0, help="stop rounds after this")
