@@ -65,8 +65,10 @@ class PresenceMap:
 
     def _buckets(self, packed: bytes, key_size: int) -> np.ndarray:
         n = len(packed) // key_size
-        heads = np.frombuffer(packed, np.uint8, count=n * key_size).reshape(n, key_size)[:, :8]
-        return (np.ascontiguousarray(heads).view("<u8").ravel() & self._mask).astype(np.intp)
+        keys = np.frombuffer(packed, np.uint8, count=n * key_size).reshape(n, key_size)
+        heads = np.zeros((n, 8), np.uint8)  # a key under 8 bytes reads as zero-padded (LE)
+        heads[:, : min(8, key_size)] = keys[:, :8]
+        return (heads.view("<u8").ravel() & self._mask).astype(np.intp)
 
     def mark_packed(self, packed: bytes, key_size: int) -> None:
         """Set the buckets of `key_size`-byte keys packed back to back."""

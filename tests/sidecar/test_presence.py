@@ -92,3 +92,14 @@ def test_the_reader_refuses_what_it_cannot_read(pool_dir: Path) -> None:
         PresenceView(str(pool_dir / "short.presence"))
     with pytest.raises(ValueError, match="bucket bits"):
         PresenceMap(pool_dir / "x.presence", bits=40)
+
+
+def test_keys_shorter_than_a_head_are_marked_as_the_reader_reads_them(pool_dir: Path) -> None:
+    """Any key size the spec allows (1..): a short key's bucket is its zero-padded head on both
+    sides, so a store of 3-byte keys neither fails nor reads absent."""
+    pm = PresenceMap(pool_dir / "short.presence", bits=16)
+    view = PresenceView(str(pool_dir / "short.presence"))
+    short = [bytes([7, i, 200]) for i in range(5)]
+    pm.mark_packed(b"".join(short), 3)
+    assert all(view.maybe_present(k) for k in short)
+    assert not view.maybe_present(bytes([8, 0, 200]))
