@@ -127,6 +127,8 @@ class SchedulerStats:
 
 
 _MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
+# a store waits this many steps at most for its requests' first token (a long chunked prefill)
+_STORE_WAIT_MAX_STEPS = 64
 
 
 class OffloadScheduler:
@@ -163,6 +165,8 @@ class OffloadScheduler:
         self.refreshed_hits = 0  # refreshes that found a longer hit (tests, debugging)
         self._loads_out: list[LoadJob] = []
         self._stores_out: list[StoreJob] = []
+        # store jobs waiting for their requests' first output token: (step made, req ids, job)
+        self._stores_waiting: list[tuple[int, tuple[str, ...], StoreJob]] = []
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._reservations_in_flight = 0
@@ -984,7 +988,31 @@ class OffloadScheduler:
             namespace_id=namespace_id,
             chunks=len(keep),
         )
-        self._stores_out.append(StoreJob(job_id, res.store_id, namespace_id, transfers, generation))
+        job = StoreJob(job_id, res.store_id, namespace_id, transfers, generation)
+        if self.cfg.store_after_first_token:
+            self._stores_waiting.append((self._step, req_ids, job))
+        else:
+            self._stores_out.append(job)
+
+    def _awaits_first_token(self, req_id: str) -> bool:
+        """True while vLLM has no output token of the request (prefill not yet answered)."""
+        st = self._reqs.get(req_id)
+        if st is None:
+            return False  # finished or aborted: nothing to wait for
+        n = getattr(st.request, "num_output_tokens", None)
+        return isinstance(n, int) and n == 0
+
+    def _release_waiting_stores(self) -> None:
+        """Send the store jobs whose requests have their first token (or waited too long)."""
+        still: list[tuple[int, tuple[str, ...], StoreJob]] = []
+        for made, req_ids, job in self._stores_waiting:
+            if self._step - made < _STORE_WAIT_MAX_STEPS and any(
+                self._awaits_first_token(r) for r in req_ids
+            ):
+                still.append((made, req_ids, job))
+            else:
+                self._stores_out.append(job)
+        self._stores_waiting = still
 
     # -- per step -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
@@ -1012,6 +1040,8 @@ class OffloadScheduler:
                 self._reserve(self._plan_eager(scheduler_output))
             else:
                 self._reserve(self._plan_lazy())
+        if self._stores_waiting:
+            self._release_waiting_stores()
         self._send_lookups()
         self._count_presence_misses()
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
@@ -1120,6 +1150,7 @@ class OffloadScheduler:
             or self._refreshes_in_flight
             or self._results
             or self._stores_out
+            or self._stores_waiting
             or self._loads_out
         )
 

@@ -8,6 +8,7 @@ with the fields vLLM's objects have.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import threading
 import time
@@ -1140,3 +1141,61 @@ def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
     fake_sw.presence = fake.presence
     assert sw.get_num_new_matched_tokens(Request("w", list(range(5000, 5300))), 0) == (0, False)
     assert fake_sw.calls and sw.stats.presence_misses == 0
+
+
+@dataclass
+class PrefillingRequest(Request):
+    """A request with vLLM's output-token count: 0 until its prefill's token comes back."""
+
+    num_output_tokens: int = 0
+
+
+def test_an_eager_store_leaves_after_the_requests_first_token():
+    """Under vLLM's async scheduling the prefill's token is sent after the next step is
+    launched: a store submitted in that step would delay it, so the job waits (its blocks held)
+    until the request has an output token, and leaves in that very step."""
+    s, fake, bp, mgr = make()
+    req = PrefillingRequest("r", list(range(200)))
+    assert ask(s, req) == (0, False)
+    blocks = bp.allocate(7)
+    mgr.req_blocks["r"] = [blocks]
+    s.build_connector_meta(SchedOut({"r": 200}))  # the prefill step
+    settle(s)
+    assert fake.calls.count("reserve_store") == 1
+    assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()  # no token yet
+    assert all(b.ref_cnt == 2 for b in blocks[:6]) and s.has_pending_work()
+    req.num_output_tokens = 1  # vLLM processed the prefill's output
+    (job,) = s.build_connector_meta(SchedOut({"r": 1})).stores
+    assert [len(t.gpu_blocks) for t in job.transfers] == [6]
+    assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()  # sent once
+
+
+def test_a_waiting_store_leaves_when_its_request_finishes_or_after_the_step_cap():
+    for finish in (True, False):
+        s, fake, bp, mgr = make()
+        req = PrefillingRequest("r", list(range(200)))
+        ask(s, req)
+        mgr.req_blocks["r"] = [bp.allocate(7)]
+        s.build_connector_meta(SchedOut({"r": 200}))
+        settle(s)
+        if finish:  # e.g. aborted before its first token
+            s.request_finished(req, ([],))
+            assert len(s.build_connector_meta(SchedOut({})).stores) == 1
+            continue
+        sent = [len(s.build_connector_meta(SchedOut({"r": 8})).stores) for _ in range(70)]
+        assert sum(sent) == 1 and sent.index(1) == 64  # a long chunked prefill: 64 steps at most
+
+
+def test_store_after_first_token_false_sends_the_store_in_the_next_step():
+    s, fake, bp, mgr = make()
+    s.cfg = dataclasses.replace(s.cfg, store_after_first_token=False)
+    req = PrefillingRequest("r", list(range(200)))
+    ask(s, req)
+    mgr.req_blocks["r"] = [bp.allocate(7)]
+    s.build_connector_meta(SchedOut({"r": 200}))
+    settle(s)
+    assert len(s.build_connector_meta(SchedOut({"r": 1})).stores) == 1
+    assert (
+        parse_extra_config({"store_after_first_token": "false"}, BS).store_after_first_token
+        is False
+    )
