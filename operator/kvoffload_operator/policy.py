@@ -51,6 +51,7 @@ class Mode(str, Enum):
 class LoadMode(str, Enum):
     LAYERED = "layered"
     ASYNC = "async"
+    ADAPTIVE = "adaptive"  # opt-in: layered while the engine keeps up, async while it queues
 
 
 class SecurityProfile(str, Enum):

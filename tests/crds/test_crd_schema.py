@@ -135,3 +135,23 @@ def test_cel_rules_see_defaults() -> None:
     bad = copy.deepcopy(raw)
     bad["spec"]["pool"]["hugepages"] = True
     assert validate(bad)[1] != []
+
+
+@pytest.mark.parametrize("field", ["mode", "loadMode"])
+def test_every_mode_the_connector_takes_is_accepted_at_apply_and_injected(field: str) -> None:
+    """The CRD, policy.py and the injected --kv-transfer-config agree with the connector: a
+    value the connector supports is never refused by the API server or dropped by the webhook."""
+    from kvoffload_connector.config import LoadMode as ConnectorLoadMode
+    from kvoffload_connector.config import StoreMode
+    from kvoffload_operator.inject.render import kv_transfer_config
+
+    values = [m.value for m in (StoreMode if field == "mode" else ConnectorLoadMode)]
+    key = "mode" if field == "mode" else "load_mode"
+    raw = yaml.safe_load((ROOT / "crds/examples/minimal.yaml").read_text())
+    for value in values:
+        obj = copy.deepcopy(raw)
+        obj["spec"].setdefault("offload", {})[field] = value
+        _, errors = validate(obj)
+        assert errors == [], (value, errors)
+        policy = policy_from_resource(obj)
+        assert kv_transfer_config(policy)["kv_connector_extra_config"][key] == value
