@@ -70,6 +70,8 @@ COUNTERS = (
     "vllm:generation_tokens",
     # kvoffload's connector counters on the same endpoint (0 for the other configurations)
     "kvoffload_connector_below_threshold_store_chunks",
+    "kvoffload_connector_lookup_waits",
+    "kvoffload_connector_refresh_waits",
 )
 # prompt tokens by where their KV came from, counted once per request (the hit counters above
 # count every scheduling attempt, so a request that waits at the queue's head counts many times)

@@ -76,6 +76,7 @@ class _Req:
     load_async: bool = False  # the load mode last answered to vLLM for this request
     answer_step: int = 0  # the step its answer came in
     refreshing: bool = False  # a second lookup in flight for a longer hit (waiting request)
+    waited_for_refresh: bool = False  # it was passed over once for a background refresh
 
 
 @dataclass
@@ -124,6 +125,10 @@ class SchedulerStats:
     store_chunks_dropped: int = 0
     store_chunks_below_threshold: int = 0
     presence_misses: int = 0  # misses the sidecar's presence map answered: no round trip
+    # times vLLM was told "not yet" (None) for a request: it skips the request that step and may
+    # give its free blocks to one behind it (a preempted request at the head waits longer)
+    lookup_waits: int = 0  # its first lookup (or a rank's pool) was not answered yet
+    refresh_waits: int = 0  # a background refresh of a stale answer was in flight
 
 
 _MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
@@ -281,13 +286,16 @@ class OffloadScheduler:
                 else:
                     self._lookup_queue.append(st)
             if st.answer is None:
+                self.stats.lookup_waits += 1
                 return None, False
         if st.answer.hit_chunks and not self._ranks_ready():
             if self._waiting_for_ranks():
+                self.stats.lookup_waits += 1
                 return None, False  # a hit: worth waiting for the ranks' device registration
             self._release(st.answer.pins)  # waited long enough: recompute
             st.answer = _Answer(0, [], [], "")
         if self._refresh_due(st, min(n_full, cap // self.chunk_tokens)) and not self._refresh(st):
+            self.stats.refresh_waits += 1
             return None, False  # asked again in the background: admitted with it next step
         hit_end = min(st.answer.hit_chunks * self.chunk_tokens, cap)
         st.hit_end = hit_end
@@ -460,6 +468,13 @@ class OffloadScheduler:
             self._drain()
             return True
         self._rpc.submit(lambda: self._lookup_rpc(batch, salts, kind="refresh"))
+        if st.waited_for_refresh:
+            # Passed over once already: each None lets vLLM give the step's free blocks to a
+            # request behind this one, and a request that waits long (a preempted one, back at
+            # the head) would lose its turn every `refresh_steps`. It goes with what it has;
+            # the answer still grows if it is not admitted in this step.
+            return True
+        st.waited_for_refresh = True
         return False
 
     def _adopt_refresh(self, st: _Req | None, answer: _Answer | None) -> None:
@@ -473,6 +488,7 @@ class OffloadScheduler:
             and st.answer is not None
             and st.load_job is None
             and not st.queued
+            and st.req_id in self._schedulable  # not admitted meanwhile with the older answer
             and answer.hit_chunks > st.answer.hit_chunks
         )
         if not keep:
@@ -1002,12 +1018,15 @@ class OffloadScheduler:
         n = getattr(st.request, "num_output_tokens", None)
         return isinstance(n, int) and n == 0
 
-    def _release_waiting_stores(self) -> None:
-        """Send the store jobs whose requests have their first token (or waited too long)."""
+    def _release_waiting_stores(self, preempted: set[str]) -> None:
+        """Send the store jobs whose requests have their first token, were preempted (memory
+        is short: their blocks should free as soon as they are stored) or waited too long."""
         still: list[tuple[int, tuple[str, ...], StoreJob]] = []
         for made, req_ids, job in self._stores_waiting:
-            if self._step - made < _STORE_WAIT_MAX_STEPS and any(
-                self._awaits_first_token(r) for r in req_ids
+            if (
+                self._step - made < _STORE_WAIT_MAX_STEPS
+                and not preempted.intersection(req_ids)
+                and any(self._awaits_first_token(r) for r in req_ids)
             ):
                 still.append((made, req_ids, job))
             else:
@@ -1040,11 +1059,12 @@ class OffloadScheduler:
                 self._reserve(self._plan_eager(scheduler_output))
             else:
                 self._reserve(self._plan_lazy())
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if self._stores_waiting:
-            self._release_waiting_stores()
+            # a preempted request's blocks are wanted back: its stores leave now, not later
+            self._release_waiting_stores(set(preempted or ()))
         self._send_lookups()
         self._count_presence_misses()
-        preempted = getattr(scheduler_output, "preempted_req_ids", None)
         # A preempted request's blocks with stores in flight stay referenced until stored, so
         # nothing waits here (vLLM's own connectors block the step on those stores instead).
         for req_id in preempted or ():  # its blocks are gone: look up and store again on resume
@@ -1052,6 +1072,7 @@ class OffloadScheduler:
             if st is not None:
                 st.stored_chunks = 0
                 st.planned = False
+                st.waited_for_refresh = False  # waiting again: one more pass-over allowed
                 if st.load_job is None and st.answer is not None:
                     self._release(st.answer.pins)
                     st.answer = None
@@ -1165,6 +1186,8 @@ class OffloadScheduler:
             or st.store_chunks_dropped
             or st.store_chunks_below_threshold
             or st.presence_misses
+            or st.lookup_waits
+            or st.refresh_waits
         )
 
     def take_stats(self) -> SchedulerStats:

@@ -26,6 +26,8 @@ COUNTERS = (
     "store_chunks_dropped",  # sidecar away / no space
     "store_chunks_below_threshold",  # asked for fewer than store_threshold times: not stored
     "presence_misses",  # misses answered by the sidecar's presence map, without a lookup
+    "lookup_waits",  # a request skipped for a step: its lookup was not answered yet
+    "refresh_waits",  # a request skipped for a step: a refresh of its stale answer was out
     "loaded_bytes",
     "load_seconds",
     "stored_bytes",
@@ -75,6 +77,8 @@ class ConnectorStats(KVConnectorStats):
             "stores_dropped": int(d.get("store_chunks_dropped", 0)),
             "stores_below_threshold": int(d.get("store_chunks_below_threshold", 0)),
             "presence_misses": int(d.get("presence_misses", 0)),
+            "lookup_waits": int(d.get("lookup_waits", 0)),
+            "refresh_waits": int(d.get("refresh_waits", 0)),
             "failed_loads": int(d.get("failed_loads", 0)),
         }
 
@@ -111,6 +115,14 @@ class PromMetrics(KVConnectorPromMetrics):
         "presence_misses": (
             "kvoffload_connector_presence_misses_total",
             "Misses answered by the sidecar's presence map, without a lookup round trip",
+        ),
+        "lookup_waits": (
+            "kvoffload_connector_lookup_waits_total",
+            "Steps a request was skipped because its pool lookup was not answered yet",
+        ),
+        "refresh_waits": (
+            "kvoffload_connector_refresh_waits_total",
+            "Steps a request was skipped while a refresh of its stale lookup answer was out",
         ),
         "failed_loads": (
             "kvoffload_connector_failed_loads_total",

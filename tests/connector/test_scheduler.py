@@ -1186,6 +1186,22 @@ def test_a_waiting_store_leaves_when_its_request_finishes_or_after_the_step_cap(
         assert sum(sent) == 1 and sent.index(1) == 64  # a long chunked prefill: 64 steps at most
 
 
+def test_a_waiting_store_leaves_at_once_when_its_request_is_preempted():
+    """Preemption means GPU memory is short: the held blocks must not wait for a first token
+    that comes only after the request is readmitted."""
+    s, fake, bp, mgr = make()
+    req = PrefillingRequest("r", list(range(200)))
+    ask(s, req)
+    blocks = bp.allocate(7)
+    mgr.req_blocks["r"] = [blocks]
+    s.build_connector_meta(SchedOut({"r": 200}))
+    settle(s)
+    assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()
+    (job,) = s.build_connector_meta(SchedOut({}, preempted_req_ids={"r"})).stores
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+    assert all(b.ref_cnt == 1 for b in blocks[:6])  # ours dropped once stored
+
+
 def test_store_after_first_token_false_sends_the_store_in_the_next_step():
     s, fake, bp, mgr = make()
     s.cfg = dataclasses.replace(s.cfg, store_after_first_token=False)
@@ -1199,3 +1215,72 @@ def test_store_after_first_token_false_sends_the_store_in_the_next_step():
         parse_extra_config({"store_after_first_token": "false"}, BS).store_after_first_token
         is False
     )
+
+
+def test_steps_a_request_is_skipped_for_its_lookup_or_refresh_are_counted():
+    """Every None vLLM gets is a step the request is passed over: counted per cause, so a
+    serving run shows whether waiting requests lose their turn to lookups or to refreshes."""
+    s, fake, *_ = make(load="layered")  # inline lookups off: every answer comes a step later
+    other, req = Request("o", list(range(100, 400))), Request("r", list(range(300)))
+    commit_prompt(fake, req, 2)
+    assert s.get_num_new_matched_tokens(other, 0) == (None, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (128, False)
+    for _ in range(2):  # not admitted: its answer goes stale
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)  # a refresh is out
+    stats = s.take_stats()
+    assert (stats.lookup_waits, stats.refresh_waits) == (2, 1)  # `other` waited once too
+
+
+class GatedPool(FakePool):
+    """Lookups wait for `gate`: a refresh can be held in flight across steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def lookup(self, queries, timeout_s=None, salts=None):
+        assert self.gate.wait(5)
+        return super().lookup(queries, timeout_s, salts)
+
+
+def test_a_request_is_passed_over_for_background_refreshes_once_per_wait():
+    """A request that waits long (a preempted one is back at the queue's head) would lose its
+    turn to the requests behind it at every refresh; after one such step it goes with the
+    answer it has, and a refresh answer that comes after its admission is not adopted."""
+    s, fake, bp, mgr = make(load="layered", pool=GatedPool())  # background answers only
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 2)
+    s.get_num_new_matched_tokens(req, 0)
+    nones = 0
+    for _ in range(12):  # vLLM cannot admit it for 12 steps
+        s.build_connector_meta(SchedOut({}))
+        settle(s)
+        n, _ = s.get_num_new_matched_tokens(req, 0)
+        nones += n is None
+    assert nones == 1 and s.take_stats().refresh_waits == 1
+    settle(s)
+    fake.gate.clear()  # the next refresh stays out ...
+    commit_prompt(fake, req, 4)  # ... and would find the 2 chunks stored meanwhile
+    for _ in range(3):  # vLLM's GPU prefix cache holds the 128 tokens the answer covers
+        s.build_connector_meta(SchedOut({}))
+        n, _ = s.get_num_new_matched_tokens(req, 128)
+        if s._reqs["r"].refreshing:
+            break
+    assert s._reqs["r"].refreshing and n == 0  # not passed over: admitted, nothing to load
+    mgr.req_blocks["r"] = [bp.allocate(10)]
+    s.update_state_after_alloc(req, KVBlocks(tuple(mgr.req_blocks["r"])), 0)
+    assert s.build_connector_meta(SchedOut({"r": 300 - 128})).loads == ()
+    fake.gate.set()
+    settle(s)
+    s.build_connector_meta(SchedOut({"r": 1}))  # the late answer: not adopted, pins back
+    settle(s)
+    s.build_connector_meta(SchedOut({"r": 1}))
+    settle(s)
+    # the running request keeps its admitted answer; the late, longer one is not adopted
+    assert sorted(len(p) for p in fake.pins.values()) == [2]

@@ -383,6 +383,37 @@ def test_defaults_reset_hit(
     }
 
 
+@pytest.mark.slow
+def test_defaults_tensor_parallel_2_reset_hit(shared_sidecar, tmp_path):
+    """TP=2 at vLLM's own defaults (128-token blocks, the derived chunk): both ranks map the
+    pool and copy their regions, the hit covers whole default chunks and no token changes."""
+    r = _run(
+        "reset",
+        "tiny-llama",
+        shared_sidecar,
+        tmp_path / "tp2-defaults.json",
+        "--tp",
+        "2",
+        "--prompt-len",
+        "600",
+        "--seed",
+        "14",
+        env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        timeout=400,
+        block_size=None,
+        chunk=None,
+    )
+    assert (r["block_size"], r["chunk_tokens"]) == (128, 512)
+    assert all(o["cached"] == 0 for o in r["first"]), "fresh prompts: the reference must miss"
+    assert all(o["cached"] >= 512 for o in r["second"]), f"{r['second']}\n{r['log']}"
+    _assert_same_outputs(r["first"], r["second"])
+    assert r["disabled_lines"] == [], r["log"]
+    ranks = {ns.num_ranks for ns in shared_sidecar.stats().namespaces if ns.stored_blocks}
+    assert 2 in ranks, ranks
+    states = {name: st["state"] for name, st in _status_files(shared_sidecar).items()}
+    assert states.get("connector-status-worker-1.json") == "active", states
+
+
 # -- a connector that cannot build serves as if absent (issue 17, class 5) ----------------------
 
 
