@@ -93,6 +93,29 @@ def paired_summary(ttft: dict[str, list[float]], baseline: str) -> list[dict[str
     return rows
 
 
+def paired_between(ttft: dict[str, list[float]], baseline: str) -> list[dict[str, Any]]:
+    """Every pair of the non-baseline configurations, later against earlier (a change against
+    the setting it replaces, e.g. `kvo-eager` and `kvo-eager+store_after_first_token=false`):
+    the same per-round ratios, so two variants are compared without the baseline's noise."""
+    others = [c for c in ttft if c != baseline]
+    rows = []
+    for i, first in enumerate(others):
+        for second in others[i + 1 :]:
+            ratios = [a / b for a, b in zip(ttft[first], ttft[second], strict=True)]
+            lo, hi = bootstrap_median_ci(ratios)
+            rows.append(
+                {
+                    "config": first,
+                    "against": second,
+                    "n": len(ratios),
+                    "ratio_p50": round(statistics.median(ratios), 4),
+                    "ratio_ci95": [round(lo, 4), round(hi, 4)],
+                    "faster_rounds": sum(r < 1 for r in ratios),
+                }
+            )
+    return rows
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     out = Path(a.out)
     work = out.with_suffix("")
@@ -136,10 +159,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     n = min(len(v) for v in samples.values())  # whole rounds only: every ratio is a pair
     ttft = {c: [x["ttft_s"] for x in v[:n]] for c, v in samples.items()}
     report["rows"] = paired_summary(ttft, a.configs[0]) if n else []
+    report["between"] = paired_between(ttft, a.configs[0]) if n else []
     report["samples"] = samples
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"\n== paired light load: {n} rounds, baseline {a.configs[0]} ==")
     print(table(report["rows"]))
+    if report["between"]:
+        print("\n== the other configurations, paired with each other ==")
+        print(table(report["between"]))
     return report
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import bootstrap_median_ci  # noqa: E402
-from serve_paired import main, paired_summary  # noqa: E402
+from serve_paired import main, paired_between, paired_summary  # noqa: E402
 
 
 def test_paired_summary_pairs_round_by_round() -> None:
@@ -25,6 +25,19 @@ def test_paired_summary_pairs_round_by_round() -> None:
     assert kvo["ratio_p50"] == pytest.approx(1.1)
     assert kvo["ratio_ci95"] == [pytest.approx(1.1), pytest.approx(1.1)]
     assert kvo["faster_rounds"] == 0
+
+
+def test_two_variants_are_paired_with_each_other_not_only_with_the_baseline() -> None:
+    ttft = {
+        "none": [0.010, 0.020, 0.030],
+        "new": [0.0105, 0.021, 0.0315],  # 5% over the baseline every round
+        "old": [0.011, 0.022, 0.033],  # 10% over it
+    }
+    (row,) = paired_between(ttft, "none")
+    assert (row["config"], row["against"], row["n"]) == ("new", "old", 3)
+    assert row["ratio_p50"] == pytest.approx(1.05 / 1.1, abs=1e-4)
+    assert row["faster_rounds"] == 3
+    assert paired_between({"none": [1.0], "kvo": [1.1]}, "none") == []
 
 
 def test_bootstrap_interval_holds_the_median_and_narrows_with_more_pairs() -> None:
