@@ -19,7 +19,10 @@ Layout (little-endian, all in `pool-0.shm`, so index and bytes can never come ap
   when, wall clock ms), >= 2 = committed, the value being the commit's sequence number. `check` is
   a 64-bit mix of (epoch, slot, state, key). `last use` is the pool's sequence counter at the
   block's last hit (lookups and pins write it, outside the check): the adopter rebuilds the LRU
-  order from it, so a hot prefix is not the first victim after a restart.
+  order from it, so a hot prefix is not the first victim after a restart. Its top 8 bits hold
+  the tenant that stored the block (`--tenants`: its index + 1; 0, as every format-1 writer
+  left it, means not recorded: the default tenant), kept by every touch, so per-tenant quotas
+  survive a restart too.
 
 Why this is crash-consistent (the process dies; the tmpfs pages stay):
 - A slot becomes `reserved` (one 8-byte store) before the reservation's answer leaves the
@@ -44,7 +47,9 @@ import json
 import mmap
 import secrets
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from itertools import repeat
 
 import numpy as np
 
@@ -76,12 +81,16 @@ HUGE_PAGE = 2 << 20
 POOL_MAGIC = b"KVOFFPL\x00"
 NS_MAGIC = b"KVOFFNS\x00"
 FREE, RESERVED, FIRST_SEQ = 0, 1, 2
+TENANT_SHIFT = 56  # last-use word: tenant code in the top 8 bits, the use sequence below
+USE_MASK = np.uint64((1 << TENANT_SHIFT) - 1)
+TENANT_BITS = np.uint64(~((1 << TENANT_SHIFT) - 1) & ((1 << 64) - 1))
 MAX_SLOTS = (1 << 32) - 1
 
 # magic, version, max_namespaces, pool_size, partition_bytes, align, generation
 _POOL_HDR = struct.Struct("<8sII QQQ 8s")
 _POOL_CHECK_AT = 64  # the check follows the fields (8 bytes)
 _BOOTS_AT = 128  # one u64 outside the check
+_TENANTS_AT = 136  # one u64 outside the check: digest of the --tenants the codes refer to
 # magic, version, key_size, num_ranks, record_bytes, partition, namespace_id, epoch,
 # slot_bytes_per_rank, slot_count, per_rank_bytes, table_offset, spec_offset, spec_len
 _NS_HDR = struct.Struct("<8sIIIII 16s QQQQQQQ")
@@ -272,6 +281,24 @@ def count_boot(buf: mmap.mmap, geom: PoolGeometry, boots: int) -> None:
     struct.pack_into("<Q", buf, geom.header_offset + _BOOTS_AT, boots)
 
 
+def tenants_digest(names: str | None) -> int:
+    """What the pool header records of the --tenants names (in order) the records' tenant
+    codes index (0: none; format-1 writers left 0 there)."""
+    if not names:
+        return 0
+    return int.from_bytes(hashlib.blake2b(names.encode(), digest_size=8).digest(), "little")
+
+
+def read_tenants(buf: mmap.mmap, geom: PoolGeometry) -> int:
+    (digest,) = struct.unpack_from("<Q", buf, geom.header_offset + _TENANTS_AT)
+    return digest
+
+
+def write_tenants(buf: mmap.mmap, geom: PoolGeometry, digest: int) -> None:
+    """One aligned 8-byte store; written after the adopted records agree with it."""
+    struct.pack_into("<Q", buf, geom.header_offset + _TENANTS_AT, digest)
+
+
 # -- namespace headers --------------------------------------------------------------------------
 
 
@@ -398,6 +425,8 @@ class TableScan:
     withheld_ms: np.ndarray  # uint64 per withheld slot: when it was reserved (wall clock, ms;
     # torn ones: 0, "unknown", the caller holds them from now)
     discarded: dict[str, int] = field(default_factory=dict)
+    # uint8 per adopted slot (same order): tenant index + 1 that stored it, 0 when not recorded
+    tenants: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
 class SlotTable:
@@ -435,14 +464,21 @@ class SlotTable:
                 checks[slot] = when_ms
                 column[slot] = state
 
-    def commit(self, slots: np.ndarray | list[int], packed: bytes, seq: int) -> None:
+    def commit(
+        self,
+        slots: np.ndarray | list[int],
+        packed: bytes,
+        seq: int,
+        tenants: int | Sequence[int] = 0,
+    ) -> None:
         """Commit records for `slots` holding the packed keys (same order): key and check
-        first, the state word last."""
+        first, the state word last. `tenants`: the code (tenant index + 1, 0: none) of all of
+        them, or one per slot."""
         n = len(slots)
         if not n:
             return
         if n <= SCALAR_MAX:
-            self._commit_few(slots, packed, seq)
+            self._commit_few(slots, packed, seq, tenants)
             return
         idx = np.asarray(slots, np.intp)
         keys = np.zeros((n, self.key_words * 8), np.uint8)
@@ -453,32 +489,46 @@ class SlotTable:
         states = np.full(n, seq, np.uint64)
         rows = self.words
         rows[idx, 3:] = kw
-        rows[idx, 2] = states  # last use: the commit
+        codes = np.asarray(tenants, np.uint64) << np.uint64(TENANT_SHIFT)
+        rows[idx, 2] = states | codes  # last use: the commit, and who stored it
         rows[idx, 1] = record_check(self.epoch, idx, states, kw)
         rows[idx, 0] = states
 
-    def _commit_few(self, slots: np.ndarray | list[int], packed: bytes, seq: int) -> None:
+    def _commit_few(
+        self, slots: np.ndarray | list[int], packed: bytes, seq: int, tenants: int | Sequence[int]
+    ) -> None:
         """`commit` for a few records: Python ints and struct, no numpy call per record."""
         ks, base, size = self.key_size, self.layout.table_offset, self.layout.record_bytes
         words = self.key_words
         unpack = struct.Struct(f"<{words}Q").unpack
+        codes = repeat(tenants) if isinstance(tenants, int) else iter(tenants)
         for i, slot in enumerate(map(int, slots)):
             key = unpack(packed[i * ks : (i + 1) * ks] + self._key_pad)
             at = base + slot * size
             check = record_check_one(self.epoch, slot, seq, key)
-            self._row.pack_into(self._buf, at + 8, check, seq, *key)
+            use = seq | (int(next(codes)) << TENANT_SHIFT)
+            self._row.pack_into(self._buf, at + 8, check, use, *key)
             self.state[slot] = seq  # the state word last
 
     def touch(self, slots: np.ndarray | list[int] | tuple[int, ...], when: int) -> None:
         """Record a use (hit) of committed slots: an adopter orders the LRU by it. Outside the
-        check (a torn touch only misorders one block), one aligned 8-byte store each."""
+        check (a torn touch only misorders one block), one aligned 8-byte store each; the
+        tenant bits stay."""
         n = len(slots)
         if n > SCALAR_MAX:
-            self.words[np.asarray(slots, np.intp), 2] = when
+            idx = np.asarray(slots, np.intp)
+            column = self.words[:, 2]
+            column[idx] = (column[idx] & TENANT_BITS) | np.uint64(when)
         elif n:
             column = self.words[:, 2]
             for slot in slots:
-                column[slot] = when
+                column[slot] = (int(column[slot]) & ~int(USE_MASK)) | when
+
+    def forget_tenants(self, slots: np.ndarray) -> None:
+        """Clear the tenant codes of `slots` (they indexed another --tenants configuration)."""
+        if len(slots):
+            idx = np.asarray(slots, np.intp)
+            self.words[idx, 2] &= USE_MASK
 
     def scan(self) -> TableScan:
         """Read every record: the valid commits (a key stored twice keeps its latest), the slots
@@ -500,7 +550,8 @@ class SlotTable:
             discarded["torn"] = len(torn)
         good, rows = cand[ok], rows[ok]
         seqs = state[good]
-        used = np.maximum(rows[:, 2], seqs)  # last use: a hit's touch, else the commit
+        used = np.maximum(rows[:, 2] & USE_MASK, seqs)  # last use: a hit's touch, else the commit
+        codes = (rows[:, 2] >> np.uint64(TENANT_SHIFT)).astype(np.uint8)
         keys = np.ascontiguousarray(rows[:, 3:]).view(np.uint8)[:, : self.key_size]
         keep = _latest_per_key(keys, seqs)
         if len(keep) < len(good):
@@ -513,6 +564,7 @@ class SlotTable:
             withheld=np.concatenate([reserved, torn]) if len(torn) else reserved,
             withheld_ms=np.concatenate([self.words[reserved, 1], np.zeros(len(torn), np.uint64)]),
             discarded=discarded,
+            tenants=codes[keep],
         )
 
 

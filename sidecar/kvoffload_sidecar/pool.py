@@ -300,6 +300,7 @@ class Pool:
         self._presence: PresenceMap | None = None  # attach_presence
         self._commit_seq = persist.FIRST_SEQ  # next commit record's sequence number
         self._evict_from = 0.0  # clock time before which adopted blocks are not evicted
+        self._tenant_codes_valid = True  # the file's tenant codes index this --tenants
         self._withhold_until = 0.0  # clock time until which slots reserved at death stay out
         self.adoption = Adoption()
         self._draining = False
@@ -358,10 +359,16 @@ class Pool:
         buf = region.buffer
         found = persist.read_header(buf, geom) if region.reused else None
         grace = self.settings.detach_grace_s
+        tenants = self.settings.tenants
+        # the codes index tenant names in order: shares and salts may change, names may not
+        digest = persist.tenants_digest("\n".join(tenants.names) if tenants is not None else None)
         if found is not None and found.problem is None:
             self.generation = found.generation
             adoption = Adoption("adopted", "", found.format_version, boots=found.boots + 1)
             persist.count_boot(buf, geom, adoption.boots)
+            # the records' tenant codes index the --tenants recorded here: another one (or none)
+            # means they say nothing of this one's tenants
+            self._tenant_codes_valid = persist.read_tenants(buf, geom) == digest
             for partition in range(geom.max_namespaces):
                 layout = persist.read_namespace(buf, geom, partition, self.generation)
                 if isinstance(layout, str):
@@ -382,6 +389,7 @@ class Pool:
                 # for a moment: no slot is handed out for stores until they are surely done.
                 self._stores_from = self._started_at + grace
             persist.write_header(buf, geom, self.generation)
+        persist.write_tenants(buf, geom, digest)  # the adopted records now agree with it
         adoption.seconds = time.perf_counter() - t0
         self.adoption = adoption
         if adoption.outcome == "adopted":
@@ -418,7 +426,12 @@ class Pool:
         n = len(scan.slots)
         adopted = split_keys(scan.packed, spec.key_size, max_keys=max(n, 1))
         insert_many = getattr(policy, "insert_many", None)  # optional: LRU has a C-speed one
-        if insert_many is not None:
+        if not self._tenant_codes_valid and scan.tenants.any():
+            table.forget_tenants(scan.slots)  # they indexed another --tenants: default now
+            scan.tenants[:] = 0
+        if isinstance(policy, TenantPolicy):  # each block back to the tenant that stored it
+            policy.adopt(adopted, scan.tenants.tolist())
+        elif insert_many is not None:
             insert_many(adopted)
         else:
             consume(map(policy.insert, adopted))
@@ -687,7 +700,7 @@ class Pool:
 
     def _new_policy(self, slot_count: int) -> CachePolicy:
         """A namespace's eviction policy: per-tenant quotas over one policy per tenant when
-        --tenants is set (adopted blocks then count as the default tenant's), else one."""
+        --tenants is set, else one."""
         tenants = self.settings.tenants
         if tenants is None:
             return make_policy(self.settings.eviction, slot_count)
@@ -1129,7 +1142,8 @@ class Pool:
                 for key in keys:
                     insert(key)
                 if self._region.intact():  # the commit record: visible after a restart too
-                    ns.table.commit(record.slots, b"".join(keys), self._commit_seq)
+                    owners = ns.tenants.codes(keys) if ns.tenants is not None else 0
+                    ns.table.commit(record.slots, b"".join(keys), self._commit_seq, owners)
                     self._commit_seq += 1
                 ns.counters.stored_blocks += len(keys)
                 if ns.events is not None:

@@ -15,8 +15,10 @@ before it commits); only committed, unpinned blocks are victims. Each tenant has
 eviction policy (`make_policy`: LRU, ARC, ...) and a recency map (key -> sequence number of its
 last insert or hit) that orders the tenants' oldest blocks against each other.
 
-A block's tenant is recorded when it is reserved and kept in memory only: blocks adopted from
-the pool file after a sidecar restart (persist.py) count as the default tenant.
+A block's tenant is recorded when it is reserved, and in the pool file's commit record (its
+index + 1, persist.py): blocks adopted after a sidecar restart go back to the tenant that stored
+them, under the same --tenants (the pod's flag; an index this configuration lacks, or a file
+written without tenants, means the default tenant).
 
 No grpc here: the pool core (pool.py) calls `TenantPolicy`; the servicer decodes salts.
 """
@@ -325,6 +327,30 @@ class TenantPolicy:
             consume(map(tenant.policy.insert, keys))
         tenant.recency.update(zip(keys, repeat(self._seq)))
         self._owner.update(zip(keys, repeat(self.default)))
+
+    def adopt(self, keys: Sequence[PoolKey], codes: Sequence[int]) -> None:
+        """Adopted blocks, oldest first, each to the tenant the pool file recorded (`codes`:
+        index + 1 per key; 0 or an index past this configuration: the default tenant)."""
+        n = len(self._tenants)
+        groups: dict[int, list[PoolKey]] = {}
+        for key, code in zip(keys, codes, strict=True):
+            groups.setdefault(code - 1 if 0 < code <= n else self.default, []).append(key)
+        for t, group in groups.items():
+            tenant = self._tenants[t]
+            insert_many = getattr(tenant.policy, "insert_many", None)
+            if insert_many is not None:
+                insert_many(group)
+            else:
+                consume(map(tenant.policy.insert, group))
+            tenant.recency.update(zip(group, repeat(self._seq)))
+            self._owner.update(zip(group, repeat(t)))
+
+    def codes(self, keys: Sequence[PoolKey]) -> int | list[int]:
+        """What the pool file records of committed keys' tenants (index + 1): one int when
+        they share one (the usual store), else one per key."""
+        owner, default = self._owner, self.default
+        codes = [owner.get(k, default) + 1 for k in keys]
+        return codes[0] if codes and codes.count(codes[0]) == len(codes) else codes
 
     def remove(self, key: PoolKey) -> None:
         t = self._owner.pop(key, None)

@@ -318,20 +318,59 @@ def test_lookups_count_for_the_tenant_of_their_salt(make_tenancy) -> None:
     assert (d.lookups, d.hit_blocks) == (1, 1)
 
 
-def test_adopted_blocks_belong_to_the_default_tenant(make_tenancy, make_pool, small_spec) -> None:
+def test_adopted_blocks_go_back_to_the_tenant_that_stored_them(
+    make_tenancy, make_pool, small_spec
+) -> None:
+    """The commit record keeps the tenant (persist.py): after a restart under the same
+    --tenants, a's blocks are a's again, its guarantee protects them, and hits keep them."""
     t = make_tenancy(tenants(*A_AND_B))
     t.store("a", list(range(1000, 1008)))
+    t.store("b2", list(range(2000, 2004)))
+    t.store(None, list(range(3000, 3002)))
+    t.present([1000, 1001])  # hits rewrite the last-use word: the tenant must stay
     t.pool.close()  # the file stays: the next pool adopts its blocks
-    config = tenants(*A_AND_B)
-    again = make_pool(pool_size=SLOTS * SLOT + INDEX_ROOM, tenants=config, detach_grace_s=0.0)
+    again = make_pool(
+        pool_size=SLOTS * SLOT + INDEX_ROOM, tenants=tenants(*A_AND_B), detach_grace_s=0.0
+    )
     assert again.adoption.outcome == "adopted"
     reg = again.register(small_spec(), 1, SLOT, "engine-0/scheduler")
     u = Tenancy(again, reg)
-    assert u.used() == {"a": 0, "b": 0, DEFAULT_TENANT: 8}
+    assert u.used() == {"a": 8, "b": 4, DEFAULT_TENANT: 2}
     assert u.present(list(range(1000, 1008))) == list(range(1000, 1008))
-    u.store("b", list(range(2000, 2032)))  # the default tenant has no guarantee: b takes all
-    assert u.used() == {"a": 0, "b": 32, DEFAULT_TENANT: 0}
+    u.store("b", list(range(4000, 4032)))  # b may take all but a's guarantee (8 of 32)
+    assert u.used() == {"a": 8, "b": 24, DEFAULT_TENANT: 0}
     again.check_invariants()
+
+
+def test_adopted_blocks_under_other_tenant_names_or_none_are_the_defaults(
+    make_pool, small_spec
+) -> None:
+    """The header records which tenant names the codes index: a file written without
+    --tenants, or under other names, adopts as the default tenant's (never another tenant's),
+    and a changed share alone keeps them."""
+
+    def boot(config: TenantsConfig | None) -> Tenancy:
+        pool = make_pool(pool_size=SLOTS * SLOT + INDEX_ROOM, tenants=config, detach_grace_s=0.0)
+        return Tenancy(pool, pool.register(small_spec(), 1, SLOT, "engine-0/scheduler"))
+
+    plain = boot(None)
+    plain.store(None, list(range(5000, 5003)))
+    plain.pool.close()
+    t = boot(tenants(*A_AND_B))
+    assert t.used() == {"a": 0, "b": 0, DEFAULT_TENANT: 3}
+    t.store("b2", list(range(6000, 6002)))
+    t.pool.close()
+    wider = [dict(A_AND_B[0], max="75%"), A_AND_B[1]]  # shares changed, names the same
+    u = boot(tenants(*wider))
+    assert u.used() == {"a": 0, "b": 2, DEFAULT_TENANT: 3}
+    u.pool.close()
+    renamed = [A_AND_B[0], dict(A_AND_B[1], name="c")]  # b's index now names c: not guessed
+    v = boot(tenants(*renamed))
+    assert v.used() == {"a": 0, "c": 0, DEFAULT_TENANT: 5}
+    v.pool.check_invariants()
+    v.pool.close()
+    w = boot(tenants(*A_AND_B))  # the codes were cleared: b does not get them back either
+    assert w.used() == {"a": 0, "b": 0, DEFAULT_TENANT: 5}
 
 
 def test_without_tenants_salts_change_nothing(make_pool, small_spec) -> None:
