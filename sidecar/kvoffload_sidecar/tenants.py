@@ -316,17 +316,9 @@ class TenantPolicy:
         tenant.recency[key] = self._seq
 
     def insert_many(self, keys: Iterable[PoolKey]) -> None:
-        """Adopted blocks (a sidecar restart), oldest first: the default tenant's (the file
-        records no tenant)."""
+        """Blocks of no recorded tenant, oldest first: the default tenant's."""
         keys = list(keys)
-        tenant = self._tenants[self.default]
-        insert_many = getattr(tenant.policy, "insert_many", None)
-        if insert_many is not None:
-            insert_many(keys)
-        else:
-            consume(map(tenant.policy.insert, keys))
-        tenant.recency.update(zip(keys, repeat(self._seq)))
-        self._owner.update(zip(keys, repeat(self.default)))
+        self.adopt(keys, [0] * len(keys))
 
     def adopt(self, keys: Sequence[PoolKey], codes: Sequence[int]) -> None:
         """Adopted blocks, oldest first, each to the tenant the pool file recorded (`codes`:

@@ -1157,10 +1157,8 @@ def test_an_eager_store_leaves_after_the_requests_first_token():
     s, fake, bp, mgr = make()
     req = PrefillingRequest("r", list(range(200)))
     assert ask(s, req) == (0, False)
-    blocks = bp.allocate(7)
-    mgr.req_blocks["r"] = [blocks]
-    s.build_connector_meta(SchedOut({"r": 200}))  # the prefill step
-    settle(s)
+    assert _prefill(s, bp, mgr, req) == 3  # reserved in the prefill step
+    (blocks,) = mgr.req_blocks["r"]
     assert fake.calls.count("reserve_store") == 1
     assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()  # no token yet
     assert all(b.ref_cnt == 2 for b in blocks[:6]) and s.has_pending_work()
@@ -1175,9 +1173,7 @@ def test_a_waiting_store_leaves_when_its_request_finishes_or_after_the_step_cap(
         s, fake, bp, mgr = make()
         req = PrefillingRequest("r", list(range(200)))
         ask(s, req)
-        mgr.req_blocks["r"] = [bp.allocate(7)]
-        s.build_connector_meta(SchedOut({"r": 200}))
-        settle(s)
+        _prefill(s, bp, mgr, req)
         if finish:  # e.g. aborted before its first token
             s.request_finished(req, ([],))
             assert len(s.build_connector_meta(SchedOut({})).stores) == 1
@@ -1192,10 +1188,8 @@ def test_a_waiting_store_leaves_at_once_when_its_request_is_preempted():
     s, fake, bp, mgr = make()
     req = PrefillingRequest("r", list(range(200)))
     ask(s, req)
-    blocks = bp.allocate(7)
-    mgr.req_blocks["r"] = [blocks]
-    s.build_connector_meta(SchedOut({"r": 200}))
-    settle(s)
+    _prefill(s, bp, mgr, req)
+    (blocks,) = mgr.req_blocks["r"]
     assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()
     (job,) = s.build_connector_meta(SchedOut({}, preempted_req_ids={"r"})).stores
     s.update_connector_output(WorkerReport(done={job.job_id: 1}))
@@ -1207,9 +1201,7 @@ def test_store_after_first_token_false_sends_the_store_in_the_next_step():
     s.cfg = dataclasses.replace(s.cfg, store_after_first_token=False)
     req = PrefillingRequest("r", list(range(200)))
     ask(s, req)
-    mgr.req_blocks["r"] = [bp.allocate(7)]
-    s.build_connector_meta(SchedOut({"r": 200}))
-    settle(s)
+    _prefill(s, bp, mgr, req)
     assert len(s.build_connector_meta(SchedOut({"r": 1})).stores) == 1
     assert (
         parse_extra_config({"store_after_first_token": "false"}, BS).store_after_first_token
