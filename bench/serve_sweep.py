@@ -520,6 +520,10 @@ def run_point(
         delta["vllm:external_prefix_cache_hits"], delta["vllm:prefix_cache_queries"]
     )
     row["preemptions"] = delta["vllm:num_preemptions"]
+    # steps kvoffload told vLLM "not yet" for a request (vLLM skipped it those steps)
+    row["kvo_waits"] = (
+        delta["kvoffload_connector_lookup_waits"] + delta["kvoffload_connector_refresh_waits"]
+    )
     # where each prompt token's KV came from (once per request; None where vLLM lacks it)
     prompt = sum(delta[f"{BY_SOURCE}:{s}"] for s in SOURCES)
     shares = ("computed_share", "gpu_cached_share", "host_cached_share")
@@ -652,6 +656,7 @@ TABLE_COLUMNS = (
     ("GPU hit", "gpu_hit_rate", 3),
     ("host hit", "host_hit_rate", 3),
     ("preempt", "preemptions", 0),
+    ("kvo waits", "kvo_waits", 0),
 )
 
 
