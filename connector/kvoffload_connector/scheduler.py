@@ -132,7 +132,7 @@ class SchedulerStats:
 
 
 _MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
-# a store waits this many steps at most for its requests' first token (a long chunked prefill)
+# a store waits this many steps at most for its request's first token (a long chunked prefill)
 _STORE_WAIT_MAX_STEPS = 64
 
 
@@ -170,8 +170,8 @@ class OffloadScheduler:
         self.refreshed_hits = 0  # refreshes that found a longer hit (tests, debugging)
         self._loads_out: list[LoadJob] = []
         self._stores_out: list[StoreJob] = []
-        # store jobs waiting for their requests' first output token: (step made, req ids, job)
-        self._stores_waiting: list[tuple[int, tuple[str, ...], StoreJob]] = []
+        # planned store chunks waiting for their request's first output token: (step, chunk)
+        self._reserve_waiting: list[tuple[int, _PlannedChunk]] = []
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._reservations_in_flight = 0
@@ -941,6 +941,16 @@ class OffloadScheduler:
         for p in planned:
             self._touch(p.blocks)
         self.stats.store_chunks_planned += len(planned)
+        if self.cfg.store_after_first_token:
+            waits = {r: self._awaits_first_token(r) for r in {p.req_id for p in planned}}
+            self._reserve_waiting.extend((self._step, p) for p in planned if waits[p.req_id])
+            planned = [p for p in planned if not waits[p.req_id]]
+        self._send_reservation(planned)
+
+    def _send_reservation(self, planned: list[_PlannedChunk]) -> None:
+        """Reserve slots for `planned` (blocks already held) in the background."""
+        if not planned:
+            return
         if not self._usable():
             self._rpc.submit(self.client.ensure)  # reconnect in the background, drop these
             self._tell_unusable()
@@ -1004,11 +1014,7 @@ class OffloadScheduler:
             namespace_id=namespace_id,
             chunks=len(keep),
         )
-        job = StoreJob(job_id, res.store_id, namespace_id, transfers, generation)
-        if self.cfg.store_after_first_token:
-            self._stores_waiting.append((self._step, req_ids, job))
-        else:
-            self._stores_out.append(job)
+        self._stores_out.append(StoreJob(job_id, res.store_id, namespace_id, transfers, generation))
 
     def _awaits_first_token(self, req_id: str) -> bool:
         """True while vLLM has no output token of the request (prefill not yet answered)."""
@@ -1018,20 +1024,21 @@ class OffloadScheduler:
         n = getattr(st.request, "num_output_tokens", None)
         return isinstance(n, int) and n == 0
 
-    def _release_waiting_stores(self, preempted: set[str]) -> None:
-        """Send the store jobs whose requests have their first token, were preempted (memory
+    def _release_waiting_reservations(self, preempted: set[str]) -> None:
+        """Reserve the chunks whose requests have their first token, were preempted (memory
         is short: their blocks should free as soon as they are stored) or waited too long."""
-        still: list[tuple[int, tuple[str, ...], StoreJob]] = []
-        for made, req_ids, job in self._stores_waiting:
-            if (
-                self._step - made < _STORE_WAIT_MAX_STEPS
-                and not preempted.intersection(req_ids)
-                and any(self._awaits_first_token(r) for r in req_ids)
-            ):
-                still.append((made, req_ids, job))
+        still: list[tuple[int, _PlannedChunk]] = []
+        ready: list[_PlannedChunk] = []
+        waits: dict[str, bool] = {}
+        for made, p in self._reserve_waiting:
+            if p.req_id not in waits:
+                waits[p.req_id] = p.req_id not in preempted and self._awaits_first_token(p.req_id)
+            if waits[p.req_id] and self._step - made < _STORE_WAIT_MAX_STEPS:
+                still.append((made, p))
             else:
-                self._stores_out.append(job)
-        self._stores_waiting = still
+                ready.append(p)
+        self._reserve_waiting = still
+        self._send_reservation(ready)
 
     # -- per step -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
@@ -1060,9 +1067,9 @@ class OffloadScheduler:
             else:
                 self._reserve(self._plan_lazy())
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
-        if self._stores_waiting:
+        if self._reserve_waiting:
             # a preempted request's blocks are wanted back: its stores leave now, not later
-            self._release_waiting_stores(set(preempted or ()))
+            self._release_waiting_reservations(set(preempted or ()))
         self._send_lookups()
         self._count_presence_misses()
         # A preempted request's blocks with stores in flight stay referenced until stored, so
@@ -1171,7 +1178,7 @@ class OffloadScheduler:
             or self._refreshes_in_flight
             or self._results
             or self._stores_out
-            or self._stores_waiting
+            or self._reserve_waiting
             or self._loads_out
         )
 

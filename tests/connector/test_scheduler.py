@@ -1150,25 +1150,33 @@ class PrefillingRequest(Request):
     num_output_tokens: int = 0
 
 
-def test_an_eager_store_leaves_after_the_requests_first_token():
+def step(s: OffloadScheduler, scheduled: dict[str, int] | None = None, **kw) -> tuple:
+    """One engine step: the store jobs its metadata carries (background answers settled)."""
+    stores = s.build_connector_meta(SchedOut(scheduled or {}, **kw)).stores
+    settle(s)
+    return stores
+
+
+def test_an_eager_store_is_reserved_after_the_requests_first_token():
     """Under vLLM's async scheduling the prefill's token is sent after the next step is
-    launched: a store submitted in that step would delay it, so the job waits (its blocks held)
-    until the request has an output token, and leaves in that very step."""
+    launched: a reservation's round trip or a store's submission there would delay it, so the
+    planned chunks wait (their blocks held) until the request has an output token."""
     s, fake, bp, mgr = make()
     req = PrefillingRequest("r", list(range(200)))
     assert ask(s, req) == (0, False)
-    assert _prefill(s, bp, mgr, req) == 3  # reserved in the prefill step
+    assert _prefill(s, bp, mgr, req) == 3  # planned in the prefill step ...
     (blocks,) = mgr.req_blocks["r"]
-    assert fake.calls.count("reserve_store") == 1
-    assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()  # no token yet
+    assert "reserve_store" not in fake.calls  # ... and not reserved yet
+    assert step(s, {"r": 1}) == ()  # the next step: no token yet
     assert all(b.ref_cnt == 2 for b in blocks[:6]) and s.has_pending_work()
     req.num_output_tokens = 1  # vLLM processed the prefill's output
-    (job,) = s.build_connector_meta(SchedOut({"r": 1})).stores
+    assert step(s, {"r": 1}) == () and fake.calls.count("reserve_store") == 1
+    (job,) = step(s, {"r": 1})
     assert [len(t.gpu_blocks) for t in job.transfers] == [6]
-    assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()  # sent once
+    assert step(s, {"r": 1}) == () and fake.calls.count("reserve_store") == 1  # once
 
 
-def test_a_waiting_store_leaves_when_its_request_finishes_or_after_the_step_cap():
+def test_a_waiting_store_is_reserved_when_its_request_finishes_or_after_the_step_cap():
     for finish in (True, False):
         s, fake, bp, mgr = make()
         req = PrefillingRequest("r", list(range(200)))
@@ -1176,13 +1184,13 @@ def test_a_waiting_store_leaves_when_its_request_finishes_or_after_the_step_cap(
         _prefill(s, bp, mgr, req)
         if finish:  # e.g. aborted before its first token
             s.request_finished(req, ([],))
-            assert len(s.build_connector_meta(SchedOut({})).stores) == 1
+            assert step(s) == () and len(step(s)) == 1
             continue
-        sent = [len(s.build_connector_meta(SchedOut({"r": 8})).stores) for _ in range(70)]
+        sent = [len(step(s, {"r": 8})) for _ in range(70)]
         assert sum(sent) == 1 and sent.index(1) == 64  # a long chunked prefill: 64 steps at most
 
 
-def test_a_waiting_store_leaves_at_once_when_its_request_is_preempted():
+def test_a_waiting_store_is_reserved_at_once_when_its_request_is_preempted():
     """Preemption means GPU memory is short: the held blocks must not wait for a first token
     that comes only after the request is readmitted."""
     s, fake, bp, mgr = make()
@@ -1190,19 +1198,21 @@ def test_a_waiting_store_leaves_at_once_when_its_request_is_preempted():
     ask(s, req)
     _prefill(s, bp, mgr, req)
     (blocks,) = mgr.req_blocks["r"]
-    assert s.build_connector_meta(SchedOut({"r": 1})).stores == ()
-    (job,) = s.build_connector_meta(SchedOut({}, preempted_req_ids={"r"})).stores
+    assert step(s, {"r": 1}) == ()
+    assert step(s, preempted_req_ids={"r"}) == ()  # reserved now ...
+    (job,) = step(s)  # ... stored next
     s.update_connector_output(WorkerReport(done={job.job_id: 1}))
     assert all(b.ref_cnt == 1 for b in blocks[:6])  # ours dropped once stored
 
 
-def test_store_after_first_token_false_sends_the_store_in_the_next_step():
+def test_store_after_first_token_false_reserves_in_the_prefill_step():
     s, fake, bp, mgr = make()
     s.cfg = dataclasses.replace(s.cfg, store_after_first_token=False)
     req = PrefillingRequest("r", list(range(200)))
     ask(s, req)
     _prefill(s, bp, mgr, req)
-    assert len(s.build_connector_meta(SchedOut({"r": 1})).stores) == 1
+    assert fake.calls.count("reserve_store") == 1
+    assert len(step(s, {"r": 1})) == 1
     assert (
         parse_extra_config({"store_after_first_token": "false"}, BS).store_after_first_token
         is False
