@@ -11,16 +11,9 @@ from kvoffload_connector.client import Backoff, PoolClient, PoolUnavailable
 from kvoffload_connector.keys import build_spec, chunk_keys, key_size_for, make_key, pack
 from kvoffload_connector.sidecar_proc import SidecarProcess
 
-SPEC = build_spec(
-    model="tiny",
-    dtype="float32",
-    kv_layout="LB/test",
-    block_size=32,
-    chunk_blocks=2,
-    tp_size=1,
-    hash_algo="sha256",
-    group_specs=["Full:w0"],
-)
+from tests.connector.specs import TINY_SPEC
+
+SPEC = TINY_SPEC
 
 
 @pytest.fixture(params=[True, False], ids=["framed", "grpc"])

@@ -18,8 +18,10 @@ import time
 
 import pytest
 from kvoffload_connector.client import PoolClient
-from kvoffload_connector.keys import build_spec, make_key
+from kvoffload_connector.keys import make_key
 from kvoffload_connector.sidecar_proc import SidecarProcess
+
+from tests.connector.specs import TINY_SPEC
 
 _VIEW_AND_ENGINE = textwrap.dedent(
     """
@@ -91,16 +93,7 @@ def test_truncated_file_is_seen_and_the_cpu_engine_fails_the_job_without_sigbus(
     assert control.returncode == -signal.SIGBUS, (control.returncode, control.stderr[-2000:])
 
 
-SPEC = build_spec(
-    model="tiny",
-    dtype="float32",
-    kv_layout="LB/test",
-    block_size=32,
-    chunk_blocks=2,
-    tp_size=1,
-    hash_algo="sha256",
-    group_specs=["Full:w0"],
-)
+SPEC = TINY_SPEC
 
 
 def _keys(*ints: int) -> list[bytes]:

@@ -9,19 +9,12 @@ import time
 
 import pytest
 from kvoffload_connector.client import PoolClient
-from kvoffload_connector.keys import build_spec, make_key
+from kvoffload_connector.keys import make_key
 from kvoffload_connector.sidecar_proc import SidecarProcess
 
-SPEC = build_spec(
-    model="tiny",
-    dtype="float32",
-    kv_layout="LB/test",
-    block_size=32,
-    chunk_blocks=2,
-    tp_size=1,
-    hash_algo="sha256",
-    group_specs=["Full:w0"],
-)
+from tests.connector.specs import TINY_SPEC
+
+SPEC = TINY_SPEC
 
 
 def key(i: int) -> bytes:
