@@ -961,6 +961,7 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
         {"inline_lookup": "sometimes"},
         {"framed_session": "grpc"},
         {"store_decode": 2},
+        {"store_after_first_token": "later"},
     ],
 )
 def test_bad_config_names_the_key(bad):
