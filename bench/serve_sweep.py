@@ -427,6 +427,8 @@ RESULT_KEYS = (
     "p99_ttft_ms",
     "median_tpot_ms",
     "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
     "median_e2el_ms",
     "p99_e2el_ms",
 )
@@ -505,6 +507,9 @@ def run_point(
         # per request (for spreads and plots): TTFT, and TPOT as the mean inter-token gap
         row["ttfts_ms"] = [round(t * 1e3, 2) for t in res.get("ttfts", []) if t]
         row["tpots_ms"] = [round(sum(i) / len(i) * 1e3, 3) for i in res.get("itls", []) if i]
+        # decode steps that waited on a long step (a full chunked-prefill step of an 8B model on
+        # an H100 takes ~200 ms): per request, the count of its gaps over 100 ms
+        row["slow_itls"] = [sum(g > 0.1 for g in i) for i in res.get("itls", []) if i]
     summary = res.get("summary", res)  # serve_chat.py nests its summary
     row.update({k: summary.get(k) for k in RESULT_KEYS})
     if point.workload == "chat":
@@ -653,6 +658,7 @@ TABLE_COLUMNS = (
     ("TTFT p99", "p99_ttft_ms", 1),
     ("TPOT p50", "median_tpot_ms", 2),
     ("TPOT p99", "p99_tpot_ms", 2),
+    ("ITL p99", "p99_itl_ms", 1),
     ("GPU hit", "gpu_hit_rate", 3),
     ("host hit", "host_hit_rate", 3),
     ("preempt", "preemptions", 0),
