@@ -89,17 +89,13 @@ class ConnectorConfig:
     # while the scheduler thread has spent less than this on inline lookups in the current step
     # (and the last ones were that fast): one framed round trip (~0.1-0.3 ms) instead of the
     # request waiting a whole engine step for a background answer. Past it, lookups batch in
-    # the background. 0: only a lone request asks inline. H100 sweep at 16/32 QPS: +1-4%
-    # requests/s and 8-11% lower TTFT p50 against 0 (docs/BENCHMARKS.md, issue 20).
-    inline_lookup_ms: int = 2
-    # ... or, when larger, this share (percent) of the engine's last step: under vLLM's async
-    # scheduling the next step is scheduled while the GPU runs the last one, so a long
-    # (prefill) step hides that much scheduler time. A step of ~200 ms (a full 8K-token prefill
-    # chunk, 8B model, H100) gives up to 50 ms (the cap), a 10 ms decode step 2.5 ms. 0: the
-    # fixed `inline_lookup_ms` only. H100, 32 QPS (session 18): the 2 ms budget ran out every
-    # prefill step; the requests it left waiting for background answers were admitted in bursts,
-    # and decodes behind those bursts had twice the TPOT p99 of vLLM's OffloadingConnector.
-    inline_lookup_step_pct: int = 25
+    # the background. 0: only a lone request asks inline. H100 sweep at 16/32 QPS: 2 gave
+    # +1-4% requests/s and 8-11% lower TTFT p50 against 0 (session 14); at 32 QPS 2 still
+    # ran out in most steps, and the requests left waiting for background answers were admitted
+    # in bursts that doubled the TPOT p99 of the decodes behind them (46-110 ms against 22-23 ms
+    # for vLLM's OffloadingConnector); 20 left no request waiting (TPOT p99 22.8 ms) and served
+    # the most requests/s (docs/BENCHMARKS.md, session 18).
+    inline_lookup_ms: int = 20
     # A request vLLM visits again whose answer is this many steps old and shorter than its
     # prompt allows asks the pool again before it is admitted (0: never), as vLLM's own
     # connectors look up on every visit: a prefix another request was storing at the first
@@ -165,7 +161,6 @@ _INT_KEYS = {
     "lazy_watermark_blocks": 0,
     "events_interval_ms": 10,
     "inline_lookup_ms": 0,
-    "inline_lookup_step_pct": 0,
     "refresh_steps": 0,
     "store_threshold": 0,
     "miss_report_ms": 0,
@@ -242,11 +237,6 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
             log.warning("kvoffload: ignoring unknown kv_connector_extra_config key %r", key)
     fields.setdefault("chunk_tokens", default_chunk_tokens(block_size))
     cfg = ConnectorConfig(**fields)
-    if cfg.inline_lookup_step_pct > 100:
-        raise ValueError(
-            "kv_connector_extra_config['inline_lookup_step_pct'] must be at most 100, "
-            f"got {cfg.inline_lookup_step_pct}"
-        )
     if cfg.reconnect_max_ms < cfg.reconnect_min_ms:
         raise ValueError(
             "kv_connector_extra_config['reconnect_max_ms'] must be >= reconnect_min_ms"

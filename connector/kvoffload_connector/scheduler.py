@@ -134,10 +134,6 @@ class SchedulerStats:
 _MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
 # a store waits this many steps at most for its request's first token (a long chunked prefill)
 _STORE_WAIT_MAX_STEPS = 64
-# inline lookups' budget in one step at most, whatever the last step's length
-_INLINE_BUDGET_MAX_S = 0.05
-# a pause between steps longer than this is an idle engine, not a step's length
-_STEP_PERIOD_MAX_S = 1.0
 
 
 class OffloadScheduler:
@@ -181,8 +177,6 @@ class OffloadScheduler:
         self._reservations_in_flight = 0
         self._lookups_in_flight = 0
         self._inline_spent_s = 0.0  # inline lookups' time in the current step
-        self._last_step_at: float | None = None  # the last build_connector_meta with work
-        self._step_period_s = 0.0  # the time between the last two such calls
         self._step = 0  # build_connector_meta calls: engine steps
         # requests answered (schedulable) and not yet admitted: req id -> step of the answer
         self._schedulable: dict[str, int] = {}
@@ -343,26 +337,8 @@ class OffloadScheduler:
             return False
         if len(self._reqs) == 1 and req_id in self._reqs:
             return True
-        return self._inline_spent_s + self._lookup_ewma_s < self._inline_budget_s()
-
-    def _inline_budget_s(self) -> float:
-        """`inline_lookup_ms`, or `inline_lookup_step_pct` of the last engine step when that is
-        more (at most `_INLINE_BUDGET_MAX_S`): the next step is scheduled while the GPU runs
-        the last one, so a long step hides a longer inline round of lookups, and every request
-        answered inline is one that does not sit out a step for its background answer."""
-        share = self.cfg.inline_lookup_step_pct / 100 * self._step_period_s
-        return max(self.cfg.inline_lookup_ms / 1e3, min(share, _INLINE_BUDGET_MAX_S))
-
-    def _time_step(self, scheduler_output: Any) -> None:
-        """The period of engine steps that had work: the time between consecutive
-        build_connector_meta calls, a pause longer than `_STEP_PERIOD_MAX_S` (an idle engine)
-        leaving the last period as it was."""
-        if not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
-            return
-        now = self._clock()
-        if self._last_step_at is not None and now - self._last_step_at <= _STEP_PERIOD_MAX_S:
-            self._step_period_s = now - self._last_step_at
-        self._last_step_at = now
+        budget_s = self.cfg.inline_lookup_ms / 1e3
+        return self._inline_spent_s + self._lookup_ewma_s < budget_s
 
     def _surely_absent(self, request: Any) -> bool:
         """The sidecar's presence map (presence.py) says the request's first chunk is not in
@@ -1077,7 +1053,6 @@ class OffloadScheduler:
             self._answered.wait(min(self.cfg.lookup_timeout_ms, 50) / 1e3)
         self._answered.clear()
         self._inline_spent_s = 0.0  # the next scheduling call is a new step
-        self._time_step(scheduler_output)
         self._step += 1
         if self._schedulable:
             for req_id in getattr(scheduler_output, "num_scheduled_tokens", None) or ():

@@ -239,10 +239,8 @@ def make(
     inline_ms=2,
     refresh_steps=2,
     store_threshold=0,
-    step_pct=0,
 ):
-    """A scheduler on a fake pool; lookups batch in the background unless `inline`. The inline
-    budget is `inline_ms` only unless `step_pct` (the tests' steps have no real length)."""
+    """A scheduler on a fake pool; lookups batch in the background unless `inline`."""
     fake = pool or FakePool()
     cfg = parse_extra_config(
         {
@@ -253,7 +251,6 @@ def make(
             "load_mode": load,
             "inline_lookup": inline,
             "inline_lookup_ms": inline_ms,
-            "inline_lookup_step_pct": step_pct,
             "refresh_steps": refresh_steps,
             "store_threshold": store_threshold,
         },
@@ -408,68 +405,6 @@ def test_a_pool_slower_than_the_budget_turns_inline_lookups_off_until_it_is_fast
         s.build_connector_meta(SchedOut({}))
         settle(s)
     assert answered_now
-
-
-def _slow_round_trips(fake: FakePool, seconds: float) -> None:
-    pin_many = fake.reserve_load_many
-
-    def slow(*args, **kwargs):
-        time.sleep(seconds)
-        return pin_many(*args, **kwargs)
-
-    fake.reserve_load_many = slow  # type: ignore[method-assign]
-
-
-def _inline_answers_after_steps(period_s: float, step_pct: int = 25, steps: int = 3) -> int:
-    """New requests (3 ms round trips) answered inline in one step, after `steps` engine
-    steps `period_s` apart on the scheduler's clock."""
-    now = [100.0]
-    s, fake, *_ = make(inline=True, inline_ms=2, clock=lambda: now[0], step_pct=step_pct)
-    running = Request("a", list(range(300)))
-    assert s.get_num_new_matched_tokens(running, 0) == (0, False)  # alone: inline
-    for _ in range(steps):
-        s.build_connector_meta(SchedOut({"a": 1}))
-        now[0] += period_s
-    s.build_connector_meta(SchedOut({"a": 1}))
-    _slow_round_trips(fake, 0.003)
-    new = [Request(f"n{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 300))) for i in range(5)]
-    answers = [s.get_num_new_matched_tokens(r, 0) for r in new]
-    inline = [a for a in answers if a[0] is not None]
-    assert answers[: len(inline)] == inline  # inline until the budget is spent, then background
-    return len(inline)
-
-
-def test_a_long_engine_step_gives_the_next_one_a_larger_inline_lookup_budget():
-    """Under vLLM's async scheduling the next step is scheduled while the GPU runs the last:
-    after 120 ms steps (a prefill chunk) 25% of that, 30 ms, is spent on inline lookups, so a
-    burst of five 3 ms round trips is answered in the scheduling call; after 4 ms steps
-    (decode) the 2 ms floor holds, one goes inline, the rest wait for the background round."""
-    assert _inline_answers_after_steps(0.120) == 5
-    assert _inline_answers_after_steps(0.004) == 1
-    assert _inline_answers_after_steps(0.120, step_pct=0) == 1  # the fixed budget only
-
-
-def test_an_idle_pause_is_not_an_engine_step_for_the_inline_budget():
-    """A pause of seconds between steps is an engine with nothing to do, not a long step: the
-    budget stays what the last busy steps gave (here the 2 ms floor)."""
-    assert _inline_answers_after_steps(5.0) == 1
-    assert _inline_answers_after_steps(5.0, steps=1) == 1
-
-
-def test_the_inline_budget_is_capped_whatever_the_step():
-    """Steps of 0.9 s (25%: 225 ms) still give at most 50 ms of inline lookups a step: with
-    20 ms round trips, three go inline (the third starts at 40 ms), the rest in the background."""
-    now = [100.0]
-    s, fake, *_ = make(inline=True, inline_ms=2, clock=lambda: now[0], step_pct=25)
-    assert s.get_num_new_matched_tokens(Request("a", list(range(300))), 0) == (0, False)
-    for _ in range(3):
-        s.build_connector_meta(SchedOut({"a": 1}))
-        now[0] += 0.9
-    s.build_connector_meta(SchedOut({"a": 1}))
-    _slow_round_trips(fake, 0.02)
-    new = [Request(f"n{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 300))) for i in range(6)]
-    answered = sum(s.get_num_new_matched_tokens(r, 0)[0] is not None for r in new)
-    assert 2 <= answered <= 3
 
 
 def test_with_inline_lookup_ms_0_a_lookup_with_company_goes_to_the_background():
@@ -1027,8 +962,6 @@ def test_eager_stores_a_sliding_group_only_near_the_prompt_end():
         {"framed_session": "grpc"},
         {"store_decode": 2},
         {"store_after_first_token": "later"},
-        {"inline_lookup_step_pct": 101},
-        {"inline_lookup_step_pct": -1},
     ],
 )
 def test_bad_config_names_the_key(bad):
