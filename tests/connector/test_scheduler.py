@@ -350,6 +350,18 @@ def test_a_lone_request_is_answered_and_pinned_in_the_call_that_first_sees_it():
     assert fake.calls == ["lookup_pin"]
 
 
+def slow_round_trips(fake: FakePool, seconds: float):
+    """Each lookup round trip of `fake` takes `seconds` longer; returns the original call."""
+    pin_many = fake.reserve_load_many
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return pin_many(*args, **kwargs)
+
+    fake.reserve_load_many = slow  # type: ignore[method-assign]
+    return pin_many
+
+
 def test_with_company_a_lookup_is_inline_within_the_steps_budget():
     """Under load a new request is answered in the call that first sees it (no engine step
     lost to a background answer) while the step's inline round trips stay within
@@ -362,13 +374,7 @@ def test_with_company_a_lookup_is_inline_within_the_steps_budget():
     commit_prompt(fake, fast, 4)
     assert s.get_num_new_matched_tokens(fast, 0) == (256, True)  # company, fast pool: inline
     assert fake.calls == ["lookup_pin"] * 2
-    pin_many = fake.reserve_load_many
-
-    def slow(*args, **kwargs):
-        time.sleep(0.003)  # one round trip longer than the whole budget
-        return pin_many(*args, **kwargs)
-
-    fake.reserve_load_many = slow  # type: ignore[method-assign]
+    pin_many = slow_round_trips(fake, 0.003)  # one round trip longer than the whole budget
     c, d = Request("c", list(range(2000, 2300))), Request("d", list(range(3000, 3300)))
     commit_prompt(fake, d, 4)
     assert s.get_num_new_matched_tokens(c, 0) == (0, False)  # inline, spends the budget
@@ -384,13 +390,7 @@ def test_with_company_a_lookup_is_inline_within_the_steps_budget():
 def test_a_pool_slower_than_the_budget_turns_inline_lookups_off_until_it_is_fast():
     s, fake, *_ = make(inline=True, inline_ms=2)
     assert s.get_num_new_matched_tokens(Request("a", list(range(300))), 0) == (0, False)
-    pin_many = fake.reserve_load_many
-
-    def slow(*args, **kwargs):
-        time.sleep(0.004)
-        return pin_many(*args, **kwargs)
-
-    fake.reserve_load_many = slow  # type: ignore[method-assign]
+    pin_many = slow_round_trips(fake, 0.004)
     inline_answers = 0
     for i in range(12):  # one new request per step, each round trip 4 ms
         req = Request(f"r{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 300)))
@@ -415,13 +415,7 @@ def test_by_default_a_burst_of_lookups_under_load_is_answered_inline():
     s, fake, *_ = make(inline=True)
     s.cfg = dataclasses.replace(s.cfg, inline_lookup_ms=ConnectorConfig.inline_lookup_ms)
     assert s.get_num_new_matched_tokens(Request("a", list(range(300))), 0) == (0, False)
-    pin_many = fake.reserve_load_many
-
-    def slow(*args, **kwargs):
-        time.sleep(0.002)
-        return pin_many(*args, **kwargs)
-
-    fake.reserve_load_many = slow  # type: ignore[method-assign]
+    slow_round_trips(fake, 0.002)
     burst = [Request(f"n{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 300))) for i in range(4)]
     assert all(s.get_num_new_matched_tokens(r, 0)[0] is not None for r in burst)
     late = [Request(f"m{i}", list(range(9000 + 1000 * i, 9300 + 1000 * i))) for i in range(12)]
