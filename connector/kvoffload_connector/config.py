@@ -91,10 +91,10 @@ class ConnectorConfig:
     # request waiting a whole engine step for a background answer. Past it, lookups batch in
     # the background. 0: only a lone request asks inline. H100 sweep at 16/32 QPS: 2 gave
     # +1-4% requests/s and 8-11% lower TTFT p50 against 0 (session 14); at 32 QPS 2 still
-    # ran out in most steps, and the requests left waiting for background answers were admitted
-    # in bursts that doubled the TPOT p99 of the decodes behind them (46-110 ms against 22-23 ms
-    # for vLLM's OffloadingConnector); 20 left no request waiting (TPOT p99 22.8 ms) and served
-    # the most requests/s (docs/BENCHMARKS.md, session 18).
+    # ran out in most steps, leaving requests waiting for background answers, and the decodes'
+    # TPOT p99 was 2-5x that of vLLM's OffloadingConnector (46-110 ms against 22-23 ms; likely
+    # the waiting requests admitted in bursts); 20 left no request waiting (TPOT p99 22.7 ms)
+    # and served the most requests/s (docs/BENCHMARKS.md, session 18).
     inline_lookup_ms: int = 20
     # A request vLLM visits again whose answer is this many steps old and shorter than its
     # prompt allows asks the pool again before it is admitted (0: never), as vLLM's own
