@@ -17,8 +17,9 @@ Each side of a comparison has an interval for a metric:
     point      one call and nothing to resample (throughput has no per-request distribution,
                chat points have no per-request lists): the value alone, lo = hi
 
-Verdict of a kvo-* configuration against the better of offloading/simple on that metric (by
-median: higher req/s, lower TTFT p50/p99), at one point:
+Verdict of a kvo-* configuration against each of offloading/simple on that metric (higher
+req/s, lower TTFT p50/p99), at one point; the least favourable of the two is reported (so
+"better" means better than both, each outside its spread; ties name the better median):
 
     better / worse   the two closed intervals do not overlap ("outside the spread"), and the
                      kvo one lies on the good / bad side
@@ -211,8 +212,17 @@ def usable(row: dict[str, Any]) -> bool:
     return row.get("rc", 0) == 0 and row.get("request_throughput") is not None
 
 
-def merge(calls: Sequence[Call]) -> tuple[dict[str, dict[str, Cell]], list[str]]:
-    """point label -> config -> Cell, both in report order; and the rows left out (why)."""
+def requests_of(row: dict[str, Any]) -> int:
+    """The requests a row's point sent (completed + failed)."""
+    return int(row.get("completed") or 0) + int(row.get("failed") or 0)
+
+
+def merge(
+    calls: Sequence[Call], min_requests: int = 0
+) -> tuple[dict[str, dict[str, Cell]], list[str]]:
+    """point label -> config -> Cell, both in report order; and the rows left out (why).
+    Rows of points that sent fewer than `min_requests` are left out: a point with fewer
+    requests is another workload (its first sightings of each prefix weigh more)."""
     cells: dict[tuple[str, float, str], Cell] = {}
     dropped = []
     for call in calls:
@@ -220,6 +230,12 @@ def merge(calls: Sequence[Call]) -> tuple[dict[str, dict[str, Cell]], list[str]]
             if not usable(row):
                 dropped.append(
                     f"{call.name}: {row.get('config')} {row.get('point')} rc {row.get('rc')}"
+                )
+                continue
+            if requests_of(row) < min_requests:
+                dropped.append(
+                    f"{call.name}: {row.get('config')} {row.get('point')} "
+                    f"{requests_of(row)} requests < {min_requests}"
                 )
                 continue
             rate = float(row["rate"])
@@ -328,8 +344,15 @@ class Verdict:
         )
 
 
+# The verdict reported against several rivals is the least favourable one: "better" must hold
+# against each of them, not only against the one whose median is best (a rival with one call and
+# a good median must not hide another whose range reaches kvoffload's).
+_VERDICT_RANK = {"worse": 0, "within spread": 1, "1 call": 2, "better": 3}
+
+
 def verdicts(point: dict[str, Cell]) -> list[Verdict]:
-    """Each kvo-* configuration against the better rival, per VERDICT_METRICS."""
+    """Each kvo-* configuration against each rival, per VERDICT_METRICS; the least favourable
+    verdict is kept (ties: the rival with the better median)."""
     out = []
     for config, cell in point.items():
         if not is_kvo(config):
@@ -341,16 +364,20 @@ def verdicts(point: dict[str, Cell]) -> list[Verdict]:
             if not rivals or mine is None:
                 continue
             sign = 1 if m.higher_is_better else -1
-            rival = max(rivals, key=lambda c: sign * c.stats[key].median)
-            theirs = interval(rival, key)
-            assert theirs is not None
+            rivals.sort(key=lambda c: -sign * c.stats[key].median)  # best median first
+            judged = []
+            for r in rivals:
+                iv = interval(r, key)
+                assert iv is not None
+                judged.append((decide(mine, iv, m.higher_is_better), r, iv))
+            verdict, rival, theirs = min(judged, key=lambda j: _VERDICT_RANK[j[0]])
             out.append(
                 Verdict(
                     cell.point,
                     config,
                     key,
                     rival.config,
-                    decide(mine, theirs, m.higher_is_better),
+                    verdict,
                     cell.stats[key].median,
                     mine,
                     cell.stats[key].n,
@@ -533,9 +560,9 @@ class Report:
     plots: list[Path] = field(default_factory=list)
 
 
-def build(paths: Sequence[str | Path]) -> Report:
+def build(paths: Sequence[str | Path], min_requests: int = 0) -> Report:
     calls = load_calls(paths)
-    points, dropped = merge(calls)
+    points, dropped = merge(calls, min_requests)
     vs = [v for p in points.values() for v in verdicts(p)]
     rs = [
         r
@@ -588,13 +615,14 @@ def markdown(rep: Report, md_path: Path, command: str) -> str:
                 lines.append(f"# {c.name} {config}\n{' '.join(shlex.quote(a) for a in s['argv'])}")
     lines += ["```", "", "</details>", ""]
     if rep.dropped:
-        lines += ["Rows left out (client failed): " + "; ".join(rep.dropped), ""]
+        lines += ["Rows left out: " + "; ".join(rep.dropped), ""]
     lines += [
         "## How to read",
         "",
         "`x (lo–hi)`: the median over calls and the min–max over calls (one call: the value).",
-        "Verdicts compare each kvo-* configuration with the better of offloading/simple on that "
-        "metric. An interval is the min–max over calls (2+ calls), or for one call the 95% "
+        "Verdicts compare each kvo-* configuration with offloading and with simple on that "
+        "metric and report the less favourable one (**better** holds against both). An "
+        "interval is the min–max over calls (2+ calls), or for one call the 95% "
         f"bootstrap interval ({RESAMPLES} resamples of the per-request values) of TTFT "
         "p50/p99, or the lone value (throughput, chat). **better**/**worse**: the two intervals "
         "do not overlap; **within spread**: they overlap; **1 call**: two lone values.",
@@ -636,7 +664,7 @@ def markdown(rep: Report, md_path: Path, command: str) -> str:
                 )
             header = ["config"] + [BY_KEY[k].label for k in VERDICT_METRICS]
             body = [[c] + [d.get(k, "-") for k in VERDICT_METRICS] for c, d in cells.items()]
-            lines += ["Verdict (kvo vs the better of offloading/simple):", ""]
+            lines += ["Verdict (kvo vs each of offloading/simple, the less favourable shown):", ""]
             lines += md_table(header, body) + [""]
     if rep.ratios:
         lines += [
@@ -836,12 +864,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--md", required=True, help="the markdown report to write")
     p.add_argument("--plots", help="folder for the PNG plots (none drawn without it)")
     p.add_argument("--json", help="the merged numbers and verdicts as JSON")
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=0,
+        help="leave out rows of points that sent fewer requests (listed as left out)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    rep = build(a.files)
+    rep = build(a.files, a.min_requests)
     if not rep.points:
         raise SystemExit(f"no usable rows in {', '.join(a.files)}")
     md_path = Path(a.md)

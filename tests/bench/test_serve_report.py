@@ -185,6 +185,43 @@ def test_verdicts_better_worse_within_spread_and_one_call(tmp_path):
     assert "within spread" in same.line() and "bootstrap 95%" in same.line()
 
 
+def test_better_must_hold_against_each_rival_not_only_the_best_median(tmp_path):
+    # simple has the better median throughput (one call) but offloading's range over two calls
+    # reaches kvoffload's: the verdict is "within spread" against offloading, not "better"
+    calls = {
+        "a": {"kvo-eager": 15.6, "offloading": 13.5, "simple": 14.4},
+        "b": {"kvo-eager": 15.7, "offloading": 15.7},
+    }
+    paths = [
+        write_call(
+            tmp_path,
+            name,
+            [
+                row(c, "prefix", 32.0, seed=j, request_throughput=v)
+                for j, (c, v) in enumerate(vs.items())
+            ],
+        )
+        for name, vs in calls.items()
+    ]
+    rep = sr.build(paths)
+    v = verdict_of(rep, "prefix@32", "kvo-eager", "request_throughput")
+    assert (v.verdict, v.rival) == ("within spread", "offloading")
+    assert v.rival_interval == sr.Interval(13.5, 15.7, "calls")
+
+
+def test_min_requests_leaves_out_points_with_fewer_requests(tmp_path):
+    small = write_call(tmp_path, "small", [row("offloading", "prefix", 8.0, n=96, ttft_ms=300.0)])
+    big = write_call(tmp_path, "big", [row("offloading", "prefix", 8.0, n=192, ttft_ms=100.0)])
+    merged = sr.build([small, big])
+    assert merged.points["prefix@8"]["offloading"].calls == ["small", "big"]
+    rep = sr.build([small, big], min_requests=100)
+    assert rep.points["prefix@8"]["offloading"].calls == ["big"]
+    assert rep.dropped == ["small: offloading prefix@8 96 requests < 100"]
+    md = tmp_path / "r.md"
+    assert sr.main([str(small), str(big), "--md", str(md), "--min-requests", "100"]) == 0
+    assert "Rows left out: small: offloading prefix@8 96 requests < 100" in md.read_text()
+
+
 def test_decide_is_symmetric_in_direction():
     a, b = sr.Interval(1.0, 2.0, "calls"), sr.Interval(3.0, 4.0, "calls")
     assert sr.decide(a, b, higher_is_better=True) == "worse"
