@@ -70,9 +70,13 @@ def _timed_class():
             try:
                 return base(self, *a, **kw)
             finally:
-                self._t["seconds"] += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self._t["seconds"] += dt
                 self._t["cpu_seconds"] += time.thread_time() - c0
                 self._t["calls"] += 1
+                hook = self._t.setdefault("hooks", {}).setdefault(name, [0.0, 0])
+                hook[0] += dt
+                hook[1] += 1
                 if name == "build_connector_meta" and not getattr(
                     a[0], "total_num_scheduled_tokens", 1
                 ):
@@ -254,6 +258,21 @@ def main() -> int:
         "worker_cpu_ms_per_step": round(
             1e3 * work.get("cpu_seconds", 0) / max(1, work.get("steps", steps)), 4
         ),
+        # where the time goes: per hook, wall ms per engine step and µs per call, by cost
+        "hooks": {
+            f"{role}.{name}": {
+                "ms_per_step": round(1e3 * sec / (steps if role == "scheduler" else wsteps), 4),
+                "us_per_call": round(1e6 * sec / max(1, calls), 2),
+                "calls": calls,
+            }
+            for role, part, wsteps in (
+                ("scheduler", sched, steps),
+                ("worker", work, max(1, work.get("steps", steps))),
+            )
+            for name, (sec, calls) in sorted(
+                part.get("hooks", {}).items(), key=lambda kv: -kv[1][0]
+            )
+        },
         "pool_hit_blocks": loaded,
         "stored_chunks": stored,
         "target_share": 0.01,
@@ -262,7 +281,11 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'metric':<36} value")
     for k, v in result.items():
-        print(f"{k:<36} {v}")
+        if k != "hooks":
+            print(f"{k:<36} {v}")
+    print(f"\n{'hook':<48} {'ms/step':>8} {'us/call':>9} {'calls':>7}")
+    for name, h in result["hooks"].items():
+        print(f"{name:<48} {h['ms_per_step']:>8} {h['us_per_call']:>9} {h['calls']:>7}")
     print(f"\nwrote {args.out}")
     return 0
 
