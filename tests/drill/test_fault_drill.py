@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
 DRILL = ROOT / "bench" / "fault_drill.py"
 MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 KILLS = 200
+DRILL_TIMEOUT_S = 800  # the kill phase's --budget-s (480) plus the checks around it
 
 try:
     import vllm  # noqa: F401
@@ -54,7 +55,7 @@ def drill(tmp_path_factory) -> dict:
         "--kill-delay",
         "0.05,0.6",  # seconds from the connector's re-registration to the next kill
         "--budget-s",
-        "360",  # the kill phase stops here on a box too slow for the test's timeout
+        "480",  # the kill phase stops here on a box too slow for the test's timeout
         "--out",
         str(out),
         "--sidecar-log",
@@ -66,7 +67,9 @@ def drill(tmp_path_factory) -> dict:
         start_new_session=True,
     )  # fmt: skip
     try:
-        log, _ = proc.communicate(timeout=540)
+        # Caps, not targets: a normal CI box finishes in ~5 min; one CI box ran every test
+        # 1.8x slower and the drill's checks after its kill phase then passed 540 s.
+        log, _ = proc.communicate(timeout=DRILL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.terminate()  # the drill stops its sidecar on SIGTERM; vLLM's processes follow it
         try:
@@ -74,7 +77,7 @@ def drill(tmp_path_factory) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
-        pytest.fail(f"the drill did not finish in 540 s:\n{log[-6000:]}")
+        pytest.fail(f"the drill did not finish in {DRILL_TIMEOUT_S} s:\n{log[-6000:]}")
     if not out.exists():
         pytest.fail(f"no report ({proc.returncode}):\n{log[-8000:]}")
     report = json.loads(out.read_text())
