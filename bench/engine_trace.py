@@ -22,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 _EVENTS: list[tuple[str, int, float, float]] = []
@@ -46,6 +47,45 @@ def _wrap(owner: object, name: str, label: str, describe=None) -> None:
         return out
 
     setattr(owner, name, wrapped)
+
+
+def _wrap_execute(executor_cls: type) -> None:
+    """`execute_model` as `_wrap` records it, plus the engine thread's CPU time in it
+    (`execute_cpu`), the whole process's (`execute_proc`) and the GPU time between CUDA events
+    recorded on the current stream before and after it (`execute_gpu`, read once the later
+    event completes): a step slower on the GPU and one whose host launches are slower look
+    alike in wall time alone."""
+    import torch
+
+    fn = executor_cls.execute_model
+    pending: deque = deque()
+    gpu = torch.cuda.is_available()  # the CPU build: CPU time only
+
+    def wrapped(*a, **kw):
+        while pending and pending[0][2].query():
+            t_wall, e0, e1 = pending.popleft()
+            gpu_s = e0.elapsed_time(e1) / 1e3
+            _EVENTS.append(("execute_gpu", threading.get_ident(), t_wall, t_wall + gpu_s))
+        events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if gpu
+            else ()
+        )
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        if gpu:
+            events[0].record()
+        out = fn(*a, **kw)
+        if gpu:
+            events[1].record()
+            pending.append((t0, *events))
+        c1, p1 = time.thread_time(), time.process_time()
+        _record("execute_model", t0)
+        _EVENTS.append(("execute_cpu", threading.get_ident(), t0, t0 + (c1 - c0)))
+        # every thread of the process: what the others took beside this one
+        _EVENTS.append(("execute_proc", threading.get_ident(), t0, t0 + (p1 - p0)))
+        return out
+
+    executor_cls.execute_model = wrapped
 
 
 def _scheduled(a, out) -> str:
@@ -84,7 +124,7 @@ def install(out_dir: str, connector_cls: type) -> None:
 
     _wrap(scheduler.Scheduler, "schedule", "schedule", _scheduled)
     _wrap(scheduler.Scheduler, "update_from_output", "update_from_output")
-    _wrap(uniproc_executor.UniProcExecutor, "execute_model", "execute_model")
+    _wrap_execute(uniproc_executor.UniProcExecutor)
     _wrap(uniproc_executor.UniProcExecutor, "sample_tokens", "sample_tokens")
     _wrap(uniproc_executor.AsyncOutputFuture, "result", "wait_output")
     _wrap(zmq.Socket, "send_multipart", "send")

@@ -21,6 +21,8 @@ Configurations (the same GPU KV cache, `--num-gpu-blocks-override`, and the same
     simple      vLLM's SimpleCPUOffloadConnector, same capacity
     kvo-eager   kvoffload as shipped (eager stores, layered loads) on a fresh sidecar
     kvo-lazy    kvoffload with lazy stores (only blocks about to leave the GPU)
+    noop        a connector that does nothing (bench/noop_connector.py): vLLM's own cost of
+                having any connector, a diagnostic
 
 `+key=value` after a kvo name overrides a connector key (kvo-eager+store_ctas=4).
 Per configuration and point: request and output-token throughput, TTFT and TPOT p50/p99 (the
@@ -57,7 +59,7 @@ from harness import machine, table  # noqa: E402
 from serve_model import build_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy")
+CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy", "noop")
 SERVED_NAME = "bench-model"
 # vLLM counters read before and after each point (summed over labels)
 COUNTERS = (
@@ -114,6 +116,12 @@ def kv_transfer_config(
         if not traced or not base.startswith("kvo"):
             raise ValueError(f"{config}: +ablate= needs a kvo configuration and --engine-trace")
         overrides = [o for o in overrides if not o.startswith("ablate=")]
+    if base == "noop":
+        return {
+            "kv_connector": "NoopConnector",
+            "kv_connector_module_path": "noop_connector",
+            "kv_role": "kv_both",
+        }
     if base in ("none", "offloading", "simple"):  # as the end-to-end bench configures them
         return e2e_kv_transfer_config(base, socket_path, cpu_bytes)
     if base in ("kvo-eager", "kvo-lazy"):
@@ -249,6 +257,7 @@ class Server:
             trace_dir.mkdir(parents=True, exist_ok=True)  # a bad path fails here, not in vLLM
             env["KVO_ENGINE_TRACE_DIR"] = str(trace_dir)
             env["KVO_ABLATE"] = ablation(self.config)
+        if "KVO_ENGINE_TRACE_DIR" in env or self.config == "noop":  # connector modules in bench/
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
             )

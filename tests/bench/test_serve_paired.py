@@ -57,7 +57,7 @@ def test_bad_flags_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> No
     assert "--rounds" in capsys.readouterr().err
 
 
-def test_two_cpu_servers_serve_paired_rounds_and_the_kvo_one_stores(tmp_path: Path) -> None:
+def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> None:
     out = tmp_path / "paired.json"
     cmd = [
         sys.executable,
@@ -65,7 +65,7 @@ def test_two_cpu_servers_serve_paired_rounds_and_the_kvo_one_stores(tmp_path: Pa
         "--model",
         str(ROOT / "tests/connector/models/tiny-llama"),
         "--configs",
-        "none,kvo-eager",
+        "noop,kvo-eager",  # the do-nothing connector as the baseline: it serves like none
         "--dtype",
         "float32",
         "--graphs",
@@ -97,9 +97,9 @@ def test_two_cpu_servers_serve_paired_rounds_and_the_kvo_one_stores(tmp_path: Pa
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     base, kvo = report["rows"]
-    assert (base["config"], kvo["config"]) == ("none", "kvo-eager")
+    assert (base["config"], kvo["config"]) == ("noop", "kvo-eager")
     assert base["n"] == kvo["n"] == 6
-    for config in ("none", "kvo-eager"):
+    for config in ("noop", "kvo-eager"):
         samples = report["samples"][config]
         assert [s["round"] for s in samples] == list(range(1, 7))  # warm-up round left out
         # 4 tokens streamed; the first arrives before the last
@@ -108,4 +108,4 @@ def test_two_cpu_servers_serve_paired_rounds_and_the_kvo_one_stores(tmp_path: Pa
     # eager stored each random prompt's full chunk, and nothing hit
     (ns,) = report["servers"]["kvo-eager"]["sidecar_stats"]["namespaces"]
     assert int(ns["storedBlocks"]) > 0 and int(ns.get("hitBlocks", 0)) == 0
-    assert report["servers"]["none"]["sidecar_stats"] is None
+    assert report["servers"]["noop"]["sidecar_stats"] is None
