@@ -12,6 +12,7 @@ baseline is a fair pair; the report gives the median ratio with a bootstrap 95% 
 
     python bench/serve_paired.py --configs none,kvo-eager --rounds 300 --out X.json
     (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
+    python bench/serve_paired.py merge bench/results/serve_paired/*.json --pair kvo-eager/none
 """
 
 from __future__ import annotations
@@ -116,6 +117,62 @@ def paired_between(ttft: dict[str, list[float]], baseline: str) -> list[dict[str
     return rows
 
 
+def call_ratio(report: dict[str, Any], config: str, against: str) -> dict[str, Any] | None:
+    """One call's median per-round TTFT ratio `config`/`against` (rounds both answered), or
+    None when the call ran only one of them."""
+    samples = report.get("samples", {})
+    if config not in samples or against not in samples:
+        return None
+    base = {x["round"]: x["ttft_s"] for x in samples[against]}
+    ratios = [x["ttft_s"] / base[x["round"]] for x in samples[config] if x["round"] in base]
+    if not ratios:
+        return None
+    lo, hi = bootstrap_median_ci(ratios)
+    return {"n": len(ratios), "ratio_p50": statistics.median(ratios), "ratio_ci95": [lo, hi]}
+
+
+def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) -> dict[str, Any]:
+    """`config`/`against` over several calls. Each call starts its own servers, and a server
+    keeps its small offset (placement, the machine it landed on) for the whole call, so one
+    call's bootstrap interval, from its rounds, is narrower than the spread between calls: the
+    verdict takes each call's median as one sample and gives their median and range."""
+    per_call = {name: r for name, rep in reports.items() if (r := call_ratio(rep, config, against))}
+    medians = sorted(r["ratio_p50"] for r in per_call.values())
+    return {
+        "config": config,
+        "against": against,
+        "calls": len(medians),
+        "per_call": {k: round(v["ratio_p50"], 4) for k, v in per_call.items()},
+        "median": round(statistics.median(medians), 4) if medians else None,
+        "range": [round(medians[0], 4), round(medians[-1], 4)] if medians else None,
+    }
+
+
+def merge_main(argv: list[str]) -> int:
+    """`serve_paired.py merge FILES... --pair kvo-eager/none [--pair ...]`: the across-call
+    table of earlier calls' JSON."""
+    p = argparse.ArgumentParser(prog="serve_paired.py merge", description=across_calls.__doc__)
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--pair", action="append", required=True, help="CONFIG/AGAINST")
+    p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    a = p.parse_args(argv)
+    if any(pair.count("/") != 1 for pair in a.pair):
+        p.error("--pair: CONFIG/AGAINST, e.g. kvo-eager/none")
+    reports = {f.stem: json.loads(f.read_text()) for f in a.files}
+    rows = [across_calls(reports, *pair.split("/")) for pair in a.pair]
+    print(
+        table(
+            [
+                {**r, "per_call": " ".join(f"{k}:{v}" for k, v in r["per_call"].items())}
+                for r in rows
+            ]
+        )
+    )
+    if a.out:
+        a.out.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     out = Path(a.out)
@@ -195,6 +252,9 @@ def build_paired_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        return merge_main(argv[1:])
     parser = build_paired_parser()
     a = parser.parse_args(argv)
     if len(a.configs) < 2:

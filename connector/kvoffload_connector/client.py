@@ -463,9 +463,12 @@ class PoolClient:
         queries: Sequence[Sequence[bytes]],
         timeout_s: float | None = None,
         salts: Sequence[str | None] | None = None,
+        report_misses: bool = False,
     ) -> list[int]:
         """Longest committed prefix (in keys) of each key list; `salts`: per list, its
-        request's cache_salt (the sidecar counts it for that tenant)."""
+        request's cache_salt (the sidecar counts it for that tenant). `report_misses`: the
+        lists were answered as misses already (the presence map): only counted, never looked
+        up (a sidecar older than the field looks them up)."""
         ns, _ = self._ns()
         req = pool_pb2.LookupRequest(
             namespace_id=ns,
@@ -473,6 +476,7 @@ class PoolClient:
                 pool_pb2.KeyList(keys=pack(q, self.key_size), cache_salt=salt or "")
                 for q, salt in zip(queries, salts or _no_salts(len(queries)), strict=True)
             ],
+            report_misses=report_misses,
         )
         return list(self._call(timeout_s, lookup=req).lookup.hit_counts)
 

@@ -373,7 +373,7 @@ class OffloadScheduler:
 
         def count() -> None:
             with contextlib.suppress(PoolUnavailable):
-                self.client.lookup(queries, timeout_s=timeout_s, salts=salts)
+                self.client.lookup(queries, timeout_s=timeout_s, salts=salts, report_misses=True)
 
         self._rpc.submit(count)
 

@@ -843,6 +843,27 @@ class Pool:
             ns.last_used = self._clock()
             return hits
 
+    def count_misses(
+        self, namespace_id: str, queries: Sequence[bytes], salts: Sequence[str] | None = None
+    ) -> list[int]:
+        """Count queries a client answered as misses itself (its presence map) as lookups
+        that found nothing, as `lookup` would have then; nothing is looked up or touched now
+        (a block stored since would count as a hit and move up the eviction order)."""
+        with self._lock:
+            ns = self._namespace(namespace_id)
+            checked = self._check_queries(ns, queries)
+            counters = ns.counters
+            for _, n_keys in checked:
+                counters.queried_blocks += n_keys
+                counters.miss_blocks += n_keys > 0
+            counters.lookups += len(checked)
+            if ns.tenants is not None:
+                for i, (_, n_keys) in enumerate(checked):
+                    salt = salts[i] if salts is not None and i < len(salts) else None
+                    ns.tenants.count_lookup(salt, 0, n_keys)
+            ns.last_used = self._clock()
+            return [0] * len(checked)
+
     def reserve_load(
         self,
         namespace_id: str,

@@ -166,7 +166,11 @@ class PoolServicer(pb_grpc.KVPoolServicer):
     def _lookup(self, req: pb.LookupRequest, _session: int, out: pb.LookupResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)
         salts = [q.cache_salt for q in req.queries] if self._tenants else None
-        out.hit_counts.extend(self._pool.lookup(ns, [q.keys for q in req.queries], salts))
+        queries = [q.keys for q in req.queries]
+        if req.report_misses:
+            out.hit_counts.extend(self._pool.count_misses(ns, queries, salts))
+        else:
+            out.hit_counts.extend(self._pool.lookup(ns, queries, salts))
 
     def _reserve_load(
         self, req: pb.ReserveLoadRequest, session: int, out: pb.ReserveLoadResponse

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import bootstrap_median_ci  # noqa: E402
-from serve_paired import main, paired_between, paired_summary  # noqa: E402
+from serve_paired import across_calls, main, paired_between, paired_summary  # noqa: E402
 
 
 def test_paired_summary_pairs_round_by_round() -> None:
@@ -109,3 +109,36 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
     (ns,) = report["servers"]["kvo-eager"]["sidecar_stats"]["namespaces"]
     assert int(ns["storedBlocks"]) > 0 and int(ns.get("hitBlocks", 0)) == 0
     assert report["servers"]["noop"]["sidecar_stats"] is None
+
+
+def _report(pairs: dict[str, list[tuple[int, float]]]) -> dict:
+    return {"samples": {c: [{"round": r, "ttft_s": t} for r, t in xs] for c, xs in pairs.items()}}
+
+
+def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, capsys) -> None:
+    """A call whose kvo server sits 3% slower the whole call is one sample, not 3 rounds; rounds
+    pair by number (a round only one server answered is left out); a call without the
+    configuration does not count."""
+    calls = {
+        "a": _report(
+            {"none": [(1, 1.0), (2, 2.0), (3, 4.0)], "kvo": [(1, 1.03), (2, 2.06), (3, 4.12)]}
+        ),
+        "b": _report(
+            {"none": [(1, 1.0), (2, 1.0), (5, 9.0)], "kvo": [(1, 1.01), (2, 1.01), (4, 1.0)]}
+        ),
+        "c": _report({"none": [(1, 1.0)], "noop": [(1, 1.0)]}),
+        "d": _report({"none": [(1, 1.0), (2, 1.0)], "kvo": [(1, 0.99), (2, 0.99)]}),
+    }
+    row = across_calls(calls, "kvo", "none")
+    assert row["calls"] == 3 and set(row["per_call"]) == {"a", "b", "d"}
+    assert row["per_call"] == {"a": 1.03, "b": 1.01, "d": 0.99}
+    assert row["median"] == 1.01 and row["range"] == [0.99, 1.03]
+    for name, rep in calls.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(rep))
+    out = tmp_path / "merged.json"
+    files = [str(tmp_path / f"{n}.json") for n in calls]
+    assert main(["merge", *files, "--pair", "kvo/none", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["median"] == 1.01
+    assert "a:1.03" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["merge", *files, "--pair", "kvo"])

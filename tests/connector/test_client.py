@@ -47,6 +47,10 @@ def test_store_commit_lookup_pin_release(sidecar, framed):
     assert c.lookup([keys(1, 2, 3)]) == [0]  # reserved is not visible
     assert c.commit_store(reg.namespace_id, res.store_id, 0) is True
     assert c.lookup([keys(1, 2, 3), keys(1, 9), keys(9)]) == [3, 1, 0]
+    # a report of presence-map misses: counted as misses, never answered from the index
+    hits_before = sidecar.stats().namespaces[0].hit_blocks
+    assert c.lookup([keys(1, 2, 3)], report_misses=True) == [0]
+    assert sidecar.stats().namespaces[0].hit_blocks == hits_before
     again = c.reserve_store(keys(1, 4))
     assert again.decisions[0] == 2 and len(again.slots) == 1  # PRESENT, then NEW
     pin, slots = c.reserve_load(keys(1, 2, 7))

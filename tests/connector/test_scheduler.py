@@ -47,6 +47,7 @@ class FakePool:
         self.aborted: list[int] = []
         self.queried: list[int] = []  # queries per Lookup call
         self.salts: list[tuple[str, object]] = []  # (call, the cache salts it carried)
+        self.reports: list[bool] = []  # per Lookup call: sent as a report of misses
 
     # the PoolClient surface the scheduler uses
     @property
@@ -61,10 +62,11 @@ class FakePool:
         if not self.up:
             raise PoolUnavailable("down")
 
-    def lookup(self, queries, timeout_s=None, salts=None):
+    def lookup(self, queries, timeout_s=None, salts=None, report_misses=False):
         self._check("lookup")
         self.salts.append(("lookup", salts))
         self.queried.append(len(queries))
+        self.reports.append(report_misses)
         out = []
         for q in queries:
             n = 0
@@ -1137,6 +1139,8 @@ def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
     settle(s)
     assert fake.calls == ["lookup"] and fake.queried == [1]
     assert fake.salts[-1] == ("lookup", [None])
+    # a report, counted as the miss it was: the keys may be stored by now
+    assert fake.reports == [True]
     # later ones wait for miss_report_ms (5 s): a round trip per step would cost prefills
     assert s.get_num_new_matched_tokens(Request("m2", list(range(2000, 2300))), 0) == (0, False)
     s.build_connector_meta(SchedOut({}))
@@ -1262,9 +1266,9 @@ class GatedPool(FakePool):
         self.gate = threading.Event()
         self.gate.set()
 
-    def lookup(self, queries, timeout_s=None, salts=None):
+    def lookup(self, queries, timeout_s=None, salts=None, report_misses=False):
         assert self.gate.wait(5)
-        return super().lookup(queries, timeout_s, salts)
+        return super().lookup(queries, timeout_s, salts, report_misses)
 
 
 def test_a_request_is_passed_over_for_background_refreshes_once_per_wait():

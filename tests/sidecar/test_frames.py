@@ -244,3 +244,31 @@ def test_register_names_the_presence_map_and_the_flag_turns_it_off(tmp_path: Pat
             if on:
                 assert stat.S_IMODE(path.stat().st_mode) == 0o644
         assert not path.exists()  # removed when the sidecar stops
+
+
+def test_a_reported_presence_miss_counts_as_a_miss_though_its_keys_were_stored_since(
+    server: ServerThread, client: Client
+) -> None:
+    """The connector reports presence-map misses seconds after answering them; an eager store
+    may have committed those keys meanwhile. The report counts what the request saw (a miss)
+    and leaves the blocks alone; a plain lookup of the same keys still hits."""
+    client.store(keys(1, 2, 3))
+    fs = attached(server, client)
+    ns = client.namespace_id
+    before = client.namespace_stats()
+    report = fs.send(
+        lookup=pb.LookupRequest(
+            namespace_id=ns, queries=[pb.KeyList(keys=keys(1, 2, 3))], report_misses=True
+        )
+    )
+    assert list(report.lookup.hit_counts) == [0]
+    after = client.namespace_stats()
+    assert after.hit_blocks == before.hit_blocks
+    assert after.lookups == before.lookups + 1
+    assert after.queried_blocks == before.queried_blocks + 3
+    assert after.miss_blocks == before.miss_blocks + 1
+    plain = fs.send(lookup=pb.LookupRequest(namespace_id=ns, queries=[pb.KeyList(keys=keys(1, 2))]))
+    assert list(plain.lookup.hit_counts) == [2]
+    assert client.namespace_stats().hit_blocks == before.hit_blocks + 2
+    fs.close()
+    server.pool.check_invariants()

@@ -179,6 +179,24 @@ def test_full_pool_evicts_the_policy_victim(pool, reg):
     pool.check_invariants()
 
 
+def test_a_reported_miss_counts_without_touching_what_it_names(pool, reg):
+    """count_misses (the connector's presence-map misses, reported later) counts a lookup
+    that found nothing and leaves the eviction order alone: 0 stays the victim."""
+    assert store(pool, reg, *range(8)) == (NEW,) * 8
+    before = ns_stats(pool, reg)
+    assert pool.count_misses(reg.namespace_id, [pack(0, 1), pack(2)]) == [0, 0]
+    after = ns_stats(pool, reg)
+    assert after.hit_blocks == before.hit_blocks
+    assert (after.lookups, after.queried_blocks, after.miss_blocks) == (
+        before.lookups + 2,
+        before.queried_blocks + 3,
+        before.miss_blocks + 2,
+    )
+    assert store(pool, reg, 8) == (NEW,)
+    assert hits(pool, reg, 0) == 0  # a lookup would have made 1 the victim instead
+    pool.check_invariants()
+
+
 def test_pins_survive_eviction_pressure(pool, reg):
     store(pool, reg, *range(8))
     pin = pool.reserve_load(reg.namespace_id, reg.client_id, pack(0, 1, 2, 3, 99, 4))

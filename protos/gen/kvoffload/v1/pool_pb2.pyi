@@ -104,12 +104,14 @@ class KeyList(_message.Message):
     def __init__(self, keys: _Optional[bytes] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("namespace_id", "queries")
+    __slots__ = ("namespace_id", "queries", "report_misses")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     QUERIES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_MISSES_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     queries: _containers.RepeatedCompositeFieldContainer[KeyList]
-    def __init__(self, namespace_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[KeyList, _Mapping]]] = ...) -> None: ...
+    report_misses: bool
+    def __init__(self, namespace_id: _Optional[str] = ..., queries: _Optional[_Iterable[_Union[KeyList, _Mapping]]] = ..., report_misses: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hit_counts",)
