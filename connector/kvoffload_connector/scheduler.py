@@ -134,6 +134,8 @@ class SchedulerStats:
 _MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
 # a store waits this many steps at most for its request's first token (a long chunked prefill)
 _STORE_WAIT_MAX_STEPS = 64
+# counted stats wait at most this long for an output that carries no request's first token
+_STATS_HOLD_MAX_S = 1.0
 
 
 class OffloadScheduler:
@@ -183,6 +185,9 @@ class OffloadScheduler:
         # (salt, keys per group) of requests the presence map answered, for `_count_presence_misses`
         self._presence_missed: list[tuple[str | None, list[list[PoolKey]]]] = []
         self._missed_reported_at = float("-inf")  # the first misses are reported at once
+        # requests whose first output token may not have gone out yet (`_first_token_out_now`)
+        self._first_token_watch: set[str] = set()
+        self._stats_taken_at = float("-inf")
         self._lookup_ewma_s = 0.0  # recent lookup round trips (inline and background)
         self._registration: Registration | None = None
         self._no_pool = (
@@ -311,6 +316,7 @@ class OffloadScheduler:
         """A request's first visit: its state, and (store_threshold) one more ask of each of
         its full chunks."""
         st = self._reqs[request.request_id] = _Req(request.request_id, request)
+        self._first_token_watch.add(request.request_id)
         if self.reuse.enabled:
             self.reuse.count(self._reuse_keys(request))
         return st
@@ -1165,6 +1171,7 @@ class OffloadScheduler:
             self._remember_for_lazy(request, block_ids)
         self._tracked_blocks.pop(request.request_id, None)
         self._schedulable.pop(request.request_id, None)
+        self._first_token_watch.discard(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.answer is not None and st.load_job is None:
             self._release(st.answer.pins)
@@ -1183,9 +1190,10 @@ class OffloadScheduler:
         )
 
     def stats_pending(self) -> bool:
-        """Anything counted since the last `take_stats` (cheap: no object built)."""
+        """Anything counted since the last `take_stats` (cheap: no object built), and the
+        output vLLM is building carries no request's first token (see `_first_token_out_now`)."""
         st = self.stats
-        return bool(
+        counted = bool(
             st.lookups
             or st.queried_tokens
             or st.hit_tokens
@@ -1196,9 +1204,30 @@ class OffloadScheduler:
             or st.lookup_waits
             or st.refresh_waits
         )
+        return counted and not self._first_token_out_now()
+
+    def _first_token_out_now(self) -> bool:
+        """True when a request has exactly one output token: vLLM asks for stats after
+        appending a step's tokens, so its first token is in the output being built. Stats in
+        that output are handled by the API server's stat loggers before the token is streamed
+        (vLLM 0.26 `output_handler`), and a request's own lookup is counted just before it:
+        at light load every request's TTFT would carry them. Held for `_STATS_HOLD_MAX_S` at
+        most (under load some request is always at its first token); nothing is dropped."""
+        if self._clock() - self._stats_taken_at >= _STATS_HOLD_MAX_S:
+            return False
+        watch = self._first_token_watch
+        for req_id in list(watch):
+            st = self._reqs.get(req_id)
+            n = getattr(st.request, "num_output_tokens", None) if st is not None else None
+            if n == 1:
+                return True
+            if not isinstance(n, int) or n > 1:
+                watch.discard(req_id)  # past its first token (or no count to watch)
+        return False
 
     def take_stats(self) -> SchedulerStats:
         s, self.stats = self.stats, SchedulerStats()
+        self._stats_taken_at = self._clock()
         return s
 
     def shutdown(self) -> None:

@@ -1306,3 +1306,38 @@ def test_a_request_is_passed_over_for_background_refreshes_once_per_wait():
     settle(s)
     # the running request keeps its admitted answer; the late, longer one is not adopted
     assert sorted(len(p) for p in fake.pins.values()) == [2]
+
+
+def test_stats_wait_for_an_output_without_a_first_token():
+    """vLLM asks for stats after appending a step's tokens, and the API server handles them
+    before it streams that output: a request's own lookup count would ride on its first token.
+    They go out with the next output instead, or after a second at most; none are lost."""
+    now = [100.0]
+    s, fake, bp, mgr = make(clock=lambda: now[0])
+    first = PrefillingRequest("a", list(range(200)))
+    ask(s, first)
+    assert s.stats_pending()  # nobody at their first token: out now
+    s.take_stats()
+    req = PrefillingRequest("r", list(range(1000, 1200)))
+    ask(s, req)
+    queried = s.stats.queried_tokens
+    assert queried == 200 and s.stats_pending()  # prefill not answered yet
+    req.num_output_tokens = 1  # the output being built carries its first token
+    assert not s.stats_pending()
+    req.num_output_tokens = 2
+    assert s.stats_pending() and s.take_stats().queried_tokens == queried
+    # under load some request is always at its first token: held for a second at most
+    late = PrefillingRequest("l", list(range(3000, 3200)))
+    ask(s, late)
+    late.num_output_tokens = 1
+    assert not s.stats_pending()
+    now[0] += 1.0
+    assert s.stats_pending()
+    # a finished request is not watched any more
+    now[0] = 100.0
+    s.take_stats()
+    now[0] = 100.5
+    ask(s, PrefillingRequest("f", list(range(5000, 5200))))
+    assert not s.stats_pending()  # "l" still shows one output token
+    s.request_finished(late, ([],))
+    assert s.stats_pending()
