@@ -117,7 +117,7 @@ def paired_between(ttft: dict[str, list[float]], baseline: str) -> list[dict[str
     return rows
 
 
-def call_ratio(report: dict[str, Any], config: str, against: str) -> dict[str, Any] | None:
+def call_ratio(report: dict[str, Any], config: str, against: str) -> float | None:
     """One call's median per-round TTFT ratio `config`/`against` (rounds both answered), or
     None when the call ran only one of them."""
     samples = report.get("samples", {})
@@ -125,10 +125,7 @@ def call_ratio(report: dict[str, Any], config: str, against: str) -> dict[str, A
         return None
     base = {x["round"]: x["ttft_s"] for x in samples[against]}
     ratios = [x["ttft_s"] / base[x["round"]] for x in samples[config] if x["round"] in base]
-    if not ratios:
-        return None
-    lo, hi = bootstrap_median_ci(ratios)
-    return {"n": len(ratios), "ratio_p50": statistics.median(ratios), "ratio_ci95": [lo, hi]}
+    return statistics.median(ratios) if ratios else None
 
 
 def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) -> dict[str, Any]:
@@ -137,12 +134,12 @@ def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) 
     call's bootstrap interval, from its rounds, is narrower than the spread between calls: the
     verdict takes each call's median as one sample and gives their median and range."""
     per_call = {name: r for name, rep in reports.items() if (r := call_ratio(rep, config, against))}
-    medians = sorted(r["ratio_p50"] for r in per_call.values())
+    medians = sorted(per_call.values())
     return {
         "config": config,
         "against": against,
         "calls": len(medians),
-        "per_call": {k: round(v["ratio_p50"], 4) for k, v in per_call.items()},
+        "per_call": {k: round(v, 4) for k, v in per_call.items()},
         "median": round(statistics.median(medians), 4) if medians else None,
         "range": [round(medians[0], 4), round(medians[-1], 4)] if medians else None,
     }

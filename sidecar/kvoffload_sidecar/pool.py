@@ -822,25 +822,16 @@ class Pool:
         with self._lock:
             ns = self._namespace(namespace_id)
             checked = self._check_queries(ns, queries)
-            counters, index = ns.counters, ns.index
+            index = ns.index
             hits: list[int] = []
-            for packed, n_keys in checked:
+            for packed, _ in checked:
                 slots = index.committed_prefix_packed(packed)
                 n = len(slots)
                 hits.append(n)
                 if n:
                     self._touch_packed(ns, packed, n)
                     self._record_use(ns, slots)
-                counters.hit_blocks += n
-                counters.queried_blocks += n_keys
-                if n < n_keys:
-                    counters.miss_blocks += 1
-            counters.lookups += len(checked)
-            if ns.tenants is not None:
-                for i, (hit, (_, n_keys)) in enumerate(zip(hits, checked, strict=True)):
-                    salt = salts[i] if salts is not None and i < len(salts) else None
-                    ns.tenants.count_lookup(salt, hit, n_keys)
-            ns.last_used = self._clock()
+            self._count_lookups(ns, checked, hits, salts)
             return hits
 
     def count_misses(
@@ -852,17 +843,30 @@ class Pool:
         with self._lock:
             ns = self._namespace(namespace_id)
             checked = self._check_queries(ns, queries)
-            counters = ns.counters
-            for _, n_keys in checked:
-                counters.queried_blocks += n_keys
-                counters.miss_blocks += n_keys > 0
-            counters.lookups += len(checked)
-            if ns.tenants is not None:
-                for i, (_, n_keys) in enumerate(checked):
-                    salt = salts[i] if salts is not None and i < len(salts) else None
-                    ns.tenants.count_lookup(salt, 0, n_keys)
-            ns.last_used = self._clock()
-            return [0] * len(checked)
+            hits = [0] * len(checked)
+            self._count_lookups(ns, checked, hits, salts)
+            return hits
+
+    def _count_lookups(
+        self,
+        ns: _Namespace,
+        checked: list[tuple[bytes, int]],
+        hits: list[int],
+        salts: Sequence[str] | None,
+    ) -> None:
+        """Lock held: the lookup counters (per namespace and tenant) of answered queries."""
+        counters = ns.counters
+        for hit, (_, n_keys) in zip(hits, checked, strict=True):
+            counters.hit_blocks += hit
+            counters.queried_blocks += n_keys
+            if hit < n_keys:
+                counters.miss_blocks += 1
+        counters.lookups += len(checked)
+        if ns.tenants is not None:
+            for i, (hit, (_, n_keys)) in enumerate(zip(hits, checked, strict=True)):
+                salt = salts[i] if salts is not None and i < len(salts) else None
+                ns.tenants.count_lookup(salt, hit, n_keys)
+        ns.last_used = self._clock()
 
     def reserve_load(
         self,
