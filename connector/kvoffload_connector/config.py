@@ -74,12 +74,14 @@ class ConnectorConfig:
     # (vLLM's OffloadingConnector calls it the same). 0 or 1: store every computed chunk. 2:
     # a prompt seen once costs no store (reuse.py).
     store_threshold: int = 0
-    # Eager mode: a request's chunks are reserved and stored once vLLM has its first output
-    # token. Under vLLM's async scheduling that token is sent only after the next step is
-    # launched, so a reservation's round trip from the RPC thread, or a store submitted in the
-    # step after a prefill (~0.75 ms of host time for 1K tokens of an 8B model), lands on the
-    # request's TTFT. Its blocks stay held meanwhile; preemption, or 64 steps (a long chunked
-    # prefill), sends them sooner.
+    # Eager mode: a request's chunks are planned, reserved and stored once its first output
+    # token has left the engine (vLLM holds two). Under vLLM's async scheduling that token is
+    # sent only after the next step is launched, and while the one after is scheduled, so a
+    # plan, a reservation's round trip from the RPC thread, or a store submitted there (~0.75 ms
+    # of host time for 1K tokens of an 8B model) lands on the request's TTFT. Meanwhile the
+    # request's own blocks hold the bytes; with less than half of the GPU cache free the plan
+    # (and our block references) come at once and only the reservation waits. Preemption, the
+    # request's end, or 64 steps (a long chunked prefill) send them sooner.
     store_after_first_token: bool = True
     # A request alone in the engine gets its lookup answered inside the scheduling call that
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:

@@ -37,7 +37,7 @@ from typing import Any
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
 from kvoffload_connector.config import ConnectorConfig, LoadMode, StoreMode
 from kvoffload_connector.events import EventFeed, announce_blob
-from kvoffload_connector.keys import PoolKey, chunk_keys
+from kvoffload_connector.keys import PoolKey, chunk_keys, make_key
 from kvoffload_connector.metadata import (
     ConnectorMeta,
     GroupTransfer,
@@ -73,6 +73,8 @@ class _Req:
     stored_chunks: int = 0  # chunks already in, or on their way to, the pool
     load_job: int | None = None
     planned: bool = False  # eager: seen by a store plan since it was (re)scheduled
+    deferred_full: int = 0  # eager, deferred: chunks full when its plan was last put off
+    wait_from: int = -1  # the step its stores began waiting for its first token (-1: not yet)
     load_async: bool = False  # the load mode last answered to vLLM for this request
     answer_step: int = 0  # the step its answer came in
     refreshing: bool = False  # a second lookup in flight for a longer hit (waiting request)
@@ -174,6 +176,11 @@ class OffloadScheduler:
         self._stores_out: list[StoreJob] = []
         # planned store chunks waiting for their request's first output token: (step, chunk)
         self._reserve_waiting: list[tuple[int, _PlannedChunk]] = []
+        # eager: requests whose store plan waits for their first token
+        self._deferred: set[str] = set()
+        # and their block ids when vLLM's KV cache manager serves them (gone once preempted)
+        self._deferred_ids: dict[str, Sequence[Sequence[int]]] = {}
+        self._step_blocks = -(-max_num_batched_tokens // block_size)  # one step's allocations
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._reservations_in_flight = 0
@@ -786,68 +793,166 @@ class OffloadScheduler:
         if self.block_pool is not None and blocks:
             self.block_pool.free_blocks(blocks)
 
-    def _plan_eager(self, scheduler_output: Any) -> list[_PlannedChunk]:
+    def _plan_eager(
+        self, scheduler_output: Any, preempted: Sequence[str] | set[str]
+    ) -> list[_PlannedChunk]:
+        """Every chunk that is full after this step, of each scheduled request. A request still
+        waiting for its first token is only noted (`_defer`), and planned once the token is out,
+        when it finishes, or when memory turns short; a deferred request preempted all the
+        same is planned from its blocks' hashes (`_plan_preempted`)."""
         planned: list[_PlannedChunk] = []
-        pool = self.block_pool
+        defer_ok = None  # computed once, when a request could be deferred
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None:
                 continue
-            req = st.request
-            if not st.planned:
-                # First schedule: what vLLM found in its GPU prefix cache was computed by an
-                # earlier request, whose eager stores sent it already (re-reserving it is a
-                # round of PRESENT answers and block references held for nothing).
-                st.planned = True
-                gpu_chunks = req.num_computed_tokens // self.chunk_tokens
-                if self.reuse.enabled:  # except what this request brought to the threshold
-                    gpu_chunks = self.reuse.first_unstored(self._reuse_keys(req, 0, gpu_chunks))
-                st.stored_chunks = max(st.stored_chunks, gpu_chunks)
-            computed = req.num_computed_tokens + n_sched
-            if not self.cfg.store_decode:
-                computed = min(computed, req.num_prompt_tokens)
-            full = min(computed // self.chunk_tokens, len(req.block_hashes) // self.chunk_blocks)
+            full = self._full_chunks(st, n_sched)
             if full <= st.stored_chunks:
                 continue
-            block_ids = self._block_ids_of(req_id)
-            if block_ids is None:
-                continue
-            storable = full
-            if self.reuse.enabled:
-                new = self._reuse_keys(req, st.stored_chunks, full)
-                storable = st.stored_chunks + self.reuse.storable(new)
-                self.stats.store_chunks_below_threshold += full - storable
-            hashes = req.block_hashes
-            # sliding-window groups keep only what a hit at the prompt's end (or later) reads
-            prompt_hit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
-            keep_from = [
-                self.window_start(g, prompt_hit // self.chunk_tokens)
-                for g in range(self.num_groups)
-            ]
-            for c in range(st.stored_chunks, storable):
-                for g in range(self.num_groups):
-                    if c < keep_from[g]:
-                        continue
-                    ids = block_ids[g][c * self.chunk_blocks : (c + 1) * self.chunk_blocks]
-                    if len(ids) < self.chunk_blocks:
-                        continue
-                    blocks = [pool.blocks[i] for i in ids]
-                    if any(b.is_null for b in blocks):
-                        continue
-                    key = PoolKey(
-                        bytes(hashes[(c + 1) * self.chunk_blocks - 1]) + g.to_bytes(4, "big")
-                    )
-                    planned.append(
-                        _PlannedChunk(
-                            req_id, g, c, key, blocks, self._announce(req, g, c), _salt(req)
-                        )
-                    )
-            st.stored_chunks = full
+            if self._may_defer(st):
+                if defer_ok is None:
+                    defer_ok = self._memory_allows_deferral()
+                if defer_ok:
+                    self._defer(st, full)
+                    continue
+            if req_id in self._deferred:
+                self._deferred.discard(req_id)
+                self._deferred_ids.pop(req_id, None)
+            self._plan_chunks(st, full, self._block_ids_of(req_id), planned)
+        if self._deferred:
+            for req_id in [r for r in preempted if r in self._deferred]:
+                self._plan_preempted(req_id, planned)
+            if defer_ok is False or (defer_ok is None and not self._memory_allows_deferral()):
+                for req_id in list(self._deferred):  # running, not scheduled this step
+                    st = self._reqs.get(req_id)
+                    self._deferred.discard(req_id)
+                    self._deferred_ids.pop(req_id, None)
+                    if st is not None:
+                        self._plan_chunks(st, st.deferred_full, self._block_ids_of(req_id), planned)
         return planned
 
-    def _block_ids_of(self, req_id: str) -> Sequence[Sequence[int]] | None:
+    def _full_chunks(self, st: _Req, n_sched: int) -> int:
+        """The request's chunks that are full once this step ran (its first schedule also
+        skips what vLLM's GPU prefix cache gave it: an earlier request stored that)."""
+        req = st.request
+        if not st.planned:
+            # First schedule: what vLLM found in its GPU prefix cache was computed by an
+            # earlier request, whose eager stores sent it already (re-reserving it is a
+            # round of PRESENT answers and block references held for nothing).
+            st.planned = True
+            gpu_chunks = req.num_computed_tokens // self.chunk_tokens
+            if self.reuse.enabled:  # except what this request brought to the threshold
+                gpu_chunks = self.reuse.first_unstored(self._reuse_keys(req, 0, gpu_chunks))
+            st.stored_chunks = max(st.stored_chunks, gpu_chunks)
+        computed = req.num_computed_tokens + n_sched
+        if not self.cfg.store_decode:
+            computed = min(computed, req.num_prompt_tokens)
+        return min(computed // self.chunk_tokens, len(req.block_hashes) // self.chunk_blocks)
+
+    # -- deferred planning: nothing on a request's path to its first token ---------------
+    def _may_defer(self, st: _Req) -> bool:
+        """Stores wait for the first token (`store_after_first_token`), so their planning can
+        wait too: under vLLM's async scheduling the prefill step and the one after it are
+        scheduled before that token is sent, and the step after that while it is sent, so
+        anything done there delays it. A long chunked prefill is planned after
+        `_STORE_WAIT_MAX_STEPS` steps all the same."""
+        if not self.cfg.store_after_first_token or not self._awaits_first_token(st.req_id):
+            return False
+        return st.wait_from < 0 or self._step - st.wait_from < _STORE_WAIT_MAX_STEPS
+
+    def _memory_allows_deferral(self) -> bool:
+        """A deferred request's blocks hold no reference of ours, and vLLM preempts only
+        when an allocation fails: defer only while at least half of the GPU blocks are free
+        and more than two steps' worth of allocations (token budget and one block per live
+        request, per group), so a preemption before the next step's plan is not expected.
+        If one happens all the same, `_plan_preempted` stores what is still intact."""
+        pool = self.block_pool
+        try:
+            free, total = int(pool.get_num_free_blocks()), int(pool.num_gpu_blocks)
+        except (AttributeError, TypeError, ValueError):
+            return False  # a block pool without these counts: plan at once, as before
+        margin = 2 * self.num_groups * (self._step_blocks + len(self._reqs) + 1)
+        return free >= max(margin, total // 2)
+
+    def _defer(self, st: _Req, full: int) -> None:
+        self._deferred.add(st.req_id)
+        if st.wait_from < 0:
+            st.wait_from = self._step
+        st.deferred_full = full
+        if self.kv_cache_manager is not None:  # vLLM 0.26's tracked ids outlive a preemption
+            with contextlib.suppress(KeyError):
+                self._deferred_ids[st.req_id] = self.kv_cache_manager.get_block_ids(st.req_id)
+
+    def _plan_preempted(self, req_id: str, planned: list[_PlannedChunk]) -> None:
+        """A deferred request was preempted: vLLM dropped its reference to its blocks (and
+        reset its computed tokens), so only blocks that still carry the hash of the chunk they
+        held are planned (a block handed to another request loses or changes its hash; with
+        vLLM 0.26's fenced frees none is handed on yet). The rest is recomputed on resume."""
+        self._deferred.discard(req_id)
+        st = self._reqs.get(req_id)
+        block_ids = self._block_ids_of(req_id, preempted=True)
+        if st is None or block_ids is None:
+            return
+        self._plan_chunks(st, st.deferred_full, block_ids, planned, verify=True)
+
+    def _plan_chunks(
+        self,
+        st: _Req,
+        full: int,
+        block_ids: Sequence[Sequence[int]] | None,
+        planned: list[_PlannedChunk],
+        verify: bool = False,
+    ) -> None:
+        """Plan chunks [stored_chunks, full) of a request from its GPU block ids. `verify`:
+        the blocks are no longer the request's, keep only chunks whose blocks still hold it."""
+        if full <= st.stored_chunks or block_ids is None:
+            return
+        req, pool = st.request, self.block_pool
+        storable = full
+        if self.reuse.enabled:
+            new = self._reuse_keys(req, st.stored_chunks, full)
+            storable = st.stored_chunks + self.reuse.storable(new)
+            self.stats.store_chunks_below_threshold += full - storable
+        hashes = req.block_hashes
+        # sliding-window groups keep only what a hit at the prompt's end (or later) reads
+        prompt_hit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
+        keep_from = [
+            self.window_start(g, prompt_hit // self.chunk_tokens) for g in range(self.num_groups)
+        ]
+        for c in range(st.stored_chunks, storable):
+            for g in range(min(self.num_groups, len(block_ids))):
+                if c < keep_from[g]:
+                    continue
+                ids = block_ids[g][c * self.chunk_blocks : (c + 1) * self.chunk_blocks]
+                if len(ids) < self.chunk_blocks:
+                    continue
+                blocks = [pool.blocks[i] for i in ids]
+                if any(b.is_null for b in blocks):
+                    continue
+                first = c * self.chunk_blocks
+                if verify and not all(
+                    b.block_hash is not None
+                    and bytes(b.block_hash) == make_key(hashes[first + i], g)
+                    for i, b in enumerate(blocks)
+                ):
+                    continue
+                key = make_key(hashes[first + self.chunk_blocks - 1], g)
+                planned.append(
+                    _PlannedChunk(
+                        st.req_id, g, c, key, blocks, self._announce(req, g, c), _salt(req)
+                    )
+                )
+        st.stored_chunks = full
+
+    def _block_ids_of(self, req_id: str, preempted: bool = False) -> Sequence[Sequence[int]] | None:
+        """The request's GPU block ids per group. `preempted`: vLLM already took them from
+        the request; the ones noted when it was deferred (`_deferred_ids`) serve instead."""
+        if preempted and req_id in self._deferred_ids:
+            return self._deferred_ids.pop(req_id)
         if self.kv_cache_manager is not None:
-            return self.kv_cache_manager.get_block_ids(req_id)
+            with contextlib.suppress(KeyError):
+                return self.kv_cache_manager.get_block_ids(req_id)
+            return None
         return self._tracked_blocks.get(req_id)
 
     def _track_block_ids(self, scheduler_output: Any) -> None:
@@ -949,9 +1054,16 @@ class OffloadScheduler:
         self.stats.store_chunks_planned += len(planned)
         if self.cfg.store_after_first_token:
             waits = {r: self._awaits_first_token(r) for r in {p.req_id for p in planned}}
-            self._reserve_waiting.extend((self._step, p) for p in planned if waits[p.req_id])
-            planned = [p for p in planned if not waits[p.req_id]]
+            if any(waits.values()):  # the wait counts from the request's first deferral
+                self._reserve_waiting.extend(
+                    (self._wait_from(p.req_id), p) for p in planned if waits[p.req_id]
+                )
+                planned = [p for p in planned if not waits[p.req_id]]
         self._send_reservation(planned)
+
+    def _wait_from(self, req_id: str) -> int:
+        st = self._reqs.get(req_id)
+        return st.wait_from if st is not None and st.wait_from >= 0 else self._step
 
     def _send_reservation(self, planned: list[_PlannedChunk]) -> None:
         """Reserve slots for `planned` (blocks already held) in the background."""
@@ -1023,12 +1135,16 @@ class OffloadScheduler:
         self._stores_out.append(StoreJob(job_id, res.store_id, namespace_id, transfers, generation))
 
     def _awaits_first_token(self, req_id: str) -> bool:
-        """True while vLLM has no output token of the request (prefill not yet answered)."""
+        """True until the request's first output token has surely left the engine: while it
+        has none, and while it has exactly one. vLLM's engine process hands the output that
+        carries a token to its output thread, which serializes and sends it while the main
+        thread schedules the next step: store work in that step competes with the send for
+        the GIL. With two tokens, the first one's output went out a step ago."""
         st = self._reqs.get(req_id)
         if st is None:
             return False  # finished or aborted: nothing to wait for
         n = getattr(st.request, "num_output_tokens", None)
-        return isinstance(n, int) and n == 0
+        return isinstance(n, int) and n < 2
 
     def _release_waiting_reservations(self, preempted: set[str]) -> None:
         """Reserve the chunks whose requests have their first token, were preempted (memory
@@ -1067,12 +1183,12 @@ class OffloadScheduler:
             self._drain()
         if self.kv_cache_manager is None:
             self._track_block_ids(scheduler_output)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if self.block_pool is not None:
             if self.cfg.mode is StoreMode.EAGER:
-                self._reserve(self._plan_eager(scheduler_output))
+                self._reserve(self._plan_eager(scheduler_output, preempted or ()))
             else:
                 self._reserve(self._plan_lazy())
-        preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if self._reserve_waiting:
             # a preempted request's blocks are wanted back: its stores leave now, not later
             self._release_waiting_reservations(set(preempted or ()))
@@ -1085,6 +1201,7 @@ class OffloadScheduler:
             if st is not None:
                 st.stored_chunks = 0
                 st.planned = False
+                st.wait_from = -1
                 st.waited_for_refresh = False  # waiting again: one more pass-over allowed
                 if st.load_job is None and st.answer is not None:
                     self._release(st.answer.pins)
@@ -1169,6 +1286,8 @@ class OffloadScheduler:
         """Never delays the free: blocks with pending stores/loads hold our reference."""
         if self.cfg.mode is StoreMode.LAZY and self.block_pool is not None:
             self._remember_for_lazy(request, block_ids)
+        if request.request_id in self._deferred:  # finished before its first token was out
+            self._plan_finished(request.request_id, block_ids)
         self._tracked_blocks.pop(request.request_id, None)
         self._schedulable.pop(request.request_id, None)
         self._first_token_watch.discard(request.request_id)
@@ -1176,6 +1295,19 @@ class OffloadScheduler:
         if st is not None and st.answer is not None and st.load_job is None:
             self._release(st.answer.pins)
         return False, None
+
+    def _plan_finished(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
+        """A deferred request finished (one output token, an abort): vLLM frees its blocks
+        after this hook, so they are planned and referenced now, and reserved at once."""
+        self._deferred.discard(req_id)
+        self._deferred_ids.pop(req_id, None)
+        st = self._reqs.get(req_id)
+        if st is None or self.block_pool is None:
+            return
+        planned: list[_PlannedChunk] = []
+        ids = self._block_ids_of(req_id)
+        self._plan_chunks(st, st.deferred_full, ids if ids else block_ids, planned)
+        self._reserve(planned)
 
     def has_pending_work(self) -> bool:
         return bool(

@@ -160,9 +160,13 @@ class FreeQueue:
 
 class BlockPool:
     def __init__(self, n: int):
+        self.num_gpu_blocks = n
         self.blocks = [Block(i) for i in range(n)]
         self.blocks[0].is_null = True
         self.free_block_queue = FreeQueue(self.blocks[1:])
+
+    def get_num_free_blocks(self) -> int:
+        return len(self.free_block_queue.items)
 
     def touch(self, blocks):
         for b in blocks:
@@ -241,8 +245,10 @@ def make(
     inline_ms=2,
     refresh_steps=2,
     store_threshold=0,
+    step_tokens=8192,
 ):
-    """A scheduler on a fake pool; lookups batch in the background unless `inline`."""
+    """A scheduler on a fake pool; lookups batch in the background unless `inline`.
+    `step_tokens`: vLLM's max_num_batched_tokens (with `nblocks`, whether plans may wait)."""
     fake = pool or FakePool()
     cfg = parse_extra_config(
         {
@@ -266,6 +272,7 @@ def make(
         world_size=world,
         client=fake,
         windows=windows,
+        max_num_batched_tokens=step_tokens,
         **extra,
     )
     bp = BlockPool(nblocks)
@@ -1170,44 +1177,148 @@ class PrefillingRequest(Request):
     num_output_tokens: int = 0
 
 
-def step(s: OffloadScheduler, scheduled: dict[str, int] | None = None, **kw) -> tuple:
+def step(s: OffloadScheduler, scheduled: dict[str, int] | None = None, out=None, **kw) -> tuple:
     """One engine step: the store jobs its metadata carries (background answers settled)."""
-    stores = s.build_connector_meta(SchedOut(scheduled or {}, **kw)).stores
+    stores = s.build_connector_meta(out or SchedOut(scheduled or {}, **kw)).stores
     settle(s)
     return stores
 
 
-def test_an_eager_store_is_reserved_after_the_requests_first_token():
+def roomy(**kw):
+    """A scheduler whose GPU cache is mostly free (400 blocks, 256-token steps): store plans
+    of requests without their first token may wait (`_memory_allows_deferral`)."""
+    return make(nblocks=400, step_tokens=256, **kw)
+
+
+def prefilled(s, bp, mgr, req):
+    """`_prefill`, then vLLM's advance of the computed tokens (what later steps see); the
+    request's GPU blocks carry vLLM's block hashes (prefix caching)."""
+    planned = _prefill(s, bp, mgr, req)
+    req.num_computed_tokens = len(req.prompt)
+    (blocks,) = mgr.req_blocks[req.request_id]
+    for i, blk in enumerate(blocks[: len(req.block_hashes)]):
+        blk.block_hash = make_key(req.block_hashes[i], 0)
+    return planned, blocks
+
+
+def test_an_eager_store_is_planned_and_reserved_after_the_requests_first_token():
     """Under vLLM's async scheduling the prefill's token is sent after the next step is
-    launched: a reservation's round trip or a store's submission there would delay it, so the
-    planned chunks wait (their blocks held) until the request has an output token."""
-    s, fake, bp, mgr = make()
+    launched, and while the one after is scheduled: a plan, a reservation or a store there
+    would delay it. With memory to spare the store is not even planned before the token left:
+    the request's own blocks hold the bytes until then."""
+    s, fake, bp, mgr = roomy()
     req = PrefillingRequest("r", list(range(200)))
     assert ask(s, req) == (0, False)
-    assert _prefill(s, bp, mgr, req) == 3  # planned in the prefill step ...
-    (blocks,) = mgr.req_blocks["r"]
-    assert "reserve_store" not in fake.calls  # ... and not reserved yet
-    assert step(s, {"r": 1}) == ()  # the next step: no token yet
-    assert all(b.ref_cnt == 2 for b in blocks[:6]) and s.has_pending_work()
-    req.num_output_tokens = 1  # vLLM processed the prefill's output
+    planned, blocks = prefilled(s, bp, mgr, req)
+    assert planned == 0  # nothing planned in the prefill step ...
+    assert step(s, {"r": 1}) == () and s.stats.store_chunks_planned == 0  # ... nor the next
+    assert all(b.ref_cnt == 1 for b in blocks) and "reserve_store" not in fake.calls
+    req.num_output_tokens = 1  # vLLM processed the prefill's output: it is being sent now
+    assert step(s, {"r": 1}) == () and s.stats.store_chunks_planned == 0
+    req.num_output_tokens = 2  # the first token's output went out a step ago
     assert step(s, {"r": 1}) == () and fake.calls.count("reserve_store") == 1
+    assert s.stats.store_chunks_planned == 3 and all(b.ref_cnt == 2 for b in blocks[:6])
     (job,) = step(s, {"r": 1})
     assert [len(t.gpu_blocks) for t in job.transfers] == [6]
     assert step(s, {"r": 1}) == () and fake.calls.count("reserve_store") == 1  # once
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+    assert all(b.ref_cnt == 1 for b in blocks)
 
 
-def test_a_waiting_store_is_reserved_when_its_request_finishes_or_after_the_step_cap():
+def test_a_store_is_planned_in_the_prefill_step_when_memory_is_short():
+    """Without our reference a preempted request's blocks go to the next allocation: when a
+    preemption may come (the GPU cache is half used, or one step could use what is left),
+    the plan and its references are made in the prefill step; the reservation still waits."""
+    s, fake, bp, mgr = make()  # 64 blocks: less free than two 8,192-token steps allocate
+    req = PrefillingRequest("r", list(range(200)))
+    ask(s, req)
+    assert _prefill(s, bp, mgr, req) == 3
+    (blocks,) = mgr.req_blocks["r"]
+    assert all(b.ref_cnt == 2 for b in blocks[:6]) and "reserve_store" not in fake.calls
+    assert step(s, {"r": 1}) == () and s.has_pending_work()
+    req.num_output_tokens = 1
+    assert step(s, {"r": 1}) == () and "reserve_store" not in fake.calls
+    req.num_output_tokens = 2
+    assert step(s, {"r": 1}) == () and fake.calls.count("reserve_store") == 1
+    # a deferred request is planned once memory turns short, scheduled this step or not
+    s, fake, bp, mgr = roomy()
+    req = PrefillingRequest("r", list(range(200)))
+    ask(s, req)
+    planned, blocks = prefilled(s, bp, mgr, req)
+    assert planned == 0
+    bp.allocate(200)  # other requests took half of the cache
+    assert step(s) == () and s.stats.store_chunks_planned == 3
+    assert all(b.ref_cnt == 2 for b in blocks[:6]) and "reserve_store" not in fake.calls
+
+
+def test_a_deferred_store_is_planned_when_its_request_finishes_or_after_the_step_cap():
     for finish in (True, False):
-        s, fake, bp, mgr = make()
+        s, fake, bp, mgr = roomy()
         req = PrefillingRequest("r", list(range(200)))
         ask(s, req)
-        _prefill(s, bp, mgr, req)
-        if finish:  # e.g. aborted before its first token
-            s.request_finished(req, ([],))
+        planned, blocks = prefilled(s, bp, mgr, req)
+        assert planned == 0
+        if finish:  # one output token (max_tokens=1), or aborted before its first token
+            s.request_finished(req, ([b.block_id for b in blocks],))
+            assert all(b.ref_cnt == 2 for b in blocks[:6])  # referenced before vLLM frees
+            mgr.req_blocks.pop("r")
+            bp.free_blocks(blocks)
             assert step(s) == () and len(step(s)) == 1
             continue
         sent = [len(step(s, {"r": 8})) for _ in range(70)]
         assert sum(sent) == 1 and sent.index(1) == 64  # a long chunked prefill: 64 steps at most
+
+
+def test_a_deferred_store_of_a_preempted_request_keeps_the_blocks_still_intact():
+    """vLLM preempts a deferred request all the same (a burst): it has freed the blocks and
+    reset the computed tokens, and forgets the block ids, before the connector hears of it.
+    The chunks whose blocks still carry their hashes are referenced and stored at once; a
+    block already handed to another request (its hash reset) drops its chunk."""
+    for reused in (False, True):
+        s, fake, bp, mgr = roomy()
+        req = PrefillingRequest("r", list(range(200)))
+        ask(s, req)
+        planned, blocks = prefilled(s, bp, mgr, req)
+        assert planned == 0 and step(s, {"r": 1}) == ()
+        mgr.req_blocks.pop("r")  # vLLM's preemption: the request's blocks are freed ...
+        bp.free_blocks(blocks)
+        req.num_computed_tokens = 0
+        if reused:
+            blocks[2].block_hash = None  # ... and one went to a new request
+        assert step(s, preempted_req_ids={"r"}) == ()  # planned and reserved now ...
+        (job,) = step(s)  # ... stored next
+        kept = [0, 1, 4, 5] if reused else list(range(6))
+        assert list(job.transfers[0].gpu_blocks) == [blocks[i].block_id for i in kept]
+        assert all(blocks[i].ref_cnt == 1 for i in kept)  # held by us alone until stored
+        assert all(b not in bp.free_block_queue.items for b in (blocks[i] for i in kept))
+        s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+        assert all(blocks[i].ref_cnt == 0 for i in kept)
+
+
+def test_vllm026_a_preempted_deferred_request_is_stored_from_its_tracked_block_table():
+    """0.26 (no KV cache manager): the block table followed from the outputs outlives the
+    preemption, so the deferred chunks whose blocks are intact are stored."""
+    fake = FakePool()
+    cfg = parse_extra_config({"chunk_size": CHUNK, "register_wait_ms": 0}, BS)
+    s = OffloadScheduler(
+        cfg, block_size=BS, num_groups=1, world_size=1, client=fake, max_num_batched_tokens=256
+    )
+    bp = BlockPool(400)
+    s.bind(None, bp)
+    req = PrefillingRequest("r", list(range(200)))
+    ask(s, req)
+    blocks = bp.allocate(7)
+    for i, blk in enumerate(blocks[:6]):
+        blk.block_hash = make_key(req.block_hashes[i], 0)
+    out = SchedOut({"r": 200})
+    out.scheduled_new_reqs = [NewReq("r", ([b.block_id for b in blocks],))]
+    out.scheduled_cached_reqs = Cached([], [])
+    assert step(s, out=out) == () and s.stats.store_chunks_planned == 0  # deferred
+    bp.free_blocks(blocks)  # preempted: vLLM freed them, none handed on yet
+    req.num_computed_tokens = 0
+    assert step(s, preempted_req_ids={"r"}) == ()
+    (job,) = step(s)
+    assert list(job.transfers[0].gpu_blocks) == [b.block_id for b in blocks[:6]]
 
 
 def test_a_waiting_store_is_reserved_at_once_when_its_request_is_preempted():
