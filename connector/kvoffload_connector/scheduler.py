@@ -9,7 +9,9 @@ back through a deque that the scheduler drains at its next hook.
   lookups of the step as one batched `Lookup`, then pins each hit with
   `ReserveLoad`. The pinned prefix is the answer (block-aligned, never the
   last prompt token: the n-1 rule), and it is loaded asynchronously.
-- Stores: eager mode plans every chunk that is full after this step; lazy
+- Stores: eager mode plans every chunk that is full after this step (while
+  half of the GPU cache is free, a request's plan waits until its first token
+  has left the engine: the request's own blocks hold the bytes meanwhile); lazy
   mode plans only chunks of finished requests whose GPU blocks reached the
   head of vLLM's free queue (next to be evicted). Either way the chunk's GPU
   blocks get a reference (`BlockPool.touch`) when planned and lose it when the
