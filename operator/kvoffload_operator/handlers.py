@@ -93,8 +93,11 @@ def _refresh_status(
         previous=status,
         reports=reports,
     )
+    sent = memo.setdefault("sent_status", {})
+    key = (policy.namespace, policy.name)
     if {k: status.get(k) for k in new} != new:
-        patch.status.update(status_patch(status, new))
+        patch.status.update(status_patch(status, new, sent.get(key, {})))
+        sent[key] = new
     _report_problems(degraded_problems(mine, reports), memo)
 
 
@@ -107,14 +110,20 @@ def _ask_sidecars(mine: list[Mapping[str, Any]], memo: Any) -> list[SidecarRepor
     return probe_sidecars(mine, source, timeout=timeout, budget=max(5 * timeout, timeout + 1))
 
 
-def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+def status_patch(
+    old: Mapping[str, Any], new: Mapping[str, Any], sent: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """``new`` as a merge patch over ``old``: keys gone from a map (``skipped``,
-    ``degradedReasons``) are sent as null, or the API server would keep them."""
+    ``degradedReasons``) are sent as null, or the API server would keep them. ``sent`` is the
+    status this operator patched last: a timer may fire before the watch brings that patch
+    back, and ``old`` (the body it was given) would then lack keys that the stored status has."""
     out = dict(new)
     for key, value in new.items():
-        before = old.get(key)
-        if isinstance(value, dict) and isinstance(before, Mapping) and key != "conditions":
-            out[key] = {**{k: None for k in before if k not in value}, **value}
+        if not isinstance(value, dict) or key == "conditions":
+            continue
+        before = [m for src in (old, sent or {}) if isinstance(m := src.get(key), Mapping)]
+        gone = {k: None for m in before for k in m if k not in value}
+        out[key] = {**gone, **value}
     return out
 
 

@@ -263,6 +263,13 @@ def test_status_patch_nulls_vanished_map_keys() -> None:
         "x": 2,
         "conditions": [],
     }
+    # a stale body (the watch has not brought the last patch back yet) lacks the key that
+    # patch stored: the last status sent still nulls it
+    stale = {"degradedReasons": {}}
+    sent = {"degradedReasons": {"ConnectorDisabled": 1}}
+    patch = status_patch(stale, {"degradedReasons": {}}, sent)
+    assert patch == {"degradedReasons": {"ConnectorDisabled": None}}
+    assert status_patch(stale, {"degradedReasons": {}}) == {"degradedReasons": {}}
 
 
 @pytest.mark.process
