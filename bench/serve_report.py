@@ -590,7 +590,9 @@ def markdown(rep: Report, md_path: Path, command: str) -> str:
     rows = []
     for c in rep.calls:
         problems = [
-            f"{k}: {v.get('status')}" for k, v in c.servers.items() if v.get("status") != "ok"
+            f"{k}: {v.get('status') or 'cut: no status (the call ended first)'}"
+            for k, v in c.servers.items()
+            if v.get("status") != "ok"
         ]
         rows.append(
             [

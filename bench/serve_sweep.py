@@ -579,7 +579,8 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
             continue
         print(f"== {config}: {left:.0f} s left", flush=True)
         server = Server(a, config, model_dir, work)
-        entry: dict[str, Any] = {}
+        # what the JSON says if the caller's timeout kills this process mid-configuration
+        entry: dict[str, Any] = {"status": "cut: the call ended before this configuration did"}
         report["servers"][config] = entry
         try:
             server.start()
@@ -610,6 +611,7 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - one configuration failing is a result
             entry["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
             print(f"   {entry['status'][:400]}", flush=True)
+            _save(out, report)  # before the server's stop, which a caller's timeout may cut
         finally:
             server.stop()
         _save(out, report)

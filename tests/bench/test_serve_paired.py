@@ -112,7 +112,10 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
 
 
 def _report(pairs: dict[str, list[tuple[int, float]]]) -> dict:
-    return {"samples": {c: [{"round": r, "ttft_s": t} for r, t in xs] for c, xs in pairs.items()}}
+    return {
+        "args": {"configs": list(pairs)},  # started in this order
+        "samples": {c: [{"round": r, "ttft_s": t} for r, t in xs] for c, xs in pairs.items()},
+    }
 
 
 def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, capsys) -> None:
@@ -127,18 +130,24 @@ def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, 
             {"none": [(1, 1.0), (2, 1.0), (5, 9.0)], "kvo": [(1, 1.01), (2, 1.01), (4, 1.0)]}
         ),
         "c": _report({"none": [(1, 1.0)], "noop": [(1, 1.0)]}),
-        "d": _report({"none": [(1, 1.0), (2, 1.0)], "kvo": [(1, 0.99), (2, 0.99)]}),
+        "d": _report({"kvo": [(1, 0.99), (2, 0.99)], "none": [(1, 1.0), (2, 1.0)]}),
     }
     row = across_calls(calls, "kvo", "none")
     assert row["calls"] == 3 and set(row["per_call"]) == {"a", "b", "d"}
     assert row["per_call"] == {"a": 1.03, "b": 1.01, "d": 0.99}
     assert row["median"] == 1.01 and row["range"] == [0.99, 1.03]
+    # the geometric mean of the three calls, its standard error over calls (in log units)
+    assert row["geo_mean"] == pytest.approx((1.03 * 1.01 * 0.99) ** (1 / 3), abs=1e-4)
+    assert row["sem"] == pytest.approx(0.0115, abs=2e-4)
+    # the start order is the dict order above: "none" first in a and b, "kvo" in d
+    assert row["first_started"] == {"kvo": 1, "none": 2}
     for name, rep in calls.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(rep))
     out = tmp_path / "merged.json"
     files = [str(tmp_path / f"{n}.json") for n in calls]
     assert main(["merge", *files, "--pair", "kvo/none", "--out", str(out)]) == 0
     assert json.loads(out.read_text())[0]["median"] == 1.01
-    assert "a:1.03" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "a:1.03" in printed and "kvo:1 none:2" in printed
     with pytest.raises(SystemExit):
         main(["merge", *files, "--pair", "kvo"])

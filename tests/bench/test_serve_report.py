@@ -287,6 +287,10 @@ def test_report_writes_markdown_json_and_small_pngs(tmp_path, capsys):
         paths.append(
             write_call(tmp_path, f"call{i}", rows, date=f"2026-11-2{6 + i}T04:00:00+00:00")
         )
+    # a call whose timeout killed it before `simple` recorded its status (its rows stand)
+    cut = json.loads(paths[1].read_text())
+    del cut["servers"]["simple"]["status"]
+    paths[1].write_text(json.dumps(cut))
     md, plots, js = tmp_path / "out" / "report.md", tmp_path / "plots", tmp_path / "merged.json"
     args = ["--md", str(md), "--plots", str(plots), "--json", str(js)]
     assert sr.main([*map(str, paths), *args]) == 0
@@ -304,6 +308,7 @@ def test_report_writes_markdown_json_and_small_pngs(tmp_path, capsys):
     assert "python bench/serve_sweep.py --configs kvo-lazy,none," in text
     assert "2026-11-26 04:00 – 2026-11-27 04:00 UTC" in text
     assert "0% hits: kvo vs no offloading" in text
+    assert "| simple: cut: no status (the call ended first) |" in text
     assert f"- {extra}: of 15 (point, metric) comparisons: " in text
     pngs = sorted(plots.glob("*.png"))
     assert [p.name for p in pngs] == [
