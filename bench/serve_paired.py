@@ -163,6 +163,17 @@ def started_first(report: dict[str, Any], configs: tuple[str, ...]) -> str | Non
     return order[0] if order else None
 
 
+def call_names(files: list[Path]) -> dict[str, Path]:
+    """One name per call: the file's stem, or its folder and stem where stems repeat (each
+    device call writes `$OUT/pN/sweep.json`); a file given twice is refused."""
+    if len(set(map(Path.resolve, files))) != len(files):
+        raise SystemExit("serve_paired.py merge: a file is given twice")
+    stems = [f.stem for f in files]
+    if len(set(stems)) == len(stems):
+        return dict(zip(stems, files, strict=True))
+    return {f"{f.parent.name}/{f.stem}": f for f in files}
+
+
 def merge_main(argv: list[str]) -> int:
     """`serve_paired.py merge FILES... --pair kvo-eager/none [--pair ...]`: the across-call
     table of earlier calls' JSON."""
@@ -173,7 +184,7 @@ def merge_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if any(pair.count("/") != 1 for pair in a.pair):
         p.error("--pair: CONFIG/AGAINST, e.g. kvo-eager/none")
-    reports = {f.stem: json.loads(f.read_text()) for f in a.files}
+    reports = {name: json.loads(f.read_text()) for name, f in call_names(a.files).items()}
     rows = [across_calls(reports, *pair.split("/")) for pair in a.pair]
     print(
         table(

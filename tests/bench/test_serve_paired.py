@@ -151,3 +151,12 @@ def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, 
     assert "a:1.03" in printed and "kvo:1 none:2" in printed
     with pytest.raises(SystemExit):
         main(["merge", *files, "--pair", "kvo"])
+    # Device calls each write pN/sweep.json: same stems, so the folder names the call.
+    for name, rep in calls.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text(json.dumps(rep))
+    same_stem = [str(tmp_path / n / "sweep.json") for n in calls]
+    assert main(["merge", *same_stem, "--pair", "kvo/none", "--out", str(out)]) == 0
+    assert set(json.loads(out.read_text())[0]["per_call"]) == {"a/sweep", "b/sweep", "d/sweep"}
+    with pytest.raises(SystemExit):
+        main(["merge", files[0], files[0], "--pair", "kvo/none"])
