@@ -123,6 +123,9 @@ class ActiveConnector:
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]):
         return self._scheduler.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool:
+        return self._scheduler.reset_cache() if self._scheduler is not None else True
+
     def take_events(self) -> list[Any]:
         return self._scheduler.take_events() if self._scheduler is not None else []
 

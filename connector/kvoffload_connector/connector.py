@@ -190,6 +190,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self._impl is not None:
             self._impl.update_connector_output(connector_output)
 
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_connector` (a weight update; `pause_generation` and `sleep` clearing
+        caches): nothing stored in the pool before is used again. True also without the pool
+        (nothing cached): vLLM would otherwise report its whole reset as failed."""
+        if self._impl is None:
+            return True
+        return self._impl.reset_cache()
+
     def take_events(self) -> Any:
         """The host tier's BlockStored/BlockRemoved (medium "CPU") for vLLM's KV-events
         publisher; nothing when disabled, and nothing (said once) when building them fails."""

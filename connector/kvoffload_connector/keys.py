@@ -8,6 +8,7 @@ Keys are fixed-size so a batch travels as one packed `bytes` field.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from collections.abc import Mapping, Sequence
@@ -49,6 +50,16 @@ def chunk_keys(
     return [
         PoolKey(bytes(block_hashes[(c + 1) * chunk_blocks - 1]) + suffix) for c in range(start, n)
     ]
+
+
+def in_epoch(keys: list[PoolKey], epoch: bytes | None) -> list[PoolKey]:
+    """`keys` as one cache epoch names them (keyed BLAKE2b, same size). After vLLM resets the
+    connector's cache (new weights) the scheduler starts an epoch with a fresh random value, so
+    nothing stored before is found again, by this engine or by one started later. None: the
+    first epoch, the keys as they are (nothing to pay until a reset)."""
+    if epoch is None:
+        return keys
+    return [PoolKey(hashlib.blake2b(k, digest_size=len(k), key=epoch).digest()) for k in keys]
 
 
 def pack(keys: Sequence[bytes], key_size: int) -> bytes:

@@ -62,6 +62,9 @@ class ConnectorMeta(ConnectorMetadataBase):
     # most tokens any request computes this step (0: unknown). Longer than a uniform decode
     # query means a mixed batch, which vLLM never replays as one full CUDA graph.
     longest_query: int = 0
+    # jobs whose GPU blocks vLLM got back before they finished (a prefix-cache reset): each
+    # worker completes them before this step's forward can write into those blocks
+    fence: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

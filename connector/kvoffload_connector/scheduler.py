@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from typing import Any
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
 from kvoffload_connector.config import ConnectorConfig, LoadMode, StoreMode
 from kvoffload_connector.events import EventFeed, announce_blob
-from kvoffload_connector.keys import PoolKey, chunk_keys, make_key
+from kvoffload_connector.keys import PoolKey, chunk_keys, in_epoch, make_key
 from kvoffload_connector.metadata import (
     ConnectorMeta,
     GroupTransfer,
@@ -48,6 +49,7 @@ from kvoffload_connector.metadata import (
     StoreJob,
     WorkerReport,
 )
+from kvoffload_connector.reset_guard import install_reset_guard
 from kvoffload_connector.reuse import ReuseTracker
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,7 @@ class _Req:
     deferred_full: int = 0  # eager, deferred: chunks full when its plan was last put off
     wait_from: int = -1  # the step its stores began waiting for its first token (-1: not yet)
     load_async: bool = False  # the load mode last answered to vLLM for this request
+    stale_lookup: bool = False  # its lookup in flight asked for keys of an earlier cache epoch
     answer_step: int = 0  # the step its answer came in
     refreshing: bool = False  # a second lookup in flight for a longer hit (waiting request)
     waited_for_refresh: bool = False  # it was passed over once for a background refresh
@@ -106,6 +109,7 @@ class _PlannedChunk:
     blocks: list[Any]  # KVCacheBlocks of the chunk (already touched)
     announce: bytes = b""  # what KV events say of it once visible (events.py); b"": events off
     salt: str | None = None  # the request's vLLM cache_salt (the sidecar's per-tenant quotas)
+    gpu_resets: int = 0  # vLLM prefix-cache resets before it was referenced (see _let_go)
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,7 @@ class SchedulerStats:
     # give its free blocks to one behind it (a preempted request at the head waits longer)
     lookup_waits: int = 0  # its first lookup (or a rank's pool) was not answered yet
     refresh_waits: int = 0  # a background refresh of a stale answer was in flight
+    cache_resets: int = 0  # vLLM reset the connector's cache: earlier entries are not looked up
 
 
 _MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
@@ -185,6 +190,14 @@ class OffloadScheduler:
         self._step_blocks = -(-max_num_batched_tokens // block_size)  # one step's allocations
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
+        # store reservations in flight on the RPC thread (their chunks hold block references)
+        self._reserving: dict[int, list[_PlannedChunk]] = {}
+        # vLLM prefix-cache resets that took our block references back (`_let_go`), and the
+        # jobs whose copies the workers must finish before the next forward (`fence`)
+        self._gpu_resets = 0
+        self._fence: set[int] = set()
+        # the cache epoch keys are named in (keys.in_epoch): None until vLLM resets our cache
+        self._key_epoch: bytes | None = None
         self._reservations_in_flight = 0
         self._lookups_in_flight = 0
         self._inline_spent_s = 0.0  # inline lookups' time in the current step
@@ -231,6 +244,8 @@ class OffloadScheduler:
         self.block_pool = (
             block_pool if block_pool is not None else getattr(kv_cache_manager, "block_pool", None)
         )
+        if self.block_pool is not None:
+            install_reset_guard(self.block_pool, self._before_gpu_reset)
 
     @property
     def registered(self) -> bool:
@@ -243,9 +258,12 @@ class OffloadScheduler:
                 self._lookups_in_flight -= 1
                 for req_id, answer in payload:
                     st = self._reqs.get(req_id)
-                    if st is None or not st.queued:  # finished meanwhile: give the pins back
+                    if st is None or not st.queued or st.stale_lookup:
+                        # finished meanwhile, or asked before a cache reset: pins go back
                         if answer is not None and answer.pins:
                             self._release(answer.pins)
+                        if st is not None and st.stale_lookup:
+                            st.queued = st.stale_lookup = False  # asked again when next seen
                         continue
                     st.queued = False
                     st.answer = answer if answer is not None else _Answer(0, [], [], "")
@@ -364,7 +382,9 @@ class OffloadScheduler:
             return False
         try:
             return not presence.maybe_present(
-                chunk_keys(request.block_hashes, self.chunk_blocks, 0, 1)[0]
+                in_epoch(
+                    chunk_keys(request.block_hashes, self.chunk_blocks, 0, 1), self._key_epoch
+                )[0]
             )
         except (ValueError, IndexError, OSError):  # a map closed under us: ask
             return False
@@ -543,7 +563,10 @@ class OffloadScheduler:
         usable = (request.num_tokens - 1) // self.block_size * self.block_size
         limit = -(-usable // self.chunk_tokens)
         hashes = request.block_hashes
-        return [chunk_keys(hashes, self.chunk_blocks, g, limit) for g in range(self.num_groups)]
+        return [
+            in_epoch(chunk_keys(hashes, self.chunk_blocks, g, limit), self._key_epoch)
+            for g in range(self.num_groups)
+        ]
 
     def window_start(self, group: int, hit_chunks: int) -> int:
         """First chunk a sliding-window group needs for a hit of `hit_chunks` chunks: the
@@ -938,7 +961,9 @@ class OffloadScheduler:
                     for i, b in enumerate(blocks)
                 ):
                     continue
-                key = make_key(hashes[first + self.chunk_blocks - 1], g)
+                (key,) = in_epoch(
+                    [make_key(hashes[first + self.chunk_blocks - 1], g)], self._key_epoch
+                )
                 planned.append(
                     _PlannedChunk(
                         st.req_id, g, c, key, blocks, self._announce(req, g, c), _salt(req)
@@ -988,9 +1013,9 @@ class OffloadScheduler:
                 blocks = tuple(pool.blocks[i] for i in ids)
                 if any(b.is_null or b.block_hash is None for b in blocks):
                     continue
-                key = PoolKey(
-                    bytes(request.block_hashes[(c + 1) * self.chunk_blocks - 1])
-                    + g.to_bytes(4, "big")
+                (key,) = in_epoch(
+                    [make_key(request.block_hashes[(c + 1) * self.chunk_blocks - 1], g)],
+                    self._key_epoch,
                 )
                 chunk = _PlannedChunk(
                     request.request_id,
@@ -1053,6 +1078,7 @@ class OffloadScheduler:
             return
         for p in planned:
             self._touch(p.blocks)
+            p.gpu_resets = self._gpu_resets
         self.stats.store_chunks_planned += len(planned)
         if self.cfg.store_after_first_token:
             waits = {r: self._awaits_first_token(r) for r in {p.req_id for p in planned}}
@@ -1078,6 +1104,7 @@ class OffloadScheduler:
             return
         self._told_unusable = ""
         self._reservations_in_flight += 1
+        self._reserving[id(planned)] = planned
         self._rpc.submit(lambda: self._reserve_rpc(planned))
 
     def _reserve_rpc(self, planned: list[_PlannedChunk]) -> None:
@@ -1095,6 +1122,13 @@ class OffloadScheduler:
         self, planned: list[_PlannedChunk], res: Any, namespace_id: str, generation: str
     ) -> None:
         """Scheduler thread: turn a reservation into a store job; drop what is not NEW."""
+        self._reserving.pop(id(planned), None)
+        if planned and planned[0].gpu_resets != self._gpu_resets:
+            # vLLM reset its prefix cache meanwhile and has these blocks back (`_let_go`)
+            self.stats.store_chunks_dropped += len(planned)
+            if res is not None and STORE_NEW in res.decisions:
+                self._abort_store(namespace_id, res.store_id)
+            return
         drop: list[Any] = []
         keep: list[tuple[_PlannedChunk, int]] = []
         if res is None:
@@ -1198,16 +1232,10 @@ class OffloadScheduler:
         self._count_presence_misses()
         # A preempted request's blocks with stores in flight stay referenced until stored, so
         # nothing waits here (vLLM's own connectors block the step on those stores instead).
-        for req_id in preempted or ():  # its blocks are gone: look up and store again on resume
+        for req_id in preempted or ():
             st = self._reqs.get(req_id)
             if st is not None:
-                st.stored_chunks = 0
-                st.planned = False
-                st.wait_from = -1
-                st.waited_for_refresh = False  # waiting again: one more pass-over allowed
-                if st.load_job is None and st.answer is not None:
-                    self._release(st.answer.pins)
-                    st.answer = None
+                self._restart(st)
         # the worker reads longest_query only in a step that loads (a pass over the batch)
         scheduled = (
             getattr(scheduler_output, "num_scheduled_tokens", None) if self._loads_out else None
@@ -1216,8 +1244,10 @@ class OffloadScheduler:
             loads=tuple(self._loads_out),
             stores=tuple(self._stores_out),
             longest_query=max(scheduled.values(), default=0) if scheduled else 0,
+            fence=tuple(sorted(self._fence)),
         )
         self._loads_out, self._stores_out = [], []
+        self._fence.clear()
         return meta
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
@@ -1266,6 +1296,7 @@ class OffloadScheduler:
         if job.done + job.failed < self.world_size:
             return
         del self._jobs[job.job_id]
+        self._fence.discard(job.job_id)
         self._untouch(job.blocks)
         if job.kind == "load":
             self._release(job.pins)
@@ -1274,13 +1305,103 @@ class OffloadScheduler:
                 st.load_job = None
                 st.answer = None  # pins are gone: a later lookup starts afresh
         elif job.failed and job.store_id:
-            ns, store_id = job.namespace_id, job.store_id
+            self._abort_store(job.namespace_id, job.store_id)
 
-            def abort() -> None:
-                with contextlib.suppress(PoolUnavailable):
-                    self.client.abort_store(ns, store_id)
+    def _abort_store(self, namespace_id: str, store_id: int) -> None:
+        def abort() -> None:
+            with contextlib.suppress(PoolUnavailable):
+                self.client.abort_store(namespace_id, store_id)
 
-            self._rpc.submit(abort)
+        self._rpc.submit(abort)
+
+    def _restart(self, st: _Req) -> None:
+        """A preempted request's blocks are gone: look up and store again on resume."""
+        st.stored_chunks = 0
+        st.planned = False
+        st.wait_from = -1
+        st.waited_for_refresh = False  # waiting again: one more pass-over allowed
+        if st.load_job is None and st.answer is not None:
+            self._release(st.answer.pins)
+            st.answer = None
+
+    # -- vLLM's cache resets ------------------------------------------------------------
+    def _before_gpu_reset(self) -> None:
+        """vLLM is about to reset its GPU prefix cache, which it refuses unless every block is
+        free. With `reset_running_requests` it preempted the running requests just before,
+        outside any step (no `preempted_req_ids` tell us): they start over. When our
+        references are all that stands in the way, give them back (`_let_go`); while
+        requests still hold blocks vLLM refuses anyway, and the stores keep theirs."""
+        for st in self._reqs.values():
+            if st.planned and not st.request.num_computed_tokens:
+                self._restart(st)
+                self._deferred.discard(st.req_id)  # its blocks' hashes are about to go
+                self._deferred_ids.pop(st.req_id, None)
+        pool = self.block_pool
+        held: dict[int, list[Any]] = {}
+        for b in self._referenced_blocks():
+            held.setdefault(b.block_id, []).append(b)
+        if not held:
+            return
+        ours_only = sum(1 for refs in held.values() if refs[0].ref_cnt == len(refs))
+        in_use = pool.num_gpu_blocks - pool.get_num_free_blocks() - 1  # the null block is used
+        if in_use == ours_only:
+            self._let_go()
+
+    def _referenced_blocks(self) -> list[Any]:
+        """Every block reference this scheduler holds, one entry per reference."""
+        blocks = [b for job in self._jobs.values() for b in job.blocks]
+        blocks += [b for _, p in self._reserve_waiting for b in p.blocks]
+        blocks += [b for planned in self._reserving.values() for p in planned for b in p.blocks]
+        return blocks
+
+    def _let_go(self) -> None:
+        """Give vLLM back every block we reference. Copies already handed to the workers are
+        fenced: each worker finishes them before its next forward, the first thing that can
+        write into a freed block. Stores not handed out yet are dropped (a reservation in
+        flight is aborted when it returns), since their blocks may be rewritten first."""
+        self._gpu_resets += 1
+        blocks: list[Any] = []
+        unsent = {s.job_id for s in self._stores_out}
+        if unsent:
+            self._stores_out = []
+        for job in list(self._jobs.values()):
+            if job.job_id in unsent:
+                del self._jobs[job.job_id]
+                self._abort_store(job.namespace_id, job.store_id)
+                self.stats.store_chunks_dropped += job.chunks
+            else:
+                self._fence.add(job.job_id)
+            blocks += job.blocks
+            job.blocks = []
+        blocks += [b for _, p in self._reserve_waiting for b in p.blocks]
+        self.stats.store_chunks_dropped += len(self._reserve_waiting)
+        self._reserve_waiting = []
+        blocks += [b for planned in self._reserving.values() for p in planned for b in p.blocks]
+        self._untouch(blocks)
+        log.info(
+            "kvoffload: vLLM resets its prefix cache: %d block references given back, %d "
+            "copies finish before the next forward",
+            len(blocks),
+            len(self._fence),
+        )
+
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_connector` (after a weight update; `pause_generation` and `sleep`
+        clear caches with it): what the pool holds may come from other weights. Keys move to
+        a fresh random epoch (keys.in_epoch), so nothing stored before is found again by this
+        engine; stale entries age out of the pool like any other. Answers and pins taken
+        before the reset are dropped; loads already running finish (vLLM preempted or aborted
+        their requests)."""
+        self._key_epoch = os.urandom(16)
+        self.stats.cache_resets += 1
+        for st in self._reqs.values():
+            if st.queued:
+                st.stale_lookup = True
+            if st.answer is not None and st.load_job is None:
+                self._release(st.answer.pins)
+                st.answer = None
+        log.info("kvoffload: vLLM reset the connector's cache: earlier pool entries are not used")
+        return True
 
     def request_finished(
         self, request: Any, block_ids: Sequence[Sequence[int]]
@@ -1337,6 +1458,7 @@ class OffloadScheduler:
             or st.presence_misses
             or st.lookup_waits
             or st.refresh_waits
+            or st.cache_resets
         )
         return counted and not self._first_token_out_now()
 

@@ -28,6 +28,7 @@ COUNTERS = (
     "presence_misses",  # misses answered by the sidecar's presence map, without a lookup
     "lookup_waits",  # a request skipped for a step: its lookup was not answered yet
     "refresh_waits",  # a request skipped for a step: a refresh of its stale answer was out
+    "cache_resets",  # vLLM reset the connector's cache (weight update): earlier entries unused
     "loaded_bytes",
     "load_seconds",
     "stored_bytes",
@@ -80,6 +81,7 @@ class ConnectorStats(KVConnectorStats):
             "lookup_waits": int(d.get("lookup_waits", 0)),
             "refresh_waits": int(d.get("refresh_waits", 0)),
             "failed_loads": int(d.get("failed_loads", 0)),
+            "cache_resets": int(d.get("cache_resets", 0)),
         }
 
     def is_empty(self) -> bool:
@@ -123,6 +125,10 @@ class PromMetrics(KVConnectorPromMetrics):
         "refresh_waits": (
             "kvoffload_connector_refresh_waits_total",
             "Steps a request was skipped while a refresh of its stale lookup answer was out",
+        ),
+        "cache_resets": (
+            "kvoffload_connector_cache_resets_total",
+            "Times vLLM reset the connector's cache (a weight update): earlier entries unused",
         ),
         "failed_loads": (
             "kvoffload_connector_failed_loads_total",

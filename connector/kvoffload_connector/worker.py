@@ -243,6 +243,8 @@ class OffloadWorker:
                 self.engine.new_step()
         if meta is None:
             return
+        if meta.fence:
+            self._finish_fenced(meta.fence)
         if meta.loads:
             self._check_pool()
         for job in meta.loads:
@@ -275,6 +277,14 @@ class OffloadWorker:
         self._wait_whole_step = self._layered_step and self._may_replay_full_graph(meta)
         if self._wait_whole_step:
             self.engine.wait_all_layers()
+
+    def _finish_fenced(self, job_ids: tuple[int, ...]) -> None:
+        """vLLM got these jobs' blocks back before they finished (a prefix-cache reset): the
+        copies complete before this step's forward, or our loads, can write into them. Rare
+        (a reset with copies in flight), so a host wait serves every engine alike."""
+        ids = [j for j in job_ids if j in self._jobs]
+        if ids and self.engine is not None:
+            self._handle(self.engine.wait(ids))
 
     def _may_replay_full_graph(self, meta: ConnectorMeta) -> bool:
         """Whether this step's forward may run as one full CUDA graph (no per-layer hooks). A

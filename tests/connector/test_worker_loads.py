@@ -208,3 +208,25 @@ def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, config, longest_quer
     finally:
         w.engine = w.pool = None
         w.shutdown()
+
+
+def test_a_fence_finishes_its_jobs_before_the_steps_loads_are_submitted(worker):
+    """vLLM got a store's blocks back early (a prefix-cache reset): the next step's metadata
+    fences the job, and the worker completes it before anything of that step can write into
+    those blocks (this step's loads, then its forward). Ids it never had are skipped."""
+    from kvoffload_connector.transfer import JobResult
+
+    engine = _RecordingEngine()
+    engine.wait = lambda ids: (
+        engine.calls.append(("wait", tuple(ids))) or [JobResult(8, True, 4096, 0.001)]
+    )
+    worker.engine, worker.pool, worker.generation = engine, _IntactPool(), "gen-1"
+    store = StoreJob(8, 1, "ns", (GroupTransfer(0, (1,), (2,), (0,)),), "gen-1")
+    worker.wait_for_save(ConnectorMeta(stores=(store,)))
+    meta = _load(layered=False)
+    worker.start_load_kv(ConnectorMeta(loads=meta.loads, fence=(8, 99)))
+    assert engine.calls == [("submit", 8), ("wait", (8,)), ("submit", 7)]
+    report = worker.report()
+    assert report is not None and report.done == {8: 1}  # the store completed (and commits)
+    worker.start_load_kv(ConnectorMeta(fence=(8,)))  # already finished: no second wait
+    assert engine.calls.count(("wait", (8,))) == 1
