@@ -1360,10 +1360,9 @@ class OffloadScheduler:
         write into a freed block. Stores not handed out yet are dropped (a reservation in
         flight is aborted when it returns), since their blocks may be rewritten first."""
         self._gpu_resets += 1
-        blocks: list[Any] = []
+        blocks = self._referenced_blocks()
         unsent = {s.job_id for s in self._stores_out}
-        if unsent:
-            self._stores_out = []
+        self._stores_out = [] if unsent else self._stores_out
         for job in list(self._jobs.values()):
             if job.job_id in unsent:
                 del self._jobs[job.job_id]
@@ -1371,12 +1370,9 @@ class OffloadScheduler:
                 self.stats.store_chunks_dropped += job.chunks
             else:
                 self._fence.add(job.job_id)
-            blocks += job.blocks
             job.blocks = []
-        blocks += [b for _, p in self._reserve_waiting for b in p.blocks]
         self.stats.store_chunks_dropped += len(self._reserve_waiting)
         self._reserve_waiting = []
-        blocks += [b for planned in self._reserving.values() for p in planned for b in p.blocks]
         self._untouch(blocks)
         log.info(
             "kvoffload: vLLM resets its prefix cache: %d block references given back, %d "
