@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
+from types import FrameType
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -93,6 +95,17 @@ def _empty_results() -> Any:
         return None
 
 
+def _undefer_frees(caller: FrameType, block_pool: Any) -> None:
+    """Enabled or disabled, our loads are stream-ordered (free_order.py): the scheduler that
+    binds us (the caller) frees blocks as without a connector."""
+    try:
+        from kvoffload_connector.free_order import stop_deferring_block_frees
+
+        stop_deferring_block_frees(caller.f_locals.get("self"), block_pool)
+    except Exception:  # noqa: BLE001 - vLLM keeps its own setting
+        log.debug("kvoffload: could not check vLLM's deferred block frees", exc_info=True)
+
+
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """kvoffload's KV connector: a best-effort host-memory tier behind a sidecar."""
 
@@ -157,11 +170,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side -------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
+        _undefer_frees(sys._getframe(1), getattr(kv_cache_manager, "block_pool", None))
         if self._impl is not None:
             self._impl.bind(kv_cache_manager)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         """vLLM 0.26 calls only this one (0.32+ also bind_kv_cache_manager)."""
+        _undefer_frees(sys._getframe(1), gpu_block_pool)
         if self._impl is not None:
             self._impl.bind(None, gpu_block_pool)
 

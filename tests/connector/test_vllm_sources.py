@@ -25,6 +25,8 @@ CACHE = ROOT / ".cache" / "vllm-sources"
 PYPI = "https://pypi.org/pypi/vllm/json"
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
+SCHEDULER = "vllm/v1/core/sched/scheduler.py"  # free_order.py: its deferred block frees
+BINDS = ("bind_gpu_block_pool", "bind_kv_cache_manager")
 # (our module, our class, vLLM module, vLLM base classes)
 SUBCLASSES = [
     ("connector.py", "KVOffloadConnector", BASE, ("KVConnectorBase_V1", "SupportsHMA")),
@@ -65,7 +67,7 @@ def _our_vllm_imports() -> dict[tuple[str, str], bool]:
 
 
 def _wanted_files() -> list[str]:
-    return sorted({BASE, METRICS} | {f for f, _ in _our_vllm_imports()})
+    return sorted({BASE, METRICS, SCHEDULER} | {f for f, _ in _our_vllm_imports()})
 
 
 def _pypi_release(minor: tuple[int, int]) -> tuple[str, str]:
@@ -260,7 +262,30 @@ def check(version: str, sources: dict[str, str]) -> list[str]:
         for attr in sorted(_self_attrs(ours, ast.Load) - ours_set):
             if attr not in base_attrs and attr not in base_methods:
                 problems.append(f"vLLM {version}: {our_name} reads self.{attr}, {f} never sets it")
-    return problems
+    return problems + free_order_problems(version, sources[SCHEDULER])
+
+
+def free_order_problems(version: str, scheduler_source: str) -> list[str]:
+    """free_order.py turns the scheduler's `defer_block_free` off from inside the first bind
+    call of its constructor: vLLM must set the flag before that call, or it undoes ours."""
+    init = next(
+        n
+        for n in ast.walk(_class(ast.parse(scheduler_source), "Scheduler"))
+        if isinstance(n, ast.FunctionDef) and n.name == "__init__"
+    )
+    defers, binds = [], []
+    for n in ast.walk(init):
+        if isinstance(n, ast.Assign) and any(
+            isinstance(t, ast.Attribute) and t.attr == "defer_block_free" for t in n.targets
+        ):
+            defers.append(n.lineno)
+        if isinstance(n, ast.Call) and getattr(n.func, "attr", None) in BINDS:
+            binds.append(n.lineno)
+    if not defers or not binds:
+        return [f"vLLM {version}: Scheduler.__init__ sets no defer_block_free or binds no pool"]
+    if max(defers) > min(binds):
+        return [f"vLLM {version}: Scheduler sets defer_block_free after binding the connector"]
+    return []
 
 
 # -- tests ---------------------------------------------------------------------------------------
@@ -279,9 +304,15 @@ def test_the_check_catches_a_changed_signature():
         )
         .replace("class SupportsHMA(", "class SupportsHMA_renamed(")
     )
+    broken[SCHEDULER] = (
+        sources[SCHEDULER]
+        .replace("self.defer_block_free = False", "self.other_flag = False")
+        .replace("self.defer_block_free = True", "self.other_flag = True")
+    )
     problems = check(version, broken)
     assert any("wait_for_layer_load" in p for p in problems), problems
     assert any("has no SupportsHMA" in p for p in problems), problems
+    assert any("defer_block_free" in p for p in problems), problems
 
 
 def test_connector_fits_the_installed_vllm():
