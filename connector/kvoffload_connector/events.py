@@ -16,6 +16,10 @@ tier's events, so every existing subscriber consumes them unchanged.
   engine on a warm pool, a restarted sidecar, a rebuilt pool) reads a snapshot of every visible
   block first: blocks it had announced that are gone are announced removed, the others stored.
 - Nothing is announced for a block that never committed (the sidecar logs commits only).
+- A connector cache reset (`reset_connector`, a weight update) moves the engine's pool keys to a
+  new epoch, so what the pool holds from before can no longer load here: the feed announces it
+  all removed, and blobs carry the epoch they were stored in, so neither the log nor a later
+  snapshot announces an older epoch's blocks again.
 
 No torch; msgspec and vLLM's event types are imported lazily (both ship with vLLM).
 """
@@ -47,10 +51,11 @@ class Announced:
 
 
 def announce_blob(
-    request: Any, group: int, first_block: int, n_blocks: int, block_size: int
+    request: Any, group: int, first_block: int, n_blocks: int, block_size: int, epoch: bytes = b""
 ) -> bytes:
     """What KV events say of the chunk covering GPU blocks [first_block, first_block+n_blocks)
-    of `request` in KV group `group` (encoded for the sidecar to keep)."""
+    of `request` in KV group `group` (encoded for the sidecar to keep), stored in key `epoch`
+    (b"": the keys a fresh engine uses)."""
     import msgspec
 
     hashes = request.block_hashes
@@ -71,6 +76,7 @@ def announce_blob(
             getattr(lora, "adapter_id", None) if lora else None,
             getattr(lora, "name", None) if lora else None,
             _extra_keys(request, first_block, n_blocks, block_size),
+            epoch,  # a tenth field: readers of the first nine (older connectors) ignore it
         ]
     )
 
@@ -116,6 +122,7 @@ class DecodedBlob:
     lora_id: int | None
     lora_name: str | None
     extra_keys: Any
+    epoch: bytes = b""
 
 
 def decode_blob(blob: bytes) -> DecodedBlob | None:
@@ -133,7 +140,10 @@ def decode_blob(blob: bytes) -> DecodedBlob | None:
     _, group, block_size, hashes, parent, tokens, lora_id, lora_name, extra = fields[:9]
     if extra:  # msgpack gives tuples back as lists
         extra = [tuple(k) if k is not None else None for k in extra]
-    return DecodedBlob(group, block_size, tuple(hashes), parent, tokens, lora_id, lora_name, extra)
+    epoch = fields[9] if len(fields) > 9 and isinstance(fields[9], bytes) else b""
+    return DecodedBlob(
+        group, block_size, tuple(hashes), parent, tokens, lora_id, lora_name, extra, epoch
+    )
 
 
 class VllmEvents:
@@ -192,6 +202,8 @@ class EventFeed:
         self._page = page_events
         self._build = builder or VllmEvents()
         self.announced: dict[bytes, Announced] = {}
+        self.epoch = b""  # blobs of another key epoch are not announced (retire)
+        self._lock = threading.Lock()  # the poller's pages against retire()
         self._log_id = ""
         self._seq = 0
         self._snapshot_keys: set[bytes] | None = None  # keys seen in the snapshot being read
@@ -223,6 +235,18 @@ class EventFeed:
                 len(taken),
             )
         return taken
+
+    def retire(self, epoch: bytes) -> int:
+        """The engine's keys moved to `epoch` (a connector cache reset): every block announced
+        so far is announced removed, and only blobs of `epoch` are announced from now on.
+        Returns how many were announced removed."""
+        with self._lock:
+            self.epoch = epoch
+            gone = list(self.announced.values())
+            self.announced.clear()
+            for a in gone:
+                self._out.append(self._build.removed(a))
+            return len(gone)
 
     def close(self) -> None:
         self._stop.set()
@@ -262,6 +286,10 @@ class EventFeed:
             return queued
 
     def _apply(self, page: Any) -> int:
+        with self._lock:
+            return self._apply_locked(page)
+
+    def _apply_locked(self, page: Any) -> int:
         before = len(self._out)
         if page.snapshot:
             if page.first or self._snapshot_keys is None or page.log_id != self._log_id:
@@ -291,7 +319,7 @@ class EventFeed:
 
     def _stored(self, e: Any) -> None:
         blob = decode_blob(bytes(e.announce))
-        if blob is None:
-            return  # stored without a blob (events off where it was stored, adopted): silent
+        if blob is None or blob.epoch != self.epoch:
+            return  # no blob (events off where it was stored, adopted), or keys of another epoch
         self.announced[bytes(e.key)] = Announced(blob.group, blob.hashes)
         self._out.append(self._build.stored(blob))

@@ -198,6 +198,7 @@ class OffloadScheduler:
         self._fence: set[int] = set()
         # the cache epoch keys are named in (keys.in_epoch): None until vLLM resets our cache
         self._key_epoch: bytes | None = None
+        self._epoch_tag = b""
         self._reservations_in_flight = 0
         self._lookups_in_flight = 0
         self._inline_spent_s = 0.0  # inline lookups' time in the current step
@@ -1037,7 +1038,12 @@ class OffloadScheduler:
             return b""
         try:
             return announce_blob(
-                request, group, chunk * self.chunk_blocks, self.chunk_blocks, self.block_size
+                request,
+                group,
+                chunk * self.chunk_blocks,
+                self.chunk_blocks,
+                self.block_size,
+                self._epoch_tag,
             )
         except Exception:  # noqa: BLE001
             log.debug("kvoffload: no announce blob for a chunk", exc_info=True)
@@ -1385,10 +1391,14 @@ class OffloadScheduler:
         """vLLM's `reset_connector` (after a weight update; `pause_generation` and `sleep`
         clear caches with it): what the pool holds may come from other weights. Keys move to
         a fresh random epoch (keys.in_epoch), so nothing stored before is found again by this
-        engine; stale entries age out of the pool like any other. Answers and pins taken
+        engine; stale entries age out of the pool like any other, and KV events announce
+        them removed at once (EventFeed.retire). Answers and pins taken
         before the reset are dropped; loads already running finish (vLLM preempted or aborted
         their requests)."""
         self._key_epoch = os.urandom(16)
+        self._epoch_tag = os.urandom(8)  # names the epoch in announce blobs (not the key)
+        if self.event_feed is not None:
+            self.event_feed.retire(self._epoch_tag)
         self.stats.cache_resets += 1
         for st in self._reqs.values():
             if st.queued:

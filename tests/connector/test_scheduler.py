@@ -1553,6 +1553,25 @@ def test_reset_cache_starts_a_key_epoch_where_nothing_stored_before_is_found():
     assert ask(s, Request("d", list(range(300)))) == (256, True)
 
 
+def test_reset_cache_announces_the_host_tier_removed_and_tags_later_blobs():
+    pytest.importorskip("vllm")
+    from kvoffload_connector.events import Announced, EventFeed, decode_blob
+
+    s, fake, *_ = make(inline=True)
+    s.event_feed = EventFeed(lambda *a: None)  # never started: no poller
+    s.event_feed.announced[b"k" * 36] = Announced(0, (b"h" * 32,))
+    req = Request("a", list(range(300)))
+    req.all_token_ids, req.lora_request, req.cache_salt = req.prompt, None, None  # what blobs read
+    req.mm_features, req.prompt_embeds = [], None
+    before = decode_blob(s._announce(req, 0, 0))
+    assert before.epoch == b""
+    s.reset_cache()
+    (removed,) = s.event_feed.take()
+    assert type(removed).__name__ == "BlockRemoved" and removed.medium == "CPU"
+    after = decode_blob(s._announce(req, 0, 0))
+    assert after.hashes == before.hashes and after.epoch == s.event_feed.epoch != b""
+
+
 def test_a_lookup_in_flight_across_reset_cache_is_asked_again():
     s, fake, *_ = make()  # background lookups
     req = Request("a", list(range(300)))

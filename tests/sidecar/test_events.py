@@ -94,6 +94,56 @@ def test_blob_round_trip_carries_vllms_hashes_tokens_parent_and_salt():
     assert decode_blob(b"") is None and decode_blob(b"\x01garbage") is None
 
 
+def test_blobs_carry_their_key_epoch_and_nine_field_blobs_read_as_the_first_epoch():
+    import msgspec
+
+    req = _request(2, seed=4)
+    blob = announce_blob(req, 0, 0, CHUNK_BLOCKS, BLOCK, b"epoch-1!")
+    assert decode_blob(blob).epoch == b"epoch-1!"
+    nine = msgspec.msgpack.encode(msgspec.msgpack.decode(blob)[:9])  # an older connector's
+    assert decode_blob(nine).epoch == b"" and decode_blob(nine).hashes == decode_blob(blob).hashes
+
+
+def test_a_cache_reset_announces_every_block_removed_and_the_old_epoch_never_again(pool_reg):
+    # reset_connector (a weight update) moved the engine's keys to a new epoch: what the pool
+    # holds from before cannot load here any more, so a router must stop counting on it. Its
+    # later eviction says nothing, and a snapshot (a restarted sidecar) does not bring it back.
+    pool, reg = pool_reg
+    feed = _feed(pool, reg)
+    feed.poll()
+    old = _request(2 * CHUNK_BLOCKS, seed=1)
+    _store(pool, reg, old, [0, 1])
+    feed.poll()
+    assert [type(e).__name__ for e in feed.take()] == ["BlockStored"] * 2
+    assert feed.retire(b"epoch-1!") == 2
+    removed = feed.take()
+    assert [type(e).__name__ for e in removed] == ["BlockRemoved"] * 2
+    assert [e.block_hashes for e in removed] == [_ext(old.block_hashes[i : i + 2]) for i in (0, 2)]
+    # new-epoch stores are announced; enough of them evict the old chunks, silently
+    slots = pool.stats().namespaces[0].slot_count
+    new = [_request(2 * CHUNK_BLOCKS, seed=s) for s in range(2, 2 + slots // 2)]
+    for r in new:
+        keys = [bytes([9]) + _key(r, c)[1:] for c in (0, 1)]  # keys of another epoch
+        blobs = [
+            announce_blob(r, 0, c * CHUNK_BLOCKS, CHUNK_BLOCKS, BLOCK, b"epoch-1!") for c in (0, 1)
+        ]
+        res = pool.reserve_store(reg.namespace_id, reg.client_id, b"".join(keys), blobs)
+        assert pool.commit_store(reg.namespace_id, res.store_id, 0)
+        feed.poll()
+    events = feed.take()
+    assert pool.stats().namespaces[0].evicted_blocks >= 2  # the old chunks left the pool
+    assert [type(e).__name__ for e in events] == ["BlockStored"] * slots, events
+    # a fresh feed in the new epoch (the sidecar's snapshot): the new blocks only
+    fresh = _feed(pool, reg)
+    fresh.retire(b"epoch-1!")
+    first_epoch = _request(2 * CHUNK_BLOCKS, seed=50)
+    _store(pool, reg, first_epoch, [0])  # a first-epoch blob (it evicts one new chunk)
+    fresh.poll()
+    announced = {tuple(e.block_hashes) for e in fresh.take()}
+    assert len(announced) == slots - 1  # everything the pool holds but the first-epoch chunk
+    assert announced < {tuple(e.block_hashes) for e in events}
+
+
 def test_commits_are_announced_aborts_and_reservations_are_not(pool_reg):
     pool, reg = pool_reg
     feed = _feed(pool, reg)
