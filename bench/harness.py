@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import lzma
 import os
 import platform
 import random
@@ -19,7 +20,16 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["machine", "percentile", "report", "rotations", "spread", "table"]
+__all__ = [
+    "machine",
+    "percentile",
+    "read_result",
+    "report",
+    "result_stem",
+    "rotations",
+    "spread",
+    "table",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,6 +52,19 @@ def _commit() -> str:
         )
     except (OSError, subprocess.SubprocessError):
         return ""
+
+
+def read_result(path: Path) -> Any:
+    """A results file, plain JSON or `.json.xz` (older results are kept compressed: the tree
+    travels to the GPU machine with a 64 MiB limit)."""
+    data = path.read_bytes()
+    return json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)
+
+
+def result_stem(path: Path) -> str:
+    """`s24p20` for `s24p20.json` and for `s24p20.json.xz`."""
+    name = path.name.removesuffix(".xz")
+    return name.removesuffix(".json") if name.endswith(".json") else Path(name).stem
 
 
 def machine() -> dict[str, Any]:

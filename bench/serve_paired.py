@@ -12,7 +12,7 @@ baseline is a fair pair; the report gives the median ratio with a bootstrap 95% 
 
     python bench/serve_paired.py --configs none,kvo-eager --rounds 300 --out X.json
     (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
-    python bench/serve_paired.py merge bench/results/serve_paired/*.json --pair kvo-eager/none
+    python bench/serve_paired.py merge bench/results/serve_paired/s*.json* --pair kvo-eager/none
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import bootstrap_median_ci, machine, percentile, rotations, table  # noqa: E402
+from harness import (  # noqa: E402
+    bootstrap_median_ci,
+    machine,
+    percentile,
+    read_result,
+    result_stem,
+    rotations,
+    table,
+)
 from serve_model import build_model_dir  # noqa: E402
 from serve_sweep import SERVED_NAME, Server, build_parser  # noqa: E402
 
@@ -168,10 +176,10 @@ def call_names(files: list[Path]) -> dict[str, Path]:
     device call writes `$OUT/pN/sweep.json`); a file given twice is refused."""
     if len(set(map(Path.resolve, files))) != len(files):
         raise SystemExit("serve_paired.py merge: a file is given twice")
-    stems = [f.stem for f in files]
+    stems = [result_stem(f) for f in files]
     if len(set(stems)) == len(stems):
         return dict(zip(stems, files, strict=True))
-    return {f"{f.parent.name}/{f.stem}": f for f in files}
+    return {f"{f.parent.name}/{s}": f for f, s in zip(files, stems, strict=True)}
 
 
 def merge_main(argv: list[str]) -> int:
@@ -184,7 +192,7 @@ def merge_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if any(pair.count("/") != 1 for pair in a.pair):
         p.error("--pair: CONFIG/AGAINST, e.g. kvo-eager/none")
-    reports = {name: json.loads(f.read_text()) for name, f in call_names(a.files).items()}
+    reports = {name: read_result(f) for name, f in call_names(a.files).items()}
     rows = [across_calls(reports, *pair.split("/")) for pair in a.pair]
     print(
         table(

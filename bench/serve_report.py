@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import lzma
 import math
 import os
 import shlex
@@ -57,7 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import spread  # noqa: E402
+from harness import read_result, result_stem, spread  # noqa: E402
 
 KNOWN_CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy")
 RIVALS = ("offloading", "simple")
@@ -170,12 +171,12 @@ def vllm_version(machine: dict[str, Any], args: dict[str, Any], servers: dict[st
 def load_calls(paths: Sequence[str | Path]) -> list[Call]:
     """Read the JSON files; names are the file stems (with the folder when stems repeat)."""
     paths = [Path(p) for p in paths]
-    stems = [p.stem for p in paths]
+    stems = [result_stem(p) for p in paths]
     calls = []
     for p, stem in zip(paths, stems, strict=True):
         try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError) as e:
+            data = read_result(p)
+        except (OSError, ValueError, lzma.LZMAError) as e:
             raise SystemExit(f"{p}: cannot read a serve_sweep JSON: {e}") from e
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise SystemExit(f"{p}: no `rows` list: not a bench/serve_sweep.py result")

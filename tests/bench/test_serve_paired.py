@@ -160,3 +160,11 @@ def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, 
     assert set(json.loads(out.read_text())[0]["per_call"]) == {"a/sweep", "b/sweep", "d/sweep"}
     with pytest.raises(SystemExit):
         main(["merge", files[0], files[0], "--pair", "kvo/none"])
+    # Older calls are kept as .json.xz: read as they are, named without both suffixes.
+    import lzma
+
+    packed = tmp_path / "a.json.xz"
+    packed.write_bytes(lzma.compress(json.dumps(calls["a"]).encode()))
+    mixed = [str(packed), *files[1:]]
+    assert main(["merge", *mixed, "--pair", "kvo/none", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["per_call"] == {"a": 1.03, "b": 1.01, "d": 0.99}
