@@ -5,6 +5,9 @@
 #   bash bench/gpu_check.sh rpc [extra args for bench/sidecar_rpc.py]   # the sidecar's RPC
 #     round trips on the GPU host (absolute times count there); carry .gpu/whl (grpcio 1.85.1,
 #     protobuf 7.36.2 for the stubs, grpcio-health-checking), installed into /tmp/site first.
+#   bash bench/gpu_check.sh engine [pytest args]   # the real-engine tests on vLLM 0.26 from the
+#     carry (carry .gpu): default tests/connector/test_vllm_engine.py and test_free_order.py,
+#     which see what the CPU build cannot (async scheduling, CUDA copies); engine.txt
 # GPU_TESTS_TIMEOUT (default 420 s) bounds the test run: one slow machine took over 200 s for 50 of
 # the 64 tests, so on an unknown machine run `tests` and `bench` as separate calls (600 s each).
 # Writes env.txt, tests.txt, bench.txt and transfer.json (rpc: rpc.txt and sidecar_rpc.json)
@@ -41,6 +44,17 @@ cat "$OUT/env.txt"
 if [[ $mode == tests || $mode == all ]]; then
   timeout "${GPU_TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider --noconftest -o timeout=90 --durations=8 --maxfail=6 -m gpu \
     tests/connector/test_transfer_gpu.py 2>&1 | tee "$OUT/tests.txt" | tail -25
+  rc=$((rc | PIPESTATUS[0]))
+fi
+
+if [[ $mode == engine ]]; then
+  source bench/gpu_env.sh vllm || exit $?
+  export PYTHONPATH=$PWD/tests:$PYTHONPATH
+  bash bench/build_native.sh >/dev/null 2>&1
+  (( $# )) || set -- tests/connector/test_vllm_engine.py tests/connector/test_free_order.py
+  # addopts off: the image's pytest lacks pytest-timeout, whose marks --strict-markers refuses
+  timeout "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -ra \
+    "$@" 2>&1 | grep -v 'jit_monitor' | tee "$OUT/engine.txt" | tail -40
   rc=$((rc | PIPESTATUS[0]))
 fi
 
