@@ -198,7 +198,6 @@ class OffloadScheduler:
         self._fence: set[int] = set()
         # the cache epoch keys are named in (keys.in_epoch): None until vLLM resets our cache
         self._key_epoch: bytes | None = None
-        self._epoch_tag = b""
         self._reservations_in_flight = 0
         self._lookups_in_flight = 0
         self._inline_spent_s = 0.0  # inline lookups' time in the current step
@@ -1043,7 +1042,7 @@ class OffloadScheduler:
                 chunk * self.chunk_blocks,
                 self.chunk_blocks,
                 self.block_size,
-                self._epoch_tag,
+                self.event_feed.epoch,  # names the key epoch in the blob (not the key)
             )
         except Exception:  # noqa: BLE001
             log.debug("kvoffload: no announce blob for a chunk", exc_info=True)
@@ -1368,7 +1367,7 @@ class OffloadScheduler:
         self._gpu_resets += 1
         blocks = self._referenced_blocks()
         unsent = {s.job_id for s in self._stores_out}
-        self._stores_out = [] if unsent else self._stores_out
+        self._stores_out = []
         for job in list(self._jobs.values()):
             if job.job_id in unsent:
                 del self._jobs[job.job_id]
@@ -1396,9 +1395,8 @@ class OffloadScheduler:
         before the reset are dropped; loads already running finish (vLLM preempted or aborted
         their requests)."""
         self._key_epoch = os.urandom(16)
-        self._epoch_tag = os.urandom(8)  # names the epoch in announce blobs (not the key)
         if self.event_feed is not None:
-            self.event_feed.retire(self._epoch_tag)
+            self.event_feed.retire(os.urandom(8))  # the new epoch's name in announce blobs
         self.stats.cache_resets += 1
         for st in self._reqs.values():
             if st.queued:
