@@ -1,14 +1,17 @@
 """Scheduler side of the connector: lookups, load and store planning, fencing (no torch).
 
-Runs in vLLM's EngineCore process on the scheduler thread. Network calls
-never run on that thread: they go to one `RpcThread`, and their answers come
-back through a deque that the scheduler drains at its next hook.
+Runs in vLLM's EngineCore process on the scheduler thread. Network calls go to
+one `RpcThread` (all but the inline lookups below, bounded by their deadline),
+and their answers come back through a deque that the scheduler drains at its
+next hook.
 
-- Lookups: `get_num_new_matched_tokens` queues the request's chunk keys and
-  answers `None` ("ask me next step"); `build_connector_meta` sends all queued
-  lookups of the step as one batched `Lookup`, then pins each hit with
-  `ReserveLoad`. The pinned prefix is the answer (block-aligned, never the
-  last prompt token: the n-1 rule), and it is loaded asynchronously.
+- Lookups: `get_num_new_matched_tokens` asks inline for a request alone in the
+  engine (or within `inline_lookup_ms`); otherwise it queues the request's chunk
+  keys and answers `None` ("ask me next step"), and `build_connector_meta` sends
+  the step's queued lookups as one batch. The round trips themselves (look up and
+  pin in one round of `ReserveLoad`s; windows first for sliding-window models)
+  are `pool_lookup.py`'s. The pinned prefix is the answer (block-aligned, never
+  the last prompt token: the n-1 rule); a presence-map miss needs no round trip.
 - Stores: eager mode plans every chunk that is full after this step (while
   half of the GPU cache is free, a request's plan waits until its first token
   has left the engine: the request's own blocks hold the bytes meanwhile); lazy
@@ -49,6 +52,7 @@ from kvoffload_connector.metadata import (
     StoreJob,
     WorkerReport,
 )
+from kvoffload_connector.pool_lookup import LookupAnswer, LookupBatch, PoolLookup
 from kvoffload_connector.reset_guard import install_reset_guard
 from kvoffload_connector.reuse import ReuseTracker
 
@@ -58,21 +62,11 @@ STORE_NEW = 1  # pool_pb2.STORE_DECISION_NEW (kept numeric: no proto import on t
 
 
 @dataclass
-class _Answer:
-    """A finished lookup: `hit_chunks` chunks pinned in every group."""
-
-    hit_chunks: int
-    pins: list[int]
-    slots: list[list[int | None]]  # per group, per chunk (None: not needed, sliding window)
-    generation: str
-
-
-@dataclass
 class _Req:
     req_id: str
     request: Any  # vLLM Request (block_hashes, num_tokens, num_computed_tokens, ...)
     queued: bool = False  # lookup queued or in flight
-    answer: _Answer | None = None
+    answer: LookupAnswer | None = None
     hit_end: int = 0  # tokens covered by the answer (after the n-1 cap)
     stored_chunks: int = 0  # chunks already in, or on their way to, the pool
     load_job: int | None = None
@@ -171,6 +165,7 @@ class OffloadScheduler:
         self.sliding = [g for g in range(num_groups) if self.windows[g] > 0]
         self.world_size = world_size
         self.client = client
+        self._lookup = PoolLookup(client, self.windows, cfg.chunk_tokens)
         self._clock = clock
         self._rpc = RpcThread("kvoffload-scheduler-rpc")
         self._results: collections.deque = collections.deque()  # (kind, payload) from _rpc
@@ -266,7 +261,7 @@ class OffloadScheduler:
                             st.queued = st.stale_lookup = False  # asked again when next seen
                         continue
                     st.queued = False
-                    st.answer = answer if answer is not None else _Answer(0, [], [], "")
+                    st.answer = answer if answer is not None else LookupAnswer(0, [], [], "")
                     st.answer_step = self._step
             elif kind == "refresh":
                 self._refreshes_in_flight -= 1
@@ -306,7 +301,7 @@ class OffloadScheduler:
                     return 0, False
                 self.stats.queried_tokens += request.num_tokens - num_computed_tokens
                 if self._usable() and self._surely_absent(request):
-                    st.answer = _Answer(0, [], [], "")  # the lookup's answer, without asking
+                    st.answer = LookupAnswer(0, [], [], "")  # the lookup's answer, without asking
                     st.answer_step = self._step
                     self.stats.presence_misses += 1
                     self._presence_missed.append((_salt(request), self._request_keys(request)))
@@ -325,7 +320,7 @@ class OffloadScheduler:
                 self.stats.lookup_waits += 1
                 return None, False  # a hit: worth waiting for the ranks' device registration
             self._release(st.answer.pins)  # waited long enough: recompute
-            st.answer = _Answer(0, [], [], "")
+            st.answer = LookupAnswer(0, [], [], "")
         if self._refresh_due(st, min(n_full, cap // self.chunk_tokens)) and not self._refresh(st):
             self.stats.refresh_waits += 1
             return None, False  # asked again in the background: admitted with it next step
@@ -512,7 +507,7 @@ class OffloadScheduler:
         st.waited_for_refresh = True
         return False
 
-    def _adopt_refresh(self, st: _Req | None, answer: _Answer | None) -> None:
+    def _adopt_refresh(self, st: _Req | None, answer: LookupAnswer | None) -> None:
         """A refresh's answer replaces the request's when it is longer and nothing loads yet;
         otherwise its pins go back."""
         if st is not None:
@@ -548,7 +543,7 @@ class OffloadScheduler:
             self._tell_unusable()
             for st in self._lookup_queue:  # sidecar away: every queued lookup is a miss
                 st.queued = False
-                st.answer = _Answer(0, [], [], "")
+                st.answer = LookupAnswer(0, [], [], "")
             self._lookup_queue = []
             return
         self._told_unusable = ""
@@ -569,33 +564,22 @@ class OffloadScheduler:
         ]
 
     def window_start(self, group: int, hit_chunks: int) -> int:
-        """First chunk a sliding-window group needs for a hit of `hit_chunks` chunks: the
-        window before the first computed token, one chunk of margin (vLLM drops blocks that
-        end at or before `computed - window + 1`); 0 for full attention."""
-        w = self.windows[group]
-        if not w:
-            return 0
-        first_token = hit_chunks * self.chunk_tokens - w + 1
-        return max(0, first_token // self.chunk_tokens - 1)
+        return self._lookup.window_start(group, hit_chunks)
 
     def _lookup_rpc(
         self,
-        batch: list[tuple[str, list[list[PoolKey]]]],
+        batch: LookupBatch,
         salts: dict[str, str] | None = None,
         kind: str = "lookup",
     ) -> None:
         """Background (or inline for a lone request): the batch's hits, pinned (`salts`: the
-        requests' cache salts, by request id, for the sidecar's per-tenant counts). Full attention
-        only: one pipelined round of ReserveLoads that also count as lookups (`_pin_prefixes`).
-        With sliding-window groups: one Lookup for the whole batch (two for partial hits,
-        `_hybrid_hits`), then every hit pinned in one pipelined round of ReserveLoads.
-
-        Full-attention groups need the whole prefix (prefix queries). A sliding-window group
-        needs only the window before the hit's end, and keeps only that in the pool, so its
-        chunks are asked one by one (presence) and the hit is the longest prefix of the full
-        groups whose windows are present in every sliding group."""
-        answers: list[tuple[str, _Answer | None]] = []
+        requests' cache salts, by request id, for the sidecar's per-tenant counts), through
+        `PoolLookup`: one pipelined round of ReserveLoads for full attention, a Lookup (two
+        for partial hits) then the pins with sliding-window groups. The answers, and the
+        lookup's latency, go to `_results` for the scheduler thread."""
+        answers: list[tuple[str, LookupAnswer | None]] = []
         t0 = time.perf_counter()
+        timeout_s = self.cfg.lookup_timeout_ms / 1e3
         try:
             # Never (re)register here: a Register against a silent sidecar would hold this
             # batch's requests for its whole timeout. `_send_lookups` schedules `ensure`.
@@ -603,14 +587,14 @@ class OffloadScheduler:
                 raise PoolUnavailable("not connected")
             generation = self.client.registration.generation if self.client.registration else ""
             if not self.sliding:  # full attention only: look up and pin in one round trip
-                answers = self._pin_prefixes(batch, generation, salts)
+                answers = self._lookup.pin_prefixes(batch, generation, timeout_s, salts)
                 self._results.append(("lookup_seconds", time.perf_counter() - t0))
                 self._results.append((kind, answers))
                 self._answered.set()
                 return
-            hits = self._hybrid_hits(batch, salts)
+            hits = self._lookup.hybrid_hits(batch, timeout_s, salts)
             self._results.append(("lookup_seconds", time.perf_counter() - t0))
-            answers = self._pin_all(batch, hits, generation)
+            answers = self._lookup.pin_all(batch, hits, generation)
         except PoolUnavailable as e:
             log.debug("kvoffload: lookup failed (miss): %s", e)
             done = {r for r, _ in answers}
@@ -618,155 +602,13 @@ class OffloadScheduler:
         self._results.append((kind, answers))
         self._answered.set()
 
-    def _pin_prefixes(
-        self,
-        batch: list[tuple[str, list[list[PoolKey]]]],
-        generation: str,
-        salts: dict[str, str] | None = None,
-    ) -> list[tuple[str, _Answer | None]]:
-        """Full-attention groups only: pin each request's longest committed prefix in every
-        group in one pipelined round (the sidecar counts each as a lookup too); the hit is the
-        shortest group's prefix. Half the round trips of a Lookup then a pin, and no eviction
-        can fall between them. Raises PoolUnavailable when the round fails as a whole."""
-        wanted = [keys for _, per_group in batch for keys in per_group]
-        salt_of = (salts or {}).get
-        got = iter(
-            self.client.reserve_load_many(
-                wanted,
-                count_lookup=True,
-                timeout_s=self.cfg.lookup_timeout_ms / 1e3,
-                salts=[salt_of(r) for r, per_group in batch for _ in per_group] if salts else None,
-            )
-        )
-        answers: list[tuple[str, _Answer | None]] = []
-        for req_id, per_group in batch:
-            res = [next(got) for _ in per_group]
-            pins = [r[0] for r in res if r is not None and r[0]]
-            hit = 0 if any(r is None for r in res) else min(len(r[1]) for r in res)  # type: ignore[index]
-            if hit <= 0:  # a miss (or a failed call): give back what was pinned
-                if pins:
-                    self._release_now(pins)
-                answers.append((req_id, None))
-                continue
-            slots: list[list[int | None]] = [list(r[1][:hit]) for r in res]  # type: ignore[index]
-            answers.append((req_id, _Answer(hit, pins, slots, generation)))
-        return answers
-
-    def _hybrid_hits(
-        self, batch: list[tuple[str, list[list[PoolKey]]]], salts: dict[str, str] | None = None
-    ) -> list[int]:
-        """Per request, the longest hit whose window is present in every sliding group.
-
-        Round 1 asks the full groups' prefixes and, per sliding group, only the window before
-        the longest possible hit (~window/chunk keys, not one per chunk of the prompt: 2,500
-        presence queries cost 4.7 ms at p50 on a 2-core VM, 85 cost 0.25). A request whose
-        full prefix is the whole ask and whose windows are there is done; any other with a
-        full-group hit asks again, for every chunk up to that hit (round 2), and the hit is
-        the longest there whose windows are present, exactly as with one big ask."""
-        timeout_s = self.cfg.lookup_timeout_ms / 1e3
-        queries: list[list[PoolKey]] = []
-        query_salts: list[str | None] = []  # per query, its request's salt
-        salt_of = (salts or {}).get
-        for req_id, per_group in batch:
-            for g, keys in enumerate(per_group):
-                if self.windows[g]:
-                    queries.extend([k] for k in keys[self.window_start(g, len(keys)) :])
-                else:
-                    queries.append(keys)
-            query_salts += [salt_of(req_id)] * (len(queries) - len(query_salts))
-        counts = iter(self.client.lookup(queries, timeout_s=timeout_s, salts=query_salts))
-        hits: list[int] = []
-        again: list[tuple[int, int]] = []  # (position in batch, full-group hit)
-        for i, (_, per_group) in enumerate(batch):
-            limit = len(per_group[0])
-            full, whole_window = limit, True
-            for g, keys in enumerate(per_group):
-                if self.windows[g]:
-                    asked = len(keys) - self.window_start(g, len(keys))
-                    flags = [next(counts) for _ in range(asked)]  # consume them all
-                    whole_window = whole_window and all(flags)
-                else:
-                    full = min(full, next(counts))
-            hits.append(full if full == limit and whole_window else 0)
-            if full > 0 and not hits[-1]:
-                again.append((i, full))
-        if again:
-            asked = [
-                ([k], salt_of(batch[i][0]))
-                for i, full in again
-                for g, keys in enumerate(batch[i][1])
-                if self.windows[g]
-                for k in keys[:full]
-            ]
-            flags = iter(
-                self.client.lookup(
-                    [q for q, _ in asked], timeout_s=timeout_s, salts=[s for _, s in asked]
-                )
-            )
-            for i, full in again:
-                present = {
-                    g: [next(flags) for _ in range(full)]
-                    for g in range(len(batch[i][1]))
-                    if self.windows[g]
-                }
-                hits[i] = self._hybrid_hit(full, present)
-        return hits
-
-    def _hybrid_hit(self, full: int, present: dict[int, list[int]]) -> int:
-        """Longest hit <= `full` chunks whose window is present in every sliding group."""
-        for hit in range(full, 0, -1):
-            if all(all(flags[self.window_start(g, hit) : hit]) for g, flags in present.items()):
-                return hit
-        return 0
-
-    def _pin_all(
-        self, batch: list[tuple[str, list[list[PoolKey]]]], hits: list[int], generation: str
-    ) -> list[tuple[str, _Answer | None]]:
-        """Pin each request's hit in every group (a sliding group: its window only); a
-        request whose pins did not all succeed is a miss (its pins go back)."""
-        wanted = [
-            keys[self.window_start(g, hit) : hit]
-            for (_, per_group), hit in zip(batch, hits, strict=True)
-            if hit > 0
-            for g, keys in enumerate(per_group)
-        ]
-        pinned = iter(self.client.reserve_load_many(wanted) if wanted else [])
-        answers: list[tuple[str, _Answer | None]] = []
-        for (req_id, per_group), hit in zip(batch, hits, strict=True):
-            if hit <= 0:
-                answers.append((req_id, None))
-                continue
-            got = [next(pinned) for _ in per_group]
-            pins = [g[0] for g in got if g is not None and g[0]]
-            if not self.sliding and all(r is not None for r in got):
-                # full attention only: a prefix evicted since the lookup shortens the hit
-                hit = min(hit, *(len(r[1]) for r in got))  # type: ignore[index]
-            starts = [self.window_start(g, hit) for g in range(len(per_group))]
-            complete = hit > 0 and all(
-                r is not None and len(r[1]) >= hit - start
-                for r, start in zip(got, starts, strict=True)
-            )
-            if not complete:  # evicted between lookup and pin, or a failed call: a miss
-                if pins:
-                    self._release_now(pins)
-                answers.append((req_id, None))
-                continue
-            slots: list[list[int | None]] = [
-                [None] * start + list(r[1][: hit - start])  # type: ignore[index]
-                for r, start in zip(got, starts, strict=True)
-            ]
-            answers.append((req_id, _Answer(hit, pins, slots, generation)))
-        return answers
-
     def _release(self, pins: Sequence[int]) -> None:
         pins = list(pins)
         if pins:
             self._rpc.submit(lambda: self._release_now(pins))
 
     def _release_now(self, pins: list[int]) -> None:
-        # PoolUnavailable: the session ended, and the sidecar released them already.
-        with contextlib.suppress(PoolUnavailable):
-            self.client.release(pins)
+        self._lookup.release_now(pins)
 
     # -- loads --------------------------------------------------------------------------
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
