@@ -161,6 +161,23 @@ def metrics(llm) -> dict[str, float]:
     return out
 
 
+def stats_only_outputs_recorded() -> bool:
+    """Whether this vLLM's offline engine records stats that come without request outputs.
+    vLLM 0.26's `LLMEngine.step` does not (`len(outputs.outputs) > 0`; later releases record
+    them, 0.32 says so): the connector's scheduler-side counters, taken on such a step (one
+    where requests waited for a lookup, say), never reach an offline engine's registry there.
+    vLLM's own prefix-cache counters are lost the same way; a served engine (AsyncLLM)
+    records every output."""
+    import inspect
+
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    try:
+        return "len(outputs.outputs) > 0" not in inspect.getsource(LLMEngine.step)
+    except (OSError, TypeError):
+        return True
+
+
 def pool_slots(client) -> dict[str, int]:
     """Committed, reserved and pinned slots over every namespace of the pool."""
     namespaces = client.stats().namespaces
@@ -865,6 +882,7 @@ def main() -> int:
         "events_fresh": scenario_events_fresh,
     }[args.scenario]
     report = fn(args)
+    report["stats_only_outputs_recorded"] = stats_only_outputs_recorded()
     Path(args.out).write_text(json.dumps(report))
     return 0
 

@@ -102,6 +102,16 @@ def sidecar():
     sc.close()
 
 
+def _scheduler_counters(r: dict) -> dict[str, float]:
+    """The report's Prometheus counters, for assertions on the scheduler-side ones (hits,
+    lookups, cache resets). Skips those assertions where vLLM's offline engine drops stats
+    that come without request outputs (vLLM 0.26, engine_runner.stats_only_outputs_recorded):
+    there the counters depend on which step took them, not on the connector."""
+    if not r.get("stats_only_outputs_recorded", True):
+        pytest.skip("this vLLM's offline engine drops stats-only outputs (0.26): counters unread")
+    return r["metrics"]
+
+
 def _assert_same_outputs(a: list[dict], b: list[dict]) -> None:
     assert [o["tokens"] for o in a] == [o["tokens"] for o in b]
     for x, y in zip(a, b, strict=True):
@@ -124,10 +134,10 @@ def test_llama_reset_hit_warm_restart_and_sidecar_kill(sidecar, tmp_path):
     assert r["other"][0]["tokens"] != r["first"][0]["tokens"]  # outputs depend on the prompt
     # vLLM's Prometheus endpoint carries the connector's counters (KVConnectorStats path).
     m = r["metrics"]
-    assert m["kvoffload_connector_hit_tokens_total"] >= 3 * 256, m
-    assert (
-        m["kvoffload_connector_loaded_bytes_total"] > 0 and m["kvoffload_connector_lookups_total"]
-    )
+    assert m.get("kvoffload_connector_loaded_bytes_total", 0) > 0, m  # worker side
+    if r.get("stats_only_outputs_recorded", True):  # scheduler side (_scheduler_counters)
+        assert m.get("kvoffload_connector_hit_tokens_total", 0) >= 3 * 256, m
+        assert m.get("kvoffload_connector_lookups_total", 0) > 0, m
     # Negative control: with the pool bytes overwritten, the hit still happens but the
     # outputs change, so the second run really computed from the loaded bytes.
     assert all(o["cached"] >= 256 for o in r["corrupted"])
@@ -293,8 +303,9 @@ def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(tmp_path, mo
     both = outputs["first"].keys() & outputs["second"].keys()
     assert len(both) >= 6 and all(outputs["first"][i] == outputs["second"][i] for i in both)
     m = r["metrics"]
-    assert m["kvoffload_connector_hit_tokens_total"] > 0, m
-    assert m["kvoffload_connector_loaded_bytes_total"] > 0, m
+    assert m.get("kvoffload_connector_loaded_bytes_total", 0) > 0, m
+    if r.get("stats_only_outputs_recorded", True):  # scheduler side (_scheduler_counters)
+        assert m.get("kvoffload_connector_hit_tokens_total", 0) > 0, m
     pool = r["pool"]
     assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, f"{pool}\n{r['log']}"
     assert pool["committed_slots"] > 0
@@ -330,11 +341,11 @@ def test_llama_preempted_while_its_stores_are_out_serves_and_stores(sidecar, tmp
     assert r["preemptions"] >= 1, r
     assert len(r["tokens"]) == 12 and r["again"]["tokens"] == r["tokens"]
     assert r["again"]["cached"] >= 256, r["again"]  # 4 chunks of 64 tokens from the pool
-    m = r["metrics"]
-    assert m["kvoffload_connector_hit_tokens_total"] >= 256, m
     pool = r["pool"]
     assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, pool
     assert pool["committed_slots"] > 0, pool
+    m = _scheduler_counters(r)  # last: skips on vLLM 0.26 offline
+    assert m.get("kvoffload_connector_hit_tokens_total", 0) >= 256, m
 
 
 @pytest.mark.slow
@@ -365,10 +376,10 @@ def test_llama_weight_update_reset_succeeds_and_uses_nothing_stored_before(sidec
     assert r["again"]["cached"] >= 256, r["again"]  # stored anew, under the new epoch
     assert r["first"]["tokens"] == r["hit"]["tokens"] == r["after"]["tokens"]
     assert r["again"]["tokens"] == r["first"]["tokens"]
-    m = r["metrics"]
-    assert m["kvoffload_connector_cache_resets_total"] == 1, m
     pool = r["pool"]
     assert pool["pinned_slots"] == 0 and pool["reserved_slots"] == 0, pool
+    m = _scheduler_counters(r)  # last: skips on vLLM 0.26 offline
+    assert m.get("kvoffload_connector_cache_resets_total", 0) == 1, m
 
 
 @pytest.mark.slow
@@ -443,7 +454,8 @@ def test_defaults_reset_hit(
     assert all(o["cached"] == 0 for o in r["first"]), "fresh prompts: the reference must miss"
     assert all(o["cached"] >= hit for o in r["second"]), f"{r['second']}\n{r['log']}"
     _assert_same_outputs(r["first"], r["second"])
-    assert r["metrics"]["kvoffload_connector_hit_tokens_total"] >= 3 * hit
+    if r.get("stats_only_outputs_recorded", True):  # scheduler side (_scheduler_counters)
+        assert r["metrics"].get("kvoffload_connector_hit_tokens_total", 0) >= 3 * hit, r["metrics"]
     assert r["disabled_lines"] == [], r["log"]
     assert r["pool_active"] == {"": 1.0}
     states = {name: st["state"] for name, st in _status_files(shared_sidecar).items()}
