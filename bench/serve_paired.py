@@ -146,11 +146,20 @@ def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) 
     The offset also follows the start order (session 22: the server started first read 0.7%
     slower than its call's mean over six calls), so the row says which of the pair started
     first in each call, and gives the geometric mean with its standard error: over calls that
-    cover every start order equally, the start order cancels out of the mean."""
+    cover every start order equally, the start order cancels out of the mean. Calls rarely
+    do, so `by_order` gives the geometric mean of the calls where each of the pair started
+    first, and `order_balanced` the geometric mean of those two: each order weighs the same
+    however many calls it had (None until both orders ran)."""
     per_call = {name: r for name, rep in reports.items() if (r := call_ratio(rep, config, against))}
     medians = sorted(per_call.values())
     logs = [math.log(v) for v in medians]
-    first = [started_first(reports[name], (config, against)) for name in per_call]
+    first_of = {name: started_first(reports[name], (config, against)) for name in per_call}
+    first = list(first_of.values())
+    by_order = {
+        c: _geo_mean([v for name, v in per_call.items() if first_of[name] == c])
+        for c in (config, against)
+    }
+    strata = list(by_order.values())
     return {
         "config": config,
         "against": against,
@@ -161,7 +170,13 @@ def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) 
         "geo_mean": round(math.exp(statistics.fmean(logs)), 4) if logs else None,
         "sem": round(statistics.stdev(logs) / math.sqrt(len(logs)), 4) if len(logs) > 1 else None,
         "first_started": {c: first.count(c) for c in (config, against)},
+        "by_order": {f"{c} first": v for c, v in by_order.items()},
+        "order_balanced": _geo_mean(strata) if None not in strata else None,
     }
+
+
+def _geo_mean(values: list[float]) -> float | None:
+    return round(math.exp(statistics.fmean(map(math.log, values))), 4) if values else None
 
 
 def started_first(report: dict[str, Any], configs: tuple[str, ...]) -> str | None:
@@ -201,6 +216,7 @@ def merge_main(argv: list[str]) -> int:
                     **r,
                     "per_call": " ".join(f"{k}:{v}" for k, v in r["per_call"].items()),
                     "first_started": " ".join(f"{k}:{v}" for k, v in r["first_started"].items()),
+                    "by_order": " ".join(f"{k}:{v}" for k, v in r["by_order"].items()),
                 }
                 for r in rows
             ]

@@ -141,6 +141,14 @@ def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, 
     assert row["sem"] == pytest.approx(0.0115, abs=2e-4)
     # the start order is the dict order above: "none" first in a and b, "kvo" in d
     assert row["first_started"] == {"kvo": 1, "none": 2}
+    # each start order weighs the same: kvo first (d) 0.99, none first (a, b) sqrt(1.03 * 1.01)
+    assert row["by_order"] == {
+        "kvo first": 0.99,
+        "none first": pytest.approx((1.03 * 1.01) ** 0.5, abs=1e-4),
+    }
+    assert row["order_balanced"] == pytest.approx((0.99 * (1.03 * 1.01) ** 0.5) ** 0.5, abs=1e-4)
+    one_order = across_calls({k: calls[k] for k in ("a", "b")}, "kvo", "none")
+    assert one_order["by_order"]["kvo first"] is None and one_order["order_balanced"] is None
     for name, rep in calls.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(rep))
     out = tmp_path / "merged.json"
