@@ -10,6 +10,7 @@
 #     which see what the CPU build cannot (async scheduling, CUDA copies); engine.txt
 # GPU_TESTS_TIMEOUT (default 420 s) bounds the test run: one slow machine took over 200 s for 50 of
 # the 64 tests, so on an unknown machine run `tests` and `bench` as separate calls (600 s each).
+# The engine tests are stopped with SIGINT, so pytest still reports what failed before then.
 # Writes env.txt, tests.txt, bench.txt and transfer.json (rpc: rpc.txt and sidecar_rpc.json)
 # under $OUT (default ./out/gpu).
 set -uo pipefail
@@ -49,12 +50,15 @@ fi
 
 if [[ $mode == engine ]]; then
   source bench/gpu_env.sh vllm || exit $?
-  export PYTHONPATH=$PWD/tests:$PYTHONPATH
+  # each engine's core in its own process, as `vllm serve` and default offline use run it: an
+  # in-process vLLM 0.26 keeps the first engine's worker-side connector in a process global, so
+  # a test's second engine (warm restart, "without a connector") would run on the first one's
+  export VLLM_ENABLE_V1_MULTIPROCESSING=1 PYTHONPATH=$PWD/tests:$PYTHONPATH
   bash bench/build_native.sh >/dev/null 2>&1
   (( $# )) || set -- tests/connector/test_vllm_engine.py tests/connector/test_free_order.py
   # addopts off: the image's pytest lacks pytest-timeout, whose marks --strict-markers refuses
-  timeout "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -o addopts="" -ra \
-    "$@" 2>&1 | grep -v 'jit_monitor' | tee "$OUT/engine.txt" | tail -40
+  timeout -s INT -k 30 "${GPU_TESTS_TIMEOUT:-540}" \
+    python3 -m pytest -q -p no:cacheprovider -o addopts="" -ra "$@" 2>&1 | grep -v 'jit_monitor' | tee "$OUT/engine.txt" | tail -40
   rc=$((rc | PIPESTATUS[0]))
 fi
 

@@ -55,6 +55,18 @@ def precheck(vllm_config: Any, kv_cache_config: Any = None) -> ConnectorConfig:
     return cfg
 
 
+def restart_note(vllm_config: Any) -> str:
+    """Why a restarted engine will not find what this one stored ("" when it will)."""
+    algo = compat.hash_algo(vllm_config)
+    if compat.hashes_survive_restart(algo):
+        return ""
+    return (
+        f"PYTHONHASHSEED is unset and this vLLM seeds its {algo} block hashes per process: "
+        "pool hits last this engine's life, a restarted engine will not find what it stored "
+        "(set PYTHONHASHSEED to any fixed value; the injector sets 0)"
+    )
+
+
 class ActiveConnector:
     """What the facade forwards to while the pool is in use (one role per process)."""
 
@@ -66,6 +78,7 @@ class ActiveConnector:
         self._scheduler = None
         self._worker = None
         self._load_error_blocks: set[int] = set()
+        self.notes: list[str] = []  # limits the pool still serves under (status file, stats)
         if scheduler_role:
             from kvoffload_connector.client import PoolClient
             from kvoffload_connector.scheduler import OffloadScheduler
@@ -85,6 +98,10 @@ class ActiveConnector:
                 windows=compat.group_windows(kv_cache_config),
                 kv_events=cfg.kv_events and compat.kv_events_enabled(vllm_config),
             )
+            note = restart_note(vllm_config)
+            if note:
+                self.notes.append(note)
+                log.warning("kvoffload: %s", note)
         else:
             from kvoffload_connector.worker import OffloadWorker
 

@@ -13,6 +13,7 @@ Known differences the connector relies on:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,27 @@ except Exception:  # noqa: BLE001
 
 def hash_algo(vllm_config: Any) -> str:
     return str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", "sha256"))
+
+
+# vLLM seeds these with fresh random bytes per process unless PYTHONHASHSEED is set (their seed
+# must stay secret: they are not collision resistant)
+_PER_PROCESS_SEEDED = frozenset({"xxhash", "xxhash_cbor"})
+
+
+def hashes_survive_restart(algo: str, kv_cache_utils: Any = None) -> bool:
+    """Whether a restarted engine computes the same block hashes, so it can find what this one
+    stored: PYTHONHASHSEED set (any value), or a vLLM that seeds cryptographic hashes with a
+    fixed default (`resolve_none_hash_seed`, in 0.32, not in 0.26, which draws os.urandom per
+    process). Pool keys are vLLM's block hashes. True where vLLM cannot be read (nothing to say)."""
+    if os.environ.get("PYTHONHASHSEED") is not None:
+        return True
+    if kv_cache_utils is None:
+        try:
+            # a plain import (test_vllm_sources reads from-imports as names it checks)
+            import vllm.v1.core.kv_cache_utils as kv_cache_utils
+        except Exception:  # noqa: BLE001
+            return True
+    return hasattr(kv_cache_utils, "resolve_none_hash_seed") and algo not in _PER_PROCESS_SEEDED
 
 
 def block_size(vllm_config: Any, kv_cache_config: Any) -> int:

@@ -36,7 +36,9 @@ DEFAULT_SOCKET = "/kvoffload/run/pool.sock"
 
 
 def _share_vllm_log_handlers() -> None:
-    """Our modules log under `kvoffload_connector`; print them where vLLM prints its own."""
+    """Our modules log under `kvoffload_connector`; print them where vLLM prints its own, and
+    only there (as vLLM's own logger does): a root handler that something else in the process
+    installed would print each line twice (vLLM 0.26's engine core on the GPU image did)."""
     ours = logging.getLogger("kvoffload_connector")
     if ours.handlers:
         return
@@ -44,6 +46,7 @@ def _share_vllm_log_handlers() -> None:
     for h in vllm_logger.handlers:
         ours.addHandler(h)
     ours.setLevel(vllm_logger.level or logging.INFO)
+    ours.propagate = not ours.handlers
 
 
 _share_vllm_log_handlers()
@@ -140,8 +143,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             role_name,
             rank,
             _vllm_version(),
-            _gpu_capacity(vllm_config, kv_cache_config) if scheduler_role else None,
+            self._status_extra(vllm_config, kv_cache_config) if scheduler_role else None,
         )
+
+    def _status_extra(self, vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
+        """The scheduler's further status fields: the GPU KV capacity, and notes on limits the
+        pool serves under (`ActiveConnector.notes`)."""
+        notes = self._impl.notes if self._impl is not None else []
+        return {
+            **_gpu_capacity(vllm_config, kv_cache_config),
+            **({"notes": notes} if notes else {}),
+        }
 
     @property
     def active(self) -> bool:

@@ -45,10 +45,15 @@ def read_connector_status(directory: Path | None) -> str:
 
 
 def describe(entry: dict[str, Any]) -> str:
-    """One line for `kvoffload stats`: "connector scheduler rank 0: disabled: <reason>"."""
+    """One line for `kvoffload stats`: "connector scheduler rank 0: disabled: <reason>", and
+    any notes an active one left (limits it serves under: "active (note: ...)")."""
     role = entry.get("role") or "?"
     rank = entry.get("rank")
     state = entry.get("state") or "unknown"
     where = f"connector {role}" + ("" if rank is None else f" rank {rank}")
     reason = entry.get("reason") or ""
-    return f"{where}: {state}" + (f": {reason}" if reason else "")
+    notes = entry.get("notes")
+    noted = "".join(
+        f" (note: {n})" for n in (notes if isinstance(notes, list) else []) if isinstance(n, str)
+    )
+    return f"{where}: {state}" + (f": {reason}" if reason else "") + noted

@@ -134,9 +134,9 @@ def gauges() -> dict[str, float]:
 def drain_connector(llm, max_s: float = 5.0) -> None:
     """Step an in-process engine until its connector has no pending work, as a multiprocess
     engine's core loop does by itself (it steps while `has_requests()`, which asks the
-    connector's `has_pending_push_work`). An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0,
-    as the GPU harness runs vLLM 0.26) steps only inside `generate()`, so stores that go out
-    after the last request finished would wait for the next call, or be lost at exit."""
+    connector's `has_pending_push_work`). An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    steps only inside `generate()`, so stores that go out after the last request finished would
+    wait for the next call, or be lost at exit."""
     scheduler = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
     if scheduler is None:  # a multiprocess engine: its own loop drains
         return

@@ -208,6 +208,37 @@ def test_active_connector_writes_active_status(tmp_path, fresh_guard, caplog):
         conn.shutdown()
 
 
+@pytest.mark.parametrize("seed", [None, "0"], ids=["no-seed", "seed"])
+def test_per_process_hash_seed_is_said_once_and_noted_in_the_status(
+    tmp_path, fresh_guard, caplog, monkeypatch, seed
+):
+    """xxhash block hashes are seeded per process unless PYTHONHASHSEED is set (every vLLM;
+    0.26 also sha256): the pool still serves, and the scheduler says once, in its log and its
+    status file (`kvoffload stats`), that a restarted engine will not find what it stored."""
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    config = _vllm_config({"socket": str(tmp_path / "pool.sock")})
+    config.cache_config.prefix_caching_hash_algo = "xxhash"
+    with caplog.at_level(logging.WARNING, logger="kvoffload_connector"):
+        conn = KVOffloadConnector(
+            config, KVConnectorRole.SCHEDULER, _kv_cache_config(FullAttentionSpec())
+        )
+    try:
+        assert conn.active, conn.disabled_reason
+        said = [r.getMessage() for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()]
+        status = _status(tmp_path)
+        assert status["state"] == "active"
+        if seed is None:
+            assert len(said) == 1 and "restarted engine" in said[0], said
+            assert status["notes"] == [said[0].removeprefix("kvoffload: ")]
+        else:
+            assert said == [] and "notes" not in status
+    finally:
+        conn.shutdown()
+
+
 def test_kv_caches_the_worker_cannot_map_disable_that_rank_and_tell_the_scheduler(
     tmp_path, fresh_guard, caplog
 ):

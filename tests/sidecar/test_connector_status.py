@@ -56,3 +56,26 @@ def test_stats_carries_the_parsed_status_files_and_skips_garbage(tmp_path: Path)
         "connector scheduler rank 0: disabled: vLLM 0.99.0 is outside the supported range",
         "connector worker rank 1: active",
     ]
+
+
+def test_stats_shows_the_notes_of_an_active_connector(tmp_path: Path) -> None:
+    """An active scheduler that serves under a limit (a restarted engine will not find what it
+    stored) says so beside its state; a notes field of the wrong type shows nothing."""
+    note = "PYTHONHASHSEED is unset and this vLLM seeds its sha256 block hashes per process"
+    active = {**SCHEDULER, "state": "active", "reason": "", "notes": [note, 7]}
+    odd = {**WORKER, "notes": "not a list"}
+    with socket_dir() as run, sidecar_process(tmp_path, run) as proc:
+        (run / "connector-status-41.json").write_text(json.dumps(active))
+        (run / "connector-status-42.json").write_text(json.dumps(odd))
+        shown = subprocess.run(
+            [*kvoffload_command(), "stats", "--socket", str(proc.socket)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[1:3] == [
+        f"connector scheduler rank 0: active (note: {note})",
+        "connector worker rank 1: active",
+    ]
