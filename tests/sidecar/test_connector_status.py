@@ -32,6 +32,19 @@ WORKER = {
 }
 
 
+def _stats_lines(socket: Path) -> list[str]:
+    """`kvoffload stats` as an operator runs it, line by line (it must succeed)."""
+    shown = subprocess.run(
+        [*kvoffload_command(), "stats", "--socket", str(socket)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    return shown.stdout.splitlines()
+
+
 def test_stats_carries_the_parsed_status_files_and_skips_garbage(tmp_path: Path) -> None:
     with socket_dir() as run, sidecar_process(tmp_path, run) as proc, Client(proc.target) as c:
         assert json.loads(c.stats().connector_status) == []
@@ -42,15 +55,7 @@ def test_stats_carries_the_parsed_status_files_and_skips_garbage(tmp_path: Path)
         (run / "connector-status-45.json").mkdir()  # unreadable
         (run / "other.json").write_text(json.dumps(WORKER))  # not a status file
         assert json.loads(c.stats().connector_status) == [SCHEDULER, WORKER]
-        shown = subprocess.run(
-            [*kvoffload_command(), "stats", "--socket", str(proc.socket)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    assert shown.returncode == 0, shown.stderr
-    lines = shown.stdout.splitlines()
+        lines = _stats_lines(proc.socket)
     assert lines[0].startswith("pool: "), lines
     assert lines[1:3] == [
         "connector scheduler rank 0: disabled: vLLM 0.99.0 is outside the supported range",
@@ -67,15 +72,8 @@ def test_stats_shows_the_notes_of_an_active_connector(tmp_path: Path) -> None:
     with socket_dir() as run, sidecar_process(tmp_path, run) as proc:
         (run / "connector-status-41.json").write_text(json.dumps(active))
         (run / "connector-status-42.json").write_text(json.dumps(odd))
-        shown = subprocess.run(
-            [*kvoffload_command(), "stats", "--socket", str(proc.socket)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.splitlines()[1:3] == [
+        lines = _stats_lines(proc.socket)
+    assert lines[1:3] == [
         f"connector scheduler rank 0: active (note: {note})",
         "connector worker rank 1: active",
     ]
