@@ -163,6 +163,29 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
     assert status["env"] == ["PYTHONHASHSEED", "PYTHONPATH"] and status["policy"] == "p"
 
 
+@pytest.mark.parametrize(
+    ("extra", "seed"),
+    [
+        ({}, "0"),  # nothing says otherwise: 0, so a restarted engine finds what it stored
+        ({"env": [{"name": "PYTHONHASHSEED", "value": "42"}]}, "42"),  # the user's own
+        # envFrom may carry a seed the webhook cannot read: never override it
+        ({"envFrom": [{"configMapRef": {"name": "router-env"}}]}, None),
+    ],
+    ids=["unset", "env", "envFrom"],
+)
+def test_pythonhashseed_is_set_only_where_no_user_seed_can_be(
+    extra: dict[str, Any], seed: str | None
+) -> None:
+    user = pod({**VLLM, **copy.deepcopy(extra)})
+    out = inject_pod(user, [POLICY]).pod
+    engine = out["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+    assert env.get("PYTHONHASHSEED") == seed
+    assert engine.get("envFrom") == extra.get("envFrom")
+    status = json.loads(out["metadata"]["annotations"][ann.STATUS])
+    assert ("PYTHONHASHSEED" in status["env"]) is (not extra)
+
+
 def test_render_refuses_a_skip_decision() -> None:
     decision = decide(pod({"name": "web", "image": "nginx"}), [POLICY])
     with pytest.raises(ValueError):

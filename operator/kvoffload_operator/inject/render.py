@@ -9,7 +9,8 @@ What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
   ``kvoffload-python`` (connector payload, initContainer delivery only);
 - in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args`` (or, in a
   ``sh -c`` script, ``--kv-transfer-config '<json>'`` right after the engine invocation), mounts,
-  ``PYTHONHASHSEED=0`` when unset (block hashes must agree across processes), ``PYTHONPATH``;
+  ``PYTHONHASHSEED=0`` when unset and no ``envFrom`` may set it (block hashes must agree across
+  processes), ``PYTHONPATH``;
 - annotations ``kvoffload.io/status|policy|policy-generation`` and label ``kvoffload.io/injected``.
 Nothing the user wrote is removed or replaced (a user's ``/dev/shm`` mount stays as it is).
 """
@@ -206,7 +207,10 @@ def _patch_vllm(container: dict[str, Any], policy: Policy, edit: ShellEdit | Non
     env = container.setdefault("env", [])
     names = {e.get("name"): e for e in env}
     touched = []
-    if "PYTHONHASHSEED" not in names:
+    # an envFrom source may set it, and this webhook cannot read ConfigMaps or Secrets: an env
+    # entry would override the user's seed (a KV-aware router hashes with the same one). Left
+    # alone, the connector notes it where the seed then turns out to be per process.
+    if "PYTHONHASHSEED" not in names and not container.get("envFrom"):
         env.append({"name": "PYTHONHASHSEED", "value": "0"})
         touched.append("PYTHONHASHSEED")
     if policy.connector.delivery is Delivery.INIT_CONTAINER:
