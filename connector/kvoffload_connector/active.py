@@ -63,7 +63,7 @@ def restart_note(vllm_config: Any) -> str:
     return (
         f"PYTHONHASHSEED is unset and this vLLM seeds its {algo} block hashes per process: "
         "pool hits last this engine's life, a restarted engine will not find what it stored "
-        "(set PYTHONHASHSEED to any fixed value; the injector sets 0)"
+        "(set PYTHONHASHSEED to any fixed value in the engine's environment)"
     )
 
 

