@@ -13,6 +13,11 @@ baseline is a fair pair; the report gives the median ratio with a bootstrap 95% 
     python bench/serve_paired.py --configs none,kvo-eager --rounds 300 --out X.json
     (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
     python bench/serve_paired.py merge bench/results/serve_paired/s*.json* --pair kvo-eager/none
+
+A server's small offset for the whole call follows its start order (sessions 22-25), so a call can
+start two servers of each configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`):
+the pooled ratio (geometric mean of each configuration's servers, round by round) is then
+balanced for the start order within the call, and `none#2` against `none` measures the offset.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from harness import (  # noqa: E402
     table,
 )
 from serve_model import build_model_dir  # noqa: E402
-from serve_sweep import SERVED_NAME, Server, build_parser  # noqa: E402
+from serve_sweep import SERVED_NAME, Server, build_parser, config_of  # noqa: E402
 
 
 def random_prompt(rng: random.Random, tokens: int, vocab: int) -> list[int]:
@@ -126,14 +131,72 @@ def paired_between(ttft: dict[str, list[float]], baseline: str) -> list[dict[str
     return rows
 
 
+def servers_of(labels: Any, config: str) -> list[str]:
+    """The server labels that run `config`: itself and its replicas (`none`, `none#2`); a
+    label with its own `#N` names just that server."""
+    return [x for x in labels if x == config or ("#" not in config and config_of(x) == config)]
+
+
+def pooled_ttft(samples: dict[str, list[dict]], labels: list[str]) -> dict[int, float]:
+    """Round -> geometric mean TTFT of `labels`' servers, for the rounds all of them answered."""
+    per_label = [{x["round"]: x["ttft_s"] for x in samples[label]} for label in labels]
+    rounds = set.intersection(*(set(d) for d in per_label)) if per_label else set()
+    return {
+        r: math.exp(statistics.fmean(math.log(d[r]) for d in per_label)) for r in sorted(rounds)
+    }
+
+
+def pooled_summary(ttft: dict[str, list[float]], baseline: str) -> list[dict[str, Any]]:
+    """Where a configuration ran on more than one server: each configuration's servers pooled
+    (geometric mean per round) against the baseline's, and each replica against the first
+    server of its configuration (the size of a server's own offset in this call)."""
+    groups: dict[str, list[str]] = {}
+    for label in ttft:
+        groups.setdefault(config_of(label), []).append(label)
+    if all(len(g) == 1 for g in groups.values()):
+        return []
+    base = groups[config_of(baseline)]
+
+    def pooled(labels: list[str]) -> list[float]:
+        return [
+            math.exp(statistics.fmean(math.log(ttft[x][i]) for x in labels))
+            for i in range(len(ttft[labels[0]]))
+        ]
+
+    def row(config: str, against: str, ratios: list[float]) -> dict[str, Any]:
+        lo, hi = bootstrap_median_ci(ratios)
+        return {
+            "config": config,
+            "against": against,
+            "n": len(ratios),
+            "ratio_p50": round(statistics.median(ratios), 4),
+            "ratio_ci95": [round(lo, 4), round(hi, 4)],
+            "faster_rounds": sum(r < 1 for r in ratios),
+        }
+
+    rows = []
+    for config, labels in groups.items():
+        if labels is not base:
+            ratios = [a / b for a, b in zip(pooled(labels), pooled(base), strict=True)]
+            rows.append(
+                row(f"{config} (x{len(labels)})", f"{config_of(baseline)} (x{len(base)})", ratios)
+            )
+    for labels in groups.values():
+        for label in labels[1:]:
+            ratios = [a / b for a, b in zip(ttft[label], ttft[labels[0]], strict=True)]
+            rows.append(row(label, labels[0], ratios))
+    return rows
+
+
 def call_ratio(report: dict[str, Any], config: str, against: str) -> float | None:
-    """One call's median per-round TTFT ratio `config`/`against` (rounds both answered), or
-    None when the call ran only one of them."""
+    """One call's median per-round TTFT ratio `config`/`against` (rounds both answered; a
+    configuration on several servers pooled per round), or None when the call ran only one."""
     samples = report.get("samples", {})
-    if config not in samples or against not in samples:
+    mine, theirs = servers_of(samples, config), servers_of(samples, against)
+    if not mine or not theirs:
         return None
-    base = {x["round"]: x["ttft_s"] for x in samples[against]}
-    ratios = [x["ttft_s"] / base[x["round"]] for x in samples[config] if x["round"] in base]
+    ours, base = pooled_ttft(samples, mine), pooled_ttft(samples, theirs)
+    ratios = [t / base[r] for r, t in ours.items() if r in base]
     return statistics.median(ratios) if ratios else None
 
 
@@ -149,17 +212,17 @@ def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) 
     cover every start order equally, the start order cancels out of the mean. Calls rarely
     do, so `by_order` gives the geometric mean of the calls where each of the pair started
     first, and `order_balanced` the geometric mean of those two: each order weighs the same
-    however many calls it had (None until both orders ran)."""
+    however many calls it had. A call that started A B B A is balanced within itself
+    (`balanced`): it weighs as both orders at once (None until the estimate is balanced)."""
     per_call = {name: r for name, rep in reports.items() if (r := call_ratio(rep, config, against))}
     medians = sorted(per_call.values())
     logs = [math.log(v) for v in medians]
-    first_of = {name: started_first(reports[name], (config, against)) for name in per_call}
+    first_of = {name: started_first(reports[name], config, against) for name in per_call}
     first = list(first_of.values())
+    strata = (config, against, BALANCED) if BALANCED in first else (config, against)
     by_order = {
-        c: _geo_mean([v for name, v in per_call.items() if first_of[name] == c])
-        for c in (config, against)
+        c: _geo_mean([v for name, v in per_call.items() if first_of[name] == c]) for c in strata
     }
-    strata = list(by_order.values())
     return {
         "config": config,
         "against": against,
@@ -169,21 +232,40 @@ def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) 
         "range": [round(medians[0], 4), round(medians[-1], 4)] if medians else None,
         "geo_mean": round(math.exp(statistics.fmean(logs)), 4) if logs else None,
         "sem": round(statistics.stdev(logs) / math.sqrt(len(logs)), 4) if len(logs) > 1 else None,
-        "first_started": {c: first.count(c) for c in (config, against)},
-        "by_order": {f"{c} first": v for c, v in by_order.items()},
-        "order_balanced": _geo_mean(strata) if None not in strata else None,
+        "first_started": {c: first.count(c) for c in strata},
+        "by_order": {(c if c == BALANCED else f"{c} first"): v for c, v in by_order.items()},
+        "order_balanced": _order_balanced(by_order, config, against),
     }
+
+
+BALANCED = "balanced"  # a call whose servers of the pair started in a balanced order (A B B A)
+
+
+def _order_balanced(by_order: dict[str, float | None], config: str, against: str) -> float | None:
+    """Each start order the same weight: the two one-sided strata, and the balanced calls'
+    stratum counted as both; None while one order has no call and no balanced call exists."""
+    one_sided = [by_order[config], by_order[against]]
+    balanced = by_order.get(BALANCED)
+    if None in one_sided:
+        return balanced
+    return _geo_mean(one_sided + ([balanced, balanced] if balanced is not None else []))
 
 
 def _geo_mean(values: list[float]) -> float | None:
     return round(math.exp(statistics.fmean(map(math.log, values))), 4) if values else None
 
 
-def started_first(report: dict[str, Any], configs: tuple[str, ...]) -> str | None:
-    """Which of `configs` the call started first (serve_paired starts servers in --configs
-    order); None when the report does not say."""
-    order = [c for c in report.get("args", {}).get("configs") or [] if c in configs]
-    return order[0] if order else None
+def started_first(report: dict[str, Any], config: str, against: str) -> str | None:
+    """Which of the pair the call started first (serve_paired starts servers in --configs
+    order): the one whose servers' mean start position is earlier, `BALANCED` when equal (A B
+    B A), None when the report does not say."""
+    order = report.get("args", {}).get("configs") or []
+    mine = [i for i, x in enumerate(order) if x in servers_of(order, config)]
+    theirs = [i for i, x in enumerate(order) if x in servers_of(order, against)]
+    if not mine or not theirs:
+        return None
+    a, b = statistics.fmean(mine), statistics.fmean(theirs)
+    return BALANCED if a == b else config if a < b else against
 
 
 def call_names(files: list[Path]) -> dict[str, Path]:
@@ -273,6 +355,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     ttft = {c: [x["ttft_s"] for x in v[:n]] for c, v in samples.items()}
     report["rows"] = paired_summary(ttft, a.configs[0]) if n else []
     report["between"] = paired_between(ttft, a.configs[0]) if n else []
+    report["pooled"] = pooled_summary(ttft, a.configs[0]) if n else []
     report["samples"] = samples
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
     print(f"\n== paired light load: {n} rounds, baseline {a.configs[0]} ==")
@@ -280,6 +363,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if report["between"]:
         print("\n== the other configurations, paired with each other ==")
         print(table(report["between"]))
+    if report["pooled"]:
+        print("\n== each configuration's servers pooled, and each replica against its first ==")
+        print(table(report["pooled"]))
     return report
 
 

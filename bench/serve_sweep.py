@@ -24,7 +24,8 @@ Configurations (the same GPU KV cache, `--num-gpu-blocks-override`, and the same
     noop        a connector that does nothing (bench/noop_connector.py): vLLM's own cost of
                 having any connector, a diagnostic
 
-`+key=value` after a kvo name overrides a connector key (kvo-eager+store_ctas=4).
+`+key=value` after a kvo name overrides a connector key (kvo-eager+store_ctas=4). `#N` after a
+configuration names one more server of it (`none#2`): serve_paired.py starts A B B A in one call.
 Per configuration and point: request and output-token throughput, TTFT and TPOT p50/p99 (the
 client's), and from the server's /metrics before and after the point: GPU prefix-cache hit rate,
 host-tier (external) hit rate, preemptions. The JSON is rewritten after every point; tables are
@@ -104,6 +105,11 @@ class Point:
         if math.isinf(self.rate) or self.workload == "chat":
             return 0.0
         return self.requests / self.rate
+
+
+def config_of(label: str) -> str:
+    """The configuration a server label runs: `none#2` (a second `none` server) runs `none`."""
+    return label.split("#", 1)[0]
 
 
 def kv_transfer_config(
@@ -191,7 +197,7 @@ class Server:
     def argv(self) -> list[str]:
         a = self.a
         kv = kv_transfer_config(
-            self.config,
+            config_of(self.config),
             self.sidecar.socket if self.sidecar else "",
             int(a.cpu_gib * (1 << 30)),
             traced=bool(a.engine_trace),
@@ -256,8 +262,8 @@ class Server:
             trace_dir = Path(self.a.engine_trace) / self.config
             trace_dir.mkdir(parents=True, exist_ok=True)  # a bad path fails here, not in vLLM
             env["KVO_ENGINE_TRACE_DIR"] = str(trace_dir)
-            env["KVO_ABLATE"] = ablation(self.config)
-        if "KVO_ENGINE_TRACE_DIR" in env or self.config == "noop":  # connector modules in bench/
+            env["KVO_ABLATE"] = ablation(config_of(self.config))
+        if "KVO_ENGINE_TRACE_DIR" in env or config_of(self.config) == "noop":  # bench/ modules
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
             )
@@ -760,11 +766,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configs_arg(text: str) -> list[str]:
+    """Server labels: a configuration, with `+key=value` overrides and `#N` (N >= 2) for one
+    more server of it; every label once."""
     items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if t.split("+")[0] not in CONFIGS]
+    bad = [t for t in items if config_of(t).split("+")[0] not in CONFIGS or not _replica_ok(t)]
     if bad or not items:
         raise argparse.ArgumentTypeError(f"configs: {bad or 'none given'}; known: {CONFIGS}")
+    twice = sorted({t for t in items if items.count(t) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"configs: {twice} given twice; name a second server #2")
     return items
+
+
+def _replica_ok(label: str) -> bool:
+    _, sep, n = label.partition("#")
+    return not sep or (n.isdigit() and int(n) >= 2)
 
 
 def main(argv: list[str] | None = None) -> int:

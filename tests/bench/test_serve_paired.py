@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -13,7 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import bootstrap_median_ci  # noqa: E402
-from serve_paired import across_calls, main, paired_between, paired_summary  # noqa: E402
+from serve_paired import (  # noqa: E402
+    across_calls,
+    main,
+    paired_between,
+    paired_summary,
+    pooled_summary,
+)
+from serve_sweep import configs_arg  # noqa: E402
 
 
 def test_paired_summary_pairs_round_by_round() -> None:
@@ -38,6 +46,38 @@ def test_two_variants_are_paired_with_each_other_not_only_with_the_baseline() ->
     assert row["ratio_p50"] == pytest.approx(1.05 / 1.1, abs=1e-4)
     assert row["faster_rounds"] == 3
     assert paired_between({"none": [1.0], "kvo": [1.1]}, "none") == []
+
+
+def test_replicas_pool_per_round_and_show_their_own_offset() -> None:
+    """A B B A: each configuration's two servers pooled by geometric mean round by round; the
+    second `none` server sits 4% above the first all call long, and its row says so."""
+    ttft = {
+        "none": [0.010, 0.020, 0.040],
+        "kvo-eager": [0.0102, 0.0204, 0.0408],
+        "kvo-eager#2": [0.0106, 0.0212, 0.0424],
+        "none#2": [0.0104, 0.0208, 0.0416],
+    }
+    pooled, none_replica, kvo_replica = pooled_summary(ttft, "none")
+    assert (pooled["config"], pooled["against"]) == ("kvo-eager (x2)", "none (x2)")
+    assert pooled["ratio_p50"] == pytest.approx(((1.02 * 1.06) / (1.0 * 1.04)) ** 0.5, abs=1e-4)
+    assert (none_replica["config"], none_replica["against"]) == ("none#2", "none")
+    assert none_replica["ratio_p50"] == pytest.approx(1.04) and none_replica["faster_rounds"] == 0
+    assert kvo_replica["ratio_p50"] == pytest.approx(1.06 / 1.02, abs=1e-4)
+    # one server per configuration: nothing to pool
+    assert pooled_summary({"none": [1.0], "kvo-eager": [1.1]}, "none") == []
+
+
+def test_server_labels_name_replicas_once() -> None:
+    assert configs_arg("none,kvo-eager,kvo-eager#2,none#2") == [
+        "none",
+        "kvo-eager",
+        "kvo-eager#2",
+        "none#2",
+    ]
+    assert configs_arg("kvo-eager+store_threshold=2#2") == ["kvo-eager+store_threshold=2#2"]
+    for bad in ("none,none", "none#1", "none#x", "bogus#2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            configs_arg(bad)
 
 
 def test_bootstrap_interval_holds_the_median_and_narrows_with_more_pairs() -> None:
@@ -65,7 +105,8 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         "--model",
         str(ROOT / "tests/connector/models/tiny-llama"),
         "--configs",
-        "noop,kvo-eager",  # the do-nothing connector as the baseline: it serves like none
+        # the do-nothing connector as the baseline (it serves like none), on two servers
+        "noop,kvo-eager,noop#2",
         "--dtype",
         "float32",
         "--graphs",
@@ -77,7 +118,7 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         "--max-num-seqs",
         "4",
         "--gpu-mem-util-total",  # on the CPU build: the share of host memory, split in two
-        "0.3",
+        "0.36",
         "--cpu-gib",
         "0.25",
         "--rounds",
@@ -96,10 +137,10 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    base, kvo = report["rows"]
-    assert (base["config"], kvo["config"]) == ("noop", "kvo-eager")
-    assert base["n"] == kvo["n"] == 6
-    for config in ("noop", "kvo-eager"):
+    base, kvo, replica = report["rows"]
+    assert (base["config"], kvo["config"], replica["config"]) == ("noop", "kvo-eager", "noop#2")
+    assert base["n"] == kvo["n"] == replica["n"] == 6
+    for config in ("noop", "kvo-eager", "noop#2"):
         samples = report["samples"][config]
         assert [s["round"] for s in samples] == list(range(1, 7))  # warm-up round left out
         # 4 tokens streamed; the first arrives before the last
@@ -109,6 +150,12 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
     (ns,) = report["servers"]["kvo-eager"]["sidecar_stats"]["namespaces"]
     assert int(ns["storedBlocks"]) > 0 and int(ns.get("hitBlocks", 0)) == 0
     assert report["servers"]["noop"]["sidecar_stats"] is None
+    # the second noop server ran the do-nothing connector too, and pools with the first
+    assert report["servers"]["noop#2"]["sidecar_stats"] is None
+    assert "NoopConnector" in " ".join(report["servers"]["noop#2"]["argv"])
+    pooled, offset = report["pooled"]
+    assert (pooled["config"], pooled["against"]) == ("kvo-eager (x1)", "noop (x2)")
+    assert (offset["config"], offset["against"], offset["n"]) == ("noop#2", "noop", 6)
 
 
 def _report(pairs: dict[str, list[tuple[int, float]]]) -> dict:
@@ -176,3 +223,33 @@ def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, 
     mixed = [str(packed), *files[1:]]
     assert main(["merge", *mixed, "--pair", "kvo/none", "--out", str(out)]) == 0
     assert json.loads(out.read_text())[0]["per_call"] == {"a": 1.03, "b": 1.01, "d": 0.99}
+
+
+def test_calls_started_a_b_b_a_count_as_both_start_orders() -> None:
+    """A call that started kvo, none, none#2, kvo#2 is balanced within itself: its pooled
+    ratio (every round the geometric mean of each side's two servers) is one balanced sample,
+    and the order-balanced estimate weighs it as both one-sided orders together."""
+    abba = _report(
+        {
+            "kvo": [(1, 1.02), (2, 2.04)],
+            "none": [(1, 1.0), (2, 2.0)],
+            "none#2": [(1, 1.0), (2, 2.0)],
+            "kvo#2": [(1, 1.0), (2, 2.0)],
+        }
+    )
+    kvo_first = _report({"kvo": [(1, 1.03)], "none": [(1, 1.0)]})
+    none_first = _report({"none": [(1, 1.0)], "kvo": [(1, 0.99)]})
+    row = across_calls({"abba": abba, "k": kvo_first, "n": none_first}, "kvo", "none")
+    assert row["per_call"]["abba"] == pytest.approx(1.02**0.5, abs=1e-4)
+    assert row["first_started"] == {"kvo": 1, "none": 1, "balanced": 1}
+    assert row["by_order"]["balanced"] == pytest.approx(1.02**0.5, abs=1e-4)
+    expected = (1.03 * 0.99 * 1.02) ** 0.25  # the balanced call's ratio counted twice
+    assert row["order_balanced"] == pytest.approx(expected, abs=1e-4)
+    # balanced calls alone are an order-balanced estimate; a label with #N is that server only
+    alone = across_calls({"abba": abba, "k": kvo_first}, "kvo", "none")
+    assert alone["order_balanced"] == pytest.approx(1.02**0.5, abs=1e-4)
+    second = across_calls({"abba": abba}, "kvo#2", "none")
+    assert second["per_call"]["abba"] == pytest.approx(1.0) and second["first_started"] == {
+        "kvo#2": 0,
+        "none": 1,
+    }
