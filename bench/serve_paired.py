@@ -192,7 +192,8 @@ def call_ratio(report: dict[str, Any], config: str, against: str) -> float | Non
     """One call's median per-round TTFT ratio `config`/`against` (rounds both answered; a
     configuration on several servers pooled per round), or None when the call ran only one."""
     samples = report.get("samples", {})
-    mine, theirs = servers_of(samples, config), servers_of(samples, against)
+    mine = servers_of(samples, config)
+    theirs = [x for x in servers_of(samples, against) if x not in mine]  # none#2 / none
     if not mine or not theirs:
         return None
     ours, base = pooled_ttft(samples, mine), pooled_ttft(samples, theirs)
@@ -261,7 +262,7 @@ def started_first(report: dict[str, Any], config: str, against: str) -> str | No
     B A), None when the report does not say."""
     order = report.get("args", {}).get("configs") or []
     mine = [i for i, x in enumerate(order) if x in servers_of(order, config)]
-    theirs = [i for i, x in enumerate(order) if x in servers_of(order, against)]
+    theirs = [i for i, x in enumerate(order) if x in servers_of(order, against) and i not in mine]
     if not mine or not theirs:
         return None
     a, b = statistics.fmean(mine), statistics.fmean(theirs)

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload_connector.reuse import AUTO
+
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/kvoffload/run/pool.sock"
@@ -72,8 +74,9 @@ class ConnectorConfig:
     store_decode: bool = True  # also store chunks filled by generated tokens
     # Eager mode: store a chunk only once this many of the engine's requests asked for it
     # (vLLM's OffloadingConnector calls it the same). 0 or 1: store every computed chunk. 2:
-    # a prompt seen once costs no store (reuse.py).
-    store_threshold: int = 0
+    # a prompt seen once costs no store. "auto" (the default): every chunk while requests
+    # repeat chunks, 2 after 64 requests in a row repeated none (reuse.py).
+    store_threshold: int | str = AUTO
     # Eager mode: a request's chunks are planned, reserved and stored once its first output
     # token has left the engine (vLLM holds two). Under vLLM's async scheduling that token is
     # sent only after the next step is launched, and while the one after is scheduled, so a
@@ -139,6 +142,19 @@ def _int(key: str, value: Any, minimum: int = 0) -> int:
     return parsed
 
 
+def _threshold(value: Any) -> int:
+    """store_threshold's number (its other value, "auto", is taken before)."""
+    try:
+        return _int("store_threshold", value)
+    except ValueError as e:
+        if "must be >=" in str(e):
+            raise
+        raise ValueError(
+            f"kv_connector_extra_config['store_threshold'] must be an integer or 'auto', "
+            f"got {value!r}"
+        ) from None
+
+
 def _bool(key: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -164,7 +180,6 @@ _INT_KEYS = {
     "events_interval_ms": 10,
     "inline_lookup_ms": 0,
     "refresh_steps": 0,
-    "store_threshold": 0,
     "miss_report_ms": 0,
 }
 
@@ -217,6 +232,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
                     "'layered', "
                     f"got {value!r}"
                 ) from None
+        elif key == "store_threshold":
+            fields[key] = AUTO if value == AUTO else _threshold(value)
         elif key in _INT_KEYS:
             fields[key] = _int(key, value, minimum=_INT_KEYS[key])
         elif key == "store_ctas":

@@ -223,7 +223,9 @@ class OffloadScheduler:
         )
         self.lazy_watermark = watermark
         self.stats = SchedulerStats()
-        self.reuse = ReuseTracker(cfg.store_threshold)
+        # the gate is eager mode's (lazy stores only what leaves the GPU): lazy counts nothing
+        self.reuse = ReuseTracker(cfg.store_threshold if cfg.mode is StoreMode.EAGER else 0)
+        self._gate_said = False  # store_threshold auto closed its gate once, said at INFO
         # KV events (--kv-events-config): the chunks' announce blobs go with their reservation,
         # and a feed follows the pool's event log (events.py)
         self.event_feed: EventFeed | None = None
@@ -340,8 +342,27 @@ class OffloadScheduler:
         st = self._reqs[request.request_id] = _Req(request.request_id, request)
         self._first_token_watch.add(request.request_id)
         if self.reuse.enabled:
+            gating = self.reuse.gating
             self.reuse.count(self._reuse_keys(request))
+            if self.reuse.auto and self.reuse.gating != gating:
+                self._say_gate()
         return st
+
+    def _say_gate(self) -> None:
+        """`store_threshold: auto` opened or closed its gate: the first close is said at INFO
+        (why stores stopped), every later change at DEBUG (mixed traffic may flip it often);
+        the chunks it skips count in `store_chunks_below_threshold`."""
+        gated = self.reuse.gating
+        level = logging.INFO if gated and not self._gate_said else logging.DEBUG
+        self._gate_said = self._gate_said or gated
+        log.log(
+            level,
+            "kvoffload: %s (store_threshold auto)",
+            f"no chunk repeated in {self.reuse.window} requests: storing only chunks asked "
+            "for twice"
+            if gated
+            else "a request repeated a chunk: storing every chunk again",
+        )
 
     def _reuse_keys(self, request: Any, start: int = 0, end: int | None = None) -> list[PoolKey]:
         """Chunks [start, end) of a request as the reuse gate counts them: group 0's keys (a
@@ -780,6 +801,7 @@ class OffloadScheduler:
             new = self._reuse_keys(req, st.stored_chunks, full)
             storable = st.stored_chunks + self.reuse.storable(new)
             self.stats.store_chunks_below_threshold += full - storable
+            self.reuse.mark_stored(new[: storable - st.stored_chunks])
         hashes = req.block_hashes
         # sliding-window groups keep only what a hit at the prompt's end (or later) reads
         prompt_hit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size

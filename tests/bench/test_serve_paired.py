@@ -248,8 +248,14 @@ def test_calls_started_a_b_b_a_count_as_both_start_orders() -> None:
     # balanced calls alone are an order-balanced estimate; a label with #N is that server only
     alone = across_calls({"abba": abba, "k": kvo_first}, "kvo", "none")
     assert alone["order_balanced"] == pytest.approx(1.02**0.5, abs=1e-4)
+    # a replica against its configuration: the other servers of it, not itself
+    abba["samples"]["none#2"] = [{"round": r, "ttft_s": t * 1.01} for r, t in ((1, 1.0), (2, 2.0))]
+    offset = across_calls({"abba": abba}, "none#2", "none")
+    assert offset["per_call"]["abba"] == pytest.approx(1.01)
+    assert offset["first_started"] == {"none#2": 0, "none": 1}
     second = across_calls({"abba": abba}, "kvo#2", "none")
-    assert second["per_call"]["abba"] == pytest.approx(1.0) and second["first_started"] == {
+    assert second["per_call"]["abba"] == pytest.approx(1.01**-0.5, abs=1e-4)
+    assert second["first_started"] == {
         "kvo#2": 0,
         "none": 1,
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -1583,3 +1584,66 @@ def test_a_lookup_in_flight_across_reset_cache_is_asked_again():
     assert ask(s, req) == (0, False)  # its answer dropped, asked again: a miss
     settle(s)
     assert not fake.pins
+
+
+def test_store_threshold_auto_stores_until_nothing_repeats_then_gates_until_a_repeat():
+    """`auto`: a fresh engine stores every prompt; after `window` requests in a row that
+    repeat no chunk it stores nothing seen once; the first request that repeats a prompt
+    stores it (asked twice) and opens the gate again for the prompts after it."""
+    s, fake, bp, mgr = make(store_threshold="auto")
+    s.reuse.window = 3
+    planned = []
+    for i in range(5):  # five prompts with nothing in common: 0% hits
+        req = Request(f"r{i}", [1000 * (i + 1) + t for t in range(200)])
+        ask(s, req)
+        planned.append(_prefill(s, bp, mgr, req))
+    assert planned == [3, 3, 3, 0, 0]  # the gate closes after three requests repeated nothing
+    assert s.stats.store_chunks_below_threshold == 6
+    again = Request("again", [5000 + t for t in range(200)])  # r4's prompt: not stored yet
+    ask(s, again)
+    assert not s.reuse.gating
+    assert _prefill(s, bp, mgr, again) == 3  # asked twice: stored now
+    fresh = Request("fresh", [9000 + t for t in range(200)])
+    ask(s, fresh)
+    assert _prefill(s, bp, mgr, fresh) == 3  # the gate is open again: stored at first sight
+
+
+def test_store_threshold_auto_replans_a_gpu_cached_chunk_only_if_nobody_stored_it():
+    """A chunk found in the GPU cache was stored by the request that computed it while the gate
+    was open (not planned again), but not while it was closed (planned by its second ask)."""
+    s, fake, bp, mgr = make(store_threshold="auto")
+    first = Request("a", list(range(200)))
+    ask(s, first)
+    assert _prefill(s, bp, mgr, first) == 3
+    cached = Request("b", list(range(200)))
+    ask(s, cached, 192)
+    assert _prefill(s, bp, mgr, cached, 192) == 0  # stored by "a"
+    s, fake, bp, mgr = make(store_threshold="auto")
+    s.reuse.window = 0  # gated from the start
+    first = Request("a", list(range(200)))
+    ask(s, first)
+    assert _prefill(s, bp, mgr, first) == 0
+    cached = Request("b", list(range(200)))
+    ask(s, cached, 192)
+    assert _prefill(s, bp, mgr, cached, 192) == 3  # nobody stored it: planned from the GPU
+
+
+def test_store_threshold_auto_says_why_stores_stopped_once(caplog):
+    s, fake, bp, mgr = make(store_threshold="auto")
+    s.reuse.window = 1
+    with caplog.at_level(logging.DEBUG, logger="kvoffload_connector"):
+        for name, base in (("a", 0), ("b", 1000), ("c", 0), ("d", 3000), ("e", 4000)):
+            req = Request(name, [base + t for t in range(200)])
+            ask(s, req)
+            _prefill(s, bp, mgr, req)
+    said = [r for r in caplog.records if "store_threshold auto" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO, logging.DEBUG, logging.DEBUG]
+    assert "storing only chunks asked for twice" in said[0].getMessage()
+    assert "storing every chunk again" in said[1].getMessage()
+
+
+def test_store_threshold_parses_auto_and_refuses_other_words():
+    assert parse_extra_config({"store_threshold": "auto"}, 16).store_threshold == "auto"
+    assert parse_extra_config({}, 16).store_threshold == "auto"  # the default
+    with pytest.raises(ValueError, match="integer or 'auto'"):
+        parse_extra_config({"store_threshold": "sometimes"}, 16)
