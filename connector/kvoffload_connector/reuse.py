@@ -75,9 +75,10 @@ class ReuseTracker:
     def times(self, key: bytes) -> int:
         return self._counts.get(key, 0)
 
-    def storable(self, keys: Sequence[bytes]) -> int:
-        """How many of `keys` (a request's chunks, in order) have been asked for often enough."""
-        if not self.gating:
+    def storable(self, keys: Sequence[bytes], gated: bool | None = None) -> int:
+        """How many of `keys` (a request's chunks, in order) have been asked for often enough;
+        `gated`: whether the gate was closed when the request came (default: now)."""
+        if not (self.gating if gated is None else gated):
             return len(keys)
         for i, key in enumerate(keys):
             if self._counts.get(key, 0) < self.threshold:

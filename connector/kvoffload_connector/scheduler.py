@@ -78,6 +78,7 @@ class _Req:
     answer_step: int = 0  # the step its answer came in
     refreshing: bool = False  # a second lookup in flight for a longer hit (waiting request)
     waited_for_refresh: bool = False  # it was passed over once for a background refresh
+    store_gated: bool = False  # the reuse gate was closed when it came: chunks asked once wait
 
 
 @dataclass
@@ -344,7 +345,8 @@ class OffloadScheduler:
         if self.reuse.enabled:
             gating = self.reuse.gating
             self.reuse.count(self._reuse_keys(request))
-            if self.reuse.auto and self.reuse.gating != gating:
+            st.store_gated = self.reuse.gating  # as it came: its plan may be steps later
+            if self.reuse.auto and st.store_gated != gating:
                 self._say_gate()
         return st
 
@@ -799,7 +801,7 @@ class OffloadScheduler:
         storable = full
         if self.reuse.enabled:
             new = self._reuse_keys(req, st.stored_chunks, full)
-            storable = st.stored_chunks + self.reuse.storable(new)
+            storable = st.stored_chunks + self.reuse.storable(new, st.store_gated)
             self.stats.store_chunks_below_threshold += full - storable
             self.reuse.mark_stored(new[: storable - st.stored_chunks])
         hashes = req.block_hashes

@@ -798,6 +798,28 @@ def stats_evicted(socket: str) -> int:
     return sum(ns.evicted_blocks for ns in stats.namespaces) if stats is not None else 0
 
 
+def scenario_gate(args: argparse.Namespace) -> dict:
+    """`store_threshold: auto` (the default): AUTO_WINDOW + 4 prompts that share nothing, the
+    last of them again, then a new one; the pool's stored-chunk count (cumulative) after each."""
+    from kvoffload_connector.reuse import AUTO_WINDOW
+
+    llm = make_llm(args)
+    unique = prompts(args.seed, AUTO_WINDOW + 4, args.prompt_len)
+
+    def stored() -> int:
+        settle_pool(args.socket)
+        return namespace_counters(args.socket)["stored_blocks"]
+
+    report: dict = {"window": AUTO_WINDOW, "chunk_tokens": chunk_tokens(llm, args.chunk)}
+    report["first"] = run(llm, unique, 1)
+    report["stored_unique"] = stored()
+    report["again"] = run(llm, unique[-1:], 1)
+    report["stored_again"] = stored()
+    report["fresh"] = run(llm, prompts(args.seed + 500, 1, args.prompt_len), 1)
+    report["stored_fresh"] = stored()
+    return report
+
+
 def scenario_disabled(args: argparse.Namespace) -> dict:
     """The same prompts through an engine with the connector configured, then without one."""
     import gc
@@ -831,6 +853,7 @@ def main() -> int:
             "adopt_fresh",
             "events",
             "events_fresh",
+            "gate",
         ],
     )
     ap.add_argument("--model", required=True)
@@ -880,6 +903,7 @@ def main() -> int:
         "adopt_fresh": scenario_adopt_fresh,
         "events": scenario_events,
         "events_fresh": scenario_events_fresh,
+        "gate": scenario_gate,
     }[args.scenario]
     report = fn(args)
     report["stats_only_outputs_recorded"] = stats_only_outputs_recorded()

@@ -1606,6 +1606,13 @@ def test_store_threshold_auto_stores_until_nothing_repeats_then_gates_until_a_re
     fresh = Request("fresh", [9000 + t for t in range(200)])
     ask(s, fresh)
     assert _prefill(s, bp, mgr, fresh) == 3  # the gate is open again: stored at first sight
+    # A burst: all five asked before any is planned. Each keeps the gate as it found it.
+    s, fake, bp, mgr = make(store_threshold="auto")
+    s.reuse.window = 3
+    burst = [Request(f"b{i}", [1000 * (i + 1) + t for t in range(200)]) for i in range(5)]
+    for req in burst:
+        ask(s, req)
+    assert [_prefill(s, bp, mgr, req) for req in burst] == [3, 3, 3, 0, 0]
 
 
 def test_store_threshold_auto_replans_a_gpu_cached_chunk_only_if_nobody_stored_it():

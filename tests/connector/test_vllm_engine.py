@@ -541,6 +541,24 @@ def test_defaults_tensor_parallel_2_reset_hit(sidecar, tmp_path):
 # -- a connector that cannot build serves as if absent (issue 17, class 5) ----------------------
 
 
+@pytest.mark.slow
+def test_default_store_gate_stops_storing_what_never_repeats_and_reopens_on_a_repeat(
+    sidecar, tmp_path
+):
+    """`store_threshold: auto`, the default, on a real engine and sidecar: the first 64 prompts
+    that share nothing are stored, the 4 after them are not (said once), the last of those
+    asked again is stored then, and so is a new prompt after it (the gate opened again)."""
+    r = _run("gate", "tiny-llama", sidecar, tmp_path / "gate.json", "--prompt-len", "600")
+    per_prompt = 600 // r["chunk_tokens"]
+    assert per_prompt >= 1 and r["window"] == 64
+    assert r["stored_unique"] == 64 * per_prompt, r["log"]
+    assert r["stored_again"] - r["stored_unique"] == per_prompt, r["log"]
+    assert r["stored_fresh"] - r["stored_again"] == per_prompt, r["log"]
+    said = [line for line in r["log"].splitlines() if "no chunk repeated in 64 requests" in line]
+    assert len(said) == 1, r["log"]
+    assert r["again"][0]["tokens"] == r["first"][-1]["tokens"]
+
+
 def test_disabled_connector_serves_like_no_connector(shared_sidecar, tmp_path):
     r = _run(
         "disabled",
