@@ -134,7 +134,7 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         "--out",
         str(out),
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=480, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     base, kvo, replica = report["rows"]
