@@ -130,29 +130,16 @@ class ConnectorConfig:
         return self.chunk_tokens // block_size
 
 
-def _int(key: str, value: Any, minimum: int = 0) -> int:
+def _int(key: str, value: Any, minimum: int = 0, expected: str = "an integer") -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         parsed = value
     elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
         parsed = int(value)
     else:
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be an integer, got {value!r}")
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be {expected}, got {value!r}")
     if parsed < minimum:
         raise ValueError(f"kv_connector_extra_config[{key!r}] must be >= {minimum}, got {parsed}")
     return parsed
-
-
-def _threshold(value: Any) -> int:
-    """store_threshold's number (its other value, "auto", is taken before)."""
-    try:
-        return _int("store_threshold", value)
-    except ValueError as e:
-        if "must be >=" in str(e):
-            raise
-        raise ValueError(
-            f"kv_connector_extra_config['store_threshold'] must be an integer or 'auto', "
-            f"got {value!r}"
-        ) from None
 
 
 def _bool(key: str, value: Any) -> bool:
@@ -233,7 +220,9 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
                     f"got {value!r}"
                 ) from None
         elif key == "store_threshold":
-            fields[key] = AUTO if value == AUTO else _threshold(value)
+            fields[key] = (
+                AUTO if value == AUTO else _int(key, value, expected="an integer or 'auto'")
+            )
         elif key in _INT_KEYS:
             fields[key] = _int(key, value, minimum=_INT_KEYS[key])
         elif key == "store_ctas":
