@@ -13,6 +13,7 @@ baseline is a fair pair; the report gives the median ratio with a bootstrap 95% 
     python bench/serve_paired.py --configs none,kvo-eager --rounds 300 --out X.json
     (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
     python bench/serve_paired.py merge bench/results/serve_paired/s*.json* --pair kvo-eager/none
+    python bench/serve_paired.py modes bench/results/serve_paired/s28p2*.json
 
 A server's small offset for the whole call follows its start order (sessions 22-25), so a call can
 start two servers of each configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`):
@@ -306,6 +307,59 @@ def call_names(files: list[Path]) -> dict[str, Path]:
     return {f"{f.parent.name}/{s}": f for f, s in zip(files, stems, strict=True)}
 
 
+def mode_split(samples: dict[str, list[dict]]) -> dict[str, Any]:
+    """TTFT on the GPU VM comes in two modes ~9 ms apart, shared by the servers of a round and
+    lasting several rounds (session 28): a median ratio then moves with each server's share of
+    slow-mode requests as much as with its time in either mode. The cut is the midpoint of the
+    pooled 20th and 80th percentiles; per server: its slow share and each mode's median; per
+    round: how many servers were slow, beside the counts expected if each were slow on its own
+    (binomial at the pooled share)."""
+    n = min(len(v) for v in samples.values())
+    cut = statistics.fmean(
+        percentile([x["ttft_s"] for v in samples.values() for x in v[:n]], q) for q in (20, 80)
+    )
+    rows = []
+    for label, v in samples.items():
+        ttft = [x["ttft_s"] for x in v[:n]]
+        fast = [t for t in ttft if t <= cut]
+        slow = [t for t in ttft if t > cut]
+        rows.append(
+            {
+                "config": label,
+                "n": n,
+                "slow_share": round(len(slow) / n, 3),
+                "fast_p50_ms": round(1e3 * statistics.median(fast), 2) if fast else None,
+                "slow_p50_ms": round(1e3 * statistics.median(slow), 2) if slow else None,
+            }
+        )
+    k = len(samples)
+    share = sum(r["slow_share"] for r in rows) / k
+    counts = [sum(v[i]["ttft_s"] > cut for v in samples.values()) for i in range(n)]
+    return {
+        "cut_ms": round(1e3 * cut, 2),
+        "rows": rows,
+        "slow_servers_per_round": {j: counts.count(j) for j in range(k + 1)},
+        "if_independent": {
+            j: round(n * math.comb(k, j) * share**j * (1 - share) ** (k - j), 1)
+            for j in range(k + 1)
+        },
+    }
+
+
+def modes_main(argv: list[str]) -> int:
+    """`serve_paired.py modes FILES...`: each call's two TTFT modes (`mode_split`)."""
+    p = argparse.ArgumentParser(prog="serve_paired.py modes", description=mode_split.__doc__)
+    p.add_argument("files", nargs="+", type=Path)
+    a = p.parse_args(argv)
+    for name, f in call_names(a.files).items():
+        modes = mode_split(read_result(f)["samples"])
+        print(f"\n== {name}: cut at {modes['cut_ms']} ms ==")
+        print(table(modes["rows"]))
+        print(f"slow servers per round: {modes['slow_servers_per_round']}")
+        print(f"if each were slow alone: {modes['if_independent']}")
+    return 0
+
+
 def merge_main(argv: list[str]) -> int:
     """`serve_paired.py merge FILES... --pair kvo-eager/none [--pair ...]`: the across-call
     table of earlier calls' JSON."""
@@ -438,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["merge"]:
         return merge_main(argv[1:])
+    if argv[:1] == ["modes"]:
+        return modes_main(argv[1:])
     parser = build_paired_parser()
     a = parser.parse_args(argv)
     if len(a.configs) < 2:

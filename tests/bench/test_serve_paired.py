@@ -17,6 +17,7 @@ from harness import bootstrap_median_ci  # noqa: E402
 from serve_paired import (  # noqa: E402
     across_calls,
     main,
+    mode_split,
     paired_between,
     paired_summary,
     pooled_summary,
@@ -174,6 +175,34 @@ def _report(pairs: dict[str, list[tuple[int, float]]]) -> dict:
         "args": {"configs": list(pairs)},  # started in this order
         "samples": {c: [{"round": r, "ttft_s": t} for r, t in xs] for c, xs in pairs.items()},
     }
+
+
+def test_mode_split_counts_each_servers_slow_share_and_the_rounds_they_share(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two servers, ten rounds: fast ~30 ms, slow ~40 ms. kvo is slow in rounds 0-4, none in
+    rounds 0-2 only, so the slow rounds are shared (3 rounds with both slow, 5 with neither)."""
+    fast, slow = [0.030, 0.031, 0.032], [0.040, 0.041, 0.042]
+
+    def server(slow_rounds: int) -> list[dict]:
+        return [
+            {"round": i, "ttft_s": (slow if i < slow_rounds else fast)[i % 3]} for i in range(10)
+        ]
+
+    samples = {"none": server(3), "kvo": server(5)}
+    modes = mode_split(samples)
+    assert 32 < modes["cut_ms"] < 40
+    none, kvo = modes["rows"]
+    assert (none["slow_share"], kvo["slow_share"]) == (0.3, 0.5)
+    assert none["slow_p50_ms"] == 41.0 and none["fast_p50_ms"] == 31.0
+    assert modes["slow_servers_per_round"] == {0: 5, 1: 2, 2: 3}
+    # independent servers at the pooled share 0.4 would be both slow in 1.6 rounds of 10
+    assert modes["if_independent"] == {0: 3.6, 1: 4.8, 2: 1.6}
+    path = tmp_path / "call.json"
+    path.write_text(json.dumps({"samples": samples}))
+    assert main(["modes", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "slow servers per round: {0: 5, 1: 2, 2: 3}" in out and "kvo" in out
 
 
 def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, capsys) -> None:
