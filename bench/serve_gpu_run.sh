@@ -34,6 +34,20 @@ PY
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1; nproc; free -g | head -2; df -h /dev/shm | tail -1; } | tee "$OUT/env.txt"
 bash bench/build_native.sh >> "$OUT/env.txt" 2>&1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# GPU 0's clocks, power, use and temperature every 200 ms, as `EPOCH_S, values...` (serve_paired.py
+# GPU_STATE_FIELDS; `serve_paired.py modes FILE --gpu-state gpu_state.csv` joins them by time)
+to_epoch='import datetime, sys
+for line in sys.stdin:
+    stamp, _, rest = line.partition(",")
+    try:
+        t = datetime.datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        continue
+    print(f"{t:.3f}, {rest.strip()}", flush=True)'
+nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
+  --format=csv,noheader,nounits -lms 200 2>/dev/null | python3 -u -c "$to_epoch" > "$OUT/gpu_state.csv" &
+sampler=$!
+trap 'kill $sampler 2>/dev/null' EXIT
 timeout $((budget + 30)) python3 "bench/${BENCH:-serve_sweep.py}" --budget-s "$budget" --out "$OUT/sweep.json" "$@" 2>&1 \
   | grep -v '^INFO\|^DEBUG\|^(APIServer\|^(EngineCore' | tail -120
 rc=${PIPESTATUS[0]}
@@ -41,7 +55,7 @@ rc=${PIPESTATUS[0]}
 # back few files)
 for f in "$OUT"/sweep/server.*.log "$OUT"/sweep/client.*.log; do
   [[ -f $f ]] || continue
-  { echo "===== $f"; grep -n 'Error\|error\|Traceback\|WARNING\|Starting vLLM\|Loading\|took\|Graph\|startup' "$f" \
+  { echo "===== $f"; grep -n 'Error\|error\|Traceback\|WARNING\|Starting vLLM\|Loading\|took\|Graph\|startup\|kvoffload:' "$f" \
       | grep -v 'GET /metrics' | head -60 | cut -c1-400; echo ...; grep -v 'GET /metrics\|POST /v1' "$f" | tail -40 | cut -c1-400; } >> "$OUT/logs.txt"
   rm -f "$f"
 done

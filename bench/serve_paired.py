@@ -29,6 +29,7 @@ nothing) in ~10 s instead of 64 paired rounds (~80 s of a call's measuring time)
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import random
@@ -346,17 +347,68 @@ def mode_split(samples: dict[str, list[dict]]) -> dict[str, Any]:
     }
 
 
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "utilization.gpu", "temperature.gpu")
+
+
+def read_gpu_state(path: Path) -> list[tuple[float, dict[str, float]]]:
+    """`serve_gpu_run.sh`'s sampler: lines `EPOCH_S, v1, v2, ...` in GPU_STATE_FIELDS order
+    (nvidia-smi's `--format=csv,noheader,nounits`), sorted by time; unreadable lines skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            t = float(parts[0])
+            values = dict(zip(GPU_STATE_FIELDS, map(float, parts[1:]), strict=True))
+        except ValueError:  # a header, "[N/A]", a line cut short by the kill
+            continue
+        rows.append((t, values))
+    return sorted(rows, key=lambda r: r[0])
+
+
+def gpu_state_by_mode(
+    samples: dict[str, list[dict]], cut_s: float, state: list[tuple[float, dict[str, float]]]
+) -> list[dict[str, Any]]:
+    """Per mode, the median of each GPU field at the last sample taken before each request was
+    sent (requests without a `sent` time, or sent before the first sample, are left out)."""
+    times = [t for t, _ in state]
+    by_mode: dict[str, list[dict[str, float]]] = {"fast": [], "slow": []}
+    n = min(len(v) for v in samples.values())  # whole rounds, as mode_split counts them
+    for v in samples.values():
+        for x in v[:n]:
+            i = bisect.bisect_right(times, x.get("sent", -1.0)) - 1
+            if i >= 0:
+                by_mode["slow" if x["ttft_s"] > cut_s else "fast"].append(state[i][1])
+    return [
+        {
+            "mode": mode,
+            "requests": len(rows),
+            **{
+                f: statistics.median(r[f] for r in rows) if rows else None for f in GPU_STATE_FIELDS
+            },
+        }
+        for mode, rows in by_mode.items()
+    ]
+
+
 def modes_main(argv: list[str]) -> int:
-    """`serve_paired.py modes FILES...`: each call's two TTFT modes (`mode_split`)."""
+    """`serve_paired.py modes FILES... [--gpu-state CSV]`: each call's two TTFT modes
+    (`mode_split`), and with one call's GPU samples the GPU's state in each mode."""
     p = argparse.ArgumentParser(prog="serve_paired.py modes", description=mode_split.__doc__)
     p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--gpu-state", type=Path, help="the call's gpu_state.csv (one call only)")
     a = p.parse_args(argv)
+    if a.gpu_state and len(a.files) != 1:
+        p.error("--gpu-state: give one call's file")
     for name, f in call_names(a.files).items():
-        modes = mode_split(read_result(f)["samples"])
+        samples = read_result(f)["samples"]
+        modes = mode_split(samples)
         print(f"\n== {name}: cut at {modes['cut_ms']} ms ==")
         print(table(modes["rows"]))
         print(f"slow servers per round: {modes['slow_servers_per_round']}")
         print(f"if each were slow alone: {modes['if_independent']}")
+        if a.gpu_state:
+            state = read_gpu_state(a.gpu_state)
+            print(table(gpu_state_by_mode(samples, modes["cut_ms"] / 1e3, state)))
     return 0
 
 
@@ -432,9 +484,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 break
             for s in order:
                 prompt = random_prompt(rng, a.prompt_tokens, vocab)
+                sent = round(time.time(), 3)  # wall clock: joins `modes --gpu-state` samples
                 r = timed_request(s.url, prompt, a.output_tokens, a.request_timeout_s)
                 if i >= a.warmup_rounds:
-                    samples[s.config].append({"round": i, **r})
+                    samples[s.config].append({"round": i, "sent": sent, **r})
                 time.sleep(a.gap_s)
         for s in servers:
             report["servers"][s.config]["sidecar_stats"] = s.sidecar_stats()

@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 from harness import bootstrap_median_ci  # noqa: E402
 from serve_paired import (  # noqa: E402
     across_calls,
+    gpu_state_by_mode,
     main,
     mode_split,
     paired_between,
     paired_summary,
     pooled_summary,
+    read_gpu_state,
 )
 from serve_sweep import configs_arg  # noqa: E402
 
@@ -153,6 +156,8 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         assert [s["round"] for s in samples] == list(range(1, 7))  # warm-up round left out
         # 4 tokens streamed; the first arrives before the last
         assert all(s["chunks"] >= 4 and 0 < s["ttft_s"] <= s["e2e_s"] for s in samples)
+        sent = [s["sent"] for s in samples]  # wall clock at send, for `modes --gpu-state`
+        assert sent == sorted(sent) and abs(sent[-1] - time.time()) < 900
     assert kvo["ratio_ci95"][0] <= kvo["ratio_p50"] <= kvo["ratio_ci95"][1]
     # eager stored each random prompt's full chunk, and nothing hit
     for config in ("noop", "kvo-eager", "noop#2"):
@@ -203,6 +208,36 @@ def test_mode_split_counts_each_servers_slow_share_and_the_rounds_they_share(
     assert main(["modes", str(path)]) == 0
     out = capsys.readouterr().out
     assert "slow servers per round: {0: 5, 1: 2, 2: 3}" in out and "kvo" in out
+
+
+def test_gpu_state_joins_each_request_to_the_sample_before_it_was_sent(tmp_path: Path) -> None:
+    """The sampler's CSV (epoch, then GPU_STATE_FIELDS); a request takes the last sample
+    taken before it was sent: here the slow requests went out while the SM clock was low."""
+    csv = tmp_path / "gpu_state.csv"
+    csv.write_text(
+        "100.0, 1980, 2619, 300.5, 40, 45\n"
+        "101.0, 1200, 2619, 150.0, 10, 44\n"
+        "[N/A], 0, 0, 0, 0, 0\n"  # unreadable lines are skipped
+        "102.0, 1980, 2619, 310.0, 45, 45\n"
+    )
+    state = read_gpu_state(csv)
+    assert [t for t, _ in state] == [100.0, 101.0, 102.0]
+    assert state[1][1]["clocks.sm"] == 1200.0 and state[1][1]["power.draw"] == 150.0
+    samples = {
+        "none": [
+            {"sent": 100.5, "ttft_s": 0.031},
+            {"sent": 101.2, "ttft_s": 0.041},
+            {"sent": 99.0, "ttft_s": 0.030},  # before the first sample: left out
+        ],
+        "kvo": [
+            {"sent": 101.5, "ttft_s": 0.042},
+            {"sent": 102.5, "ttft_s": 0.032},
+            {"ttft_s": 0.033},  # no send time (an older call): left out
+        ],
+    }
+    fast, slow = gpu_state_by_mode(samples, 0.036, state)
+    assert (fast["mode"], fast["requests"], fast["clocks.sm"]) == ("fast", 2, 1980.0)
+    assert (slow["mode"], slow["requests"], slow["clocks.sm"]) == ("slow", 2, 1200.0)
 
 
 def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, capsys) -> None:
