@@ -202,7 +202,8 @@ class OffloadScheduler:
         self._schedulable: dict[str, int] = {}
         # (salt, keys per group) of requests the presence map answered, for `_count_presence_misses`
         self._presence_missed: list[tuple[str | None, list[list[PoolKey]]]] = []
-        self._missed_reported_at = float("-inf")  # the first misses are reported at once
+        self._missed_reported_at = float("-inf")  # the first misses are due at once
+        self._oldest_miss_at = 0.0  # when the first miss not yet reported was counted
         # requests whose first output token may not have gone out yet (`_first_token_out_now`)
         self._first_token_watch: set[str] = set()
         self._stats_taken_at = float("-inf")
@@ -307,6 +308,8 @@ class OffloadScheduler:
                     st.answer = LookupAnswer(0, [], [], "")  # the lookup's answer, without asking
                     st.answer_step = self._step
                     self.stats.presence_misses += 1
+                    if not self._presence_missed:
+                        self._oldest_miss_at = self._clock()
                     self._presence_missed.append((_salt(request), self._request_keys(request)))
                     self._schedulable.setdefault(req_id, self._step)
                     return 0, False
@@ -411,13 +414,20 @@ class OffloadScheduler:
         """Tell the sidecar about the presence-map misses in one background Lookup every
         `miss_report_ms` (or once `_MISS_REPORT_MAX` requests wait), so its lookup counters and
         hit rates (per namespace and tenant) still count every request asked about; off the
-        requests' path, which was answered already."""
+        requests' path, which was answered already. Not while a request waits for its first
+        token: an idle engine takes no steps, so the first step after `miss_report_ms` is
+        mostly the one that schedules the next prefill, and the round trip and the sidecar's
+        answer would run beside its launch (session 28: kvoffload's requests fell into the GPU
+        VM's slow TTFT mode more often than the others'). Held twice `miss_report_ms` at most."""
         if not self._presence_missed:
             return
         now = self._clock()
-        due = (now - self._missed_reported_at) * 1e3 >= self.cfg.miss_report_ms
-        if not due and len(self._presence_missed) < _MISS_REPORT_MAX:
-            return
+        if len(self._presence_missed) < _MISS_REPORT_MAX:
+            period_s = self.cfg.miss_report_ms / 1e3
+            if now - self._missed_reported_at < period_s:
+                return
+            if now - self._oldest_miss_at < 2 * period_s and self._first_token_pending():
+                return
         self._missed_reported_at = now
         batch, self._presence_missed = self._presence_missed, []
         queries = [keys for _, per_group in batch for keys in per_group]
@@ -1053,6 +1063,16 @@ class OffloadScheduler:
         n = getattr(st.request, "num_output_tokens", None)
         return isinstance(n, int) and n < 2
 
+    def _first_token_pending(self) -> bool:
+        """Some request's first output token may not have left the engine yet (the watch
+        forgets the requests past it, as `_first_token_out_now` does)."""
+        watch = self._first_token_watch
+        for req_id in list(watch):
+            if self._awaits_first_token(req_id):
+                return True
+            watch.discard(req_id)
+        return False
+
     def _release_waiting_reservations(self, preempted: set[str]) -> None:
         """Reserve the chunks whose requests have their first token, were preempted (memory
         is short: their blocks should free as soon as they are stored) or waited too long."""
@@ -1357,7 +1377,7 @@ class OffloadScheduler:
         return s
 
     def shutdown(self) -> None:
-        self._missed_reported_at = float("-inf")
+        self._missed_reported_at = self._oldest_miss_at = float("-inf")
         self._count_presence_misses()  # the last ones, before the RPC thread drains
         if self.event_feed is not None:
             self.event_feed.close()

@@ -1186,6 +1186,56 @@ class PrefillingRequest(Request):
     num_output_tokens: int = 0
 
 
+def test_a_miss_report_waits_until_no_request_waits_for_its_first_token(tmp_path):
+    """An idle engine takes no steps: the step after `miss_report_ms` is mostly the one that
+    schedules the next prefill. The report waits for a step where every first token is out,
+    or until it was held twice `miss_report_ms`; shutdown sends what is left."""
+    from kvoffload_connector.presence import PresenceView
+    from kvoffload_sidecar.presence import PresenceMap
+
+    now = [100.0]
+    s, fake, *_ = make(load="layered", inline=True, clock=lambda: now[0])
+    PresenceMap(tmp_path / "pool.sock.presence", bits=16)  # empty: every request a miss
+    fake.presence = PresenceView(str(tmp_path / "pool.sock.presence"))
+
+    def arrive(name: str, base: int) -> PrefillingRequest:
+        req = PrefillingRequest(name, list(range(base, base + 300)))
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+        return req
+
+    a = arrive("a", 0)
+    step(s, {"a": 300})  # a's prefill: its first token is not out
+    assert fake.reports == []
+    a.num_output_tokens = 1  # the output carrying it is still being sent
+    step(s, {"a": 1})
+    assert fake.reports == []
+    a.num_output_tokens = 2
+    step(s, {"a": 1})
+    assert fake.reports == [True] and fake.queried == [1]
+    # 5 s later the next request's prefill step is due, and waits for its token
+    now[0] += 5.0
+    b = arrive("b", 1000)
+    step(s, {"b": 300})
+    assert fake.reports == [True]
+    b.num_output_tokens = 2
+    step(s, {"b": 1})
+    assert fake.reports == [True, True]
+    # a prefill in every step (a busy engine): sent once held for twice miss_report_ms
+    now[0] += 5.0
+    arrive("c", 2000)
+    step(s, {"c": 300})
+    now[0] += 9.9  # c's miss, the oldest held, was counted 9.9 s ago
+    step(s, {"c": 300})
+    assert fake.reports == [True, True]
+    now[0] += 0.2
+    step(s, {"c": 300})
+    assert fake.reports == [True, True, True]
+    # the last misses go out at shutdown, first tokens or not
+    arrive("d", 3000)
+    s.shutdown()
+    assert fake.reports == [True, True, True, True]
+
+
 def step(s: OffloadScheduler, scheduled: dict[str, int] | None = None, out=None, **kw) -> tuple:
     """One engine step: the store jobs its metadata carries (background answers settled)."""
     stores = s.build_connector_meta(out or SchedOut(scheduled or {}, **kw)).stores
