@@ -16,6 +16,7 @@ Python thread does before the output thread may send that step's tokens; this sh
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import statistics
@@ -169,6 +170,8 @@ def install(out_dir: str, connector_cls: type) -> None:
 
     gc.callbacks.append(on_gc)
     ablate(os.environ.get("KVO_ABLATE", ""))
+    # the events' clock (perf_counter) against the epoch the client stamps requests with
+    _EVENTS.append(("clock", threading.get_ident(), time.perf_counter(), time.time()))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     threading.Thread(target=_dump_forever, args=(Path(out_dir),), daemon=True).start()
 
@@ -239,6 +242,56 @@ def prefill_timelines(events: list, min_tokens: int = 512, window_s: float = 0.0
             seen[name] = k + 1
             offsets.setdefault(f"{name}#{k}", []).append(((t0 - s) * 1e3, (t1 - s) * 1e3))
     return {"prefills": len(starts), "offsets": offsets}
+
+
+def request_phases(
+    events: list, requests: list[dict], min_tokens: int = 512
+) -> list[dict[str, float | None] | None]:
+    """Where each request's time to first token went, from the client's `sent` epoch and
+    `ttft_s` and one engine's trace (its `clock` event maps perf_counter to the epoch):
+    `to_schedule_ms` until the engine's first prefill step (>= min_tokens) starts scheduling after
+    it was sent (HTTP, the API server, the hop to the engine, the engine loop's wake-up);
+    `schedule_ms`; `execute_ms` (the step's `execute_model`) and `execute_gpu_ms` (its GPU span);
+    `after_ms`, the rest (output, the hop back, the stream to the client). None where a request
+    has no `sent` time or no prefill step was traced after it. Why: the GPU VM's TTFT has two
+    modes ~9 ms apart, and only the phase that moves between them says where they come from."""
+    clock = next((e for e in events if e[0] == "clock"), None)
+    if clock is None:
+        return [None] * len(requests)
+    epoch_minus_perf = clock[3] - clock[2]
+    events = sorted(events, key=lambda e: e[2])
+    starts = [e[2] for e in events]
+    out: list[dict[str, float | None] | None] = []
+    for req in requests:
+        sent = req.get("sent")
+        found: dict[str, float | None] | None = None
+        if sent is not None:
+            t_sent = sent - epoch_minus_perf
+            sched = execute = gpu = None
+            for i in range(bisect.bisect_left(starts, t_sent), len(events)):
+                e = events[i]
+                label = e[0]
+                if sched is None:
+                    tokens = label.split(":")[1] if label.startswith("schedule:") else ""
+                    if tokens.isdigit() and int(tokens) >= min_tokens:
+                        sched = e
+                elif label == "execute_model" and execute is None:
+                    execute = e
+                elif label == "execute_gpu" and execute is not None and e[2] == execute[2]:
+                    gpu = e
+                    break
+                if execute is not None and e[2] > execute[3] + 1.0:
+                    break  # a step's GPU span is read back at the next step, well within 1 s
+            if sched is not None and execute is not None:
+                found = {
+                    "to_schedule_ms": 1e3 * (sched[2] - t_sent),
+                    "schedule_ms": 1e3 * (sched[3] - sched[2]),
+                    "execute_ms": 1e3 * (execute[3] - execute[2]),
+                    "execute_gpu_ms": 1e3 * (gpu[3] - gpu[2]) if gpu else None,
+                    "after_ms": 1e3 * (req["ttft_s"] - (execute[3] - t_sent)),
+                }
+        out.append(found)
+    return out
 
 
 def main(dirs: list[str]) -> int:

@@ -14,6 +14,7 @@ baseline is a fair pair; the report gives the median ratio with a bootstrap 95% 
     (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
     python bench/serve_paired.py merge bench/results/serve_paired/s*.json* --pair kvo-eager/none
     python bench/serve_paired.py modes bench/results/serve_paired/s28p2*.json
+    python bench/serve_paired.py modes P.json --gpu-state gpu_state.csv --engine-trace TRACE_DIR
 
 A server's small offset for the whole call follows its start order (sessions 22-25), so a call can
 start two servers of each configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`):
@@ -44,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine_trace import load_events, request_phases  # noqa: E402
 from harness import (  # noqa: E402
     bootstrap_median_ci,
     machine,
@@ -390,15 +392,23 @@ def gpu_state_by_mode(
     ]
 
 
+def _median_ms(values: list[float | None]) -> float | None:
+    known = [x for x in values if x is not None]
+    return round(statistics.median(known), 2) if known else None
+
+
 def modes_main(argv: list[str]) -> int:
     """`serve_paired.py modes FILES... [--gpu-state CSV]`: each call's two TTFT modes
     (`mode_split`), and with one call's GPU samples the GPU's state in each mode."""
     p = argparse.ArgumentParser(prog="serve_paired.py modes", description=mode_split.__doc__)
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--gpu-state", type=Path, help="the call's gpu_state.csv (one call only)")
+    p.add_argument(
+        "--engine-trace", type=Path, help="the call's --engine-trace DIR (one call only)"
+    )
     a = p.parse_args(argv)
-    if a.gpu_state and len(a.files) != 1:
-        p.error("--gpu-state: give one call's file")
+    if (a.gpu_state or a.engine_trace) and len(a.files) != 1:
+        p.error("--gpu-state/--engine-trace: give one call's file")
     for name, f in call_names(a.files).items():
         samples = read_result(f)["samples"]
         modes = mode_split(samples)
@@ -409,7 +419,42 @@ def modes_main(argv: list[str]) -> int:
         if a.gpu_state:
             state = read_gpu_state(a.gpu_state)
             print(table(gpu_state_by_mode(samples, modes["cut_ms"] / 1e3, state)))
+        if a.engine_trace:
+            print(table(phases_by_mode(samples, modes["cut_ms"] / 1e3, a.engine_trace)))
     return 0
+
+
+PHASES = ("to_schedule_ms", "schedule_ms", "execute_ms", "execute_gpu_ms", "after_ms")
+
+
+def phases_by_mode(
+    samples: dict[str, list[dict]], cut_s: float, trace_root: Path
+) -> list[dict[str, Any]]:
+    """Per traced server (`--engine-trace ROOT` wrote ROOT/LABEL/trace-*.jsonl) and mode, the
+    median of each phase of the time to first token (engine_trace.request_phases)."""
+    n = min(len(v) for v in samples.values())
+    rows = []
+    for label, v in samples.items():
+        files = sorted((trace_root / label).glob("trace-*.jsonl"))
+        if not files:
+            continue
+        events = [e for f in files for e in load_events(f)]
+        phases = request_phases(events, v[:n])
+        for mode in ("fast", "slow"):
+            got = [
+                p
+                for x, p in zip(v[:n], phases, strict=True)
+                if p is not None and (x["ttft_s"] > cut_s) == (mode == "slow")
+            ]
+            rows.append(
+                {
+                    "config": label,
+                    "mode": mode,
+                    "requests": len(got),
+                    **{k: _median_ms([p[k] for p in got]) for k in PHASES},
+                }
+            )
+    return rows
 
 
 def merge_main(argv: list[str]) -> int:

@@ -43,6 +43,7 @@ from typing import Any
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
 from kvoffload_connector.config import ConnectorConfig, LoadMode, StoreMode
 from kvoffload_connector.events import EventFeed, announce_blob
+from kvoffload_connector.first_token import FirstTokenWatch
 from kvoffload_connector.keys import PoolKey, chunk_keys, in_epoch, make_key
 from kvoffload_connector.metadata import (
     ConnectorMeta,
@@ -204,8 +205,7 @@ class OffloadScheduler:
         self._presence_missed: list[tuple[str | None, list[list[PoolKey]]]] = []
         self._missed_reported_at = float("-inf")  # the first misses are due at once
         self._oldest_miss_at = 0.0  # when the first miss not yet reported was counted
-        # requests whose first output token may not have gone out yet (`_first_token_out_now`)
-        self._first_token_watch: set[str] = set()
+        self._first_token = FirstTokenWatch(self._output_count)
         self._stats_taken_at = float("-inf")
         self._lookup_ewma_s = 0.0  # recent lookup round trips (inline and background)
         self._registration: Registration | None = None
@@ -344,7 +344,7 @@ class OffloadScheduler:
         """A request's first visit: its state, and (store_threshold) one more ask of each of
         its full chunks."""
         st = self._reqs[request.request_id] = _Req(request.request_id, request)
-        self._first_token_watch.add(request.request_id)
+        self._first_token.add(request.request_id)
         if self.reuse.enabled:
             gating = self.reuse.gating
             self.reuse.count(self._reuse_keys(request))
@@ -426,7 +426,7 @@ class OffloadScheduler:
             period_s = self.cfg.miss_report_ms / 1e3
             if now - self._missed_reported_at < period_s:
                 return
-            if now - self._oldest_miss_at < 2 * period_s and self._first_token_pending():
+            if now - self._oldest_miss_at < 2 * period_s and self._first_token.any_pending():
                 return
         self._missed_reported_at = now
         batch, self._presence_missed = self._presence_missed, []
@@ -756,7 +756,7 @@ class OffloadScheduler:
         scheduled before that token is sent, and the step after that while it is sent, so
         anything done there delays it. A long chunked prefill is planned after
         `_STORE_WAIT_MAX_STEPS` steps all the same."""
-        if not self.cfg.store_after_first_token or not self._awaits_first_token(st.req_id):
+        if not self.cfg.store_after_first_token or not self._first_token.awaits(st.req_id):
             return False
         return st.wait_from < 0 or self._step - st.wait_from < _STORE_WAIT_MAX_STEPS
 
@@ -962,7 +962,7 @@ class OffloadScheduler:
             p.gpu_resets = self._gpu_resets
         self.stats.store_chunks_planned += len(planned)
         if self.cfg.store_after_first_token:
-            waits = {r: self._awaits_first_token(r) for r in {p.req_id for p in planned}}
+            waits = {r: self._first_token.awaits(r) for r in {p.req_id for p in planned}}
             if any(waits.values()):  # the wait counts from the request's first deferral
                 self._reserve_waiting.extend(
                     (self._wait_from(p.req_id), p) for p in planned if waits[p.req_id]
@@ -1051,27 +1051,10 @@ class OffloadScheduler:
         )
         self._stores_out.append(StoreJob(job_id, res.store_id, namespace_id, transfers, generation))
 
-    def _awaits_first_token(self, req_id: str) -> bool:
-        """True until the request's first output token has surely left the engine: while it
-        has none, and while it has exactly one. vLLM's engine process hands the output that
-        carries a token to its output thread, which serializes and sends it while the main
-        thread schedules the next step: store work in that step competes with the send for
-        the GIL. With two tokens, the first one's output went out a step ago."""
+    def _output_count(self, req_id: str) -> int | None:
+        """A live request's output-token count (None once finished or aborted)."""
         st = self._reqs.get(req_id)
-        if st is None:
-            return False  # finished or aborted: nothing to wait for
-        n = getattr(st.request, "num_output_tokens", None)
-        return isinstance(n, int) and n < 2
-
-    def _first_token_pending(self) -> bool:
-        """Some request's first output token may not have left the engine yet (the watch
-        forgets the requests past it, as `_first_token_out_now` does)."""
-        watch = self._first_token_watch
-        for req_id in list(watch):
-            if self._awaits_first_token(req_id):
-                return True
-            watch.discard(req_id)
-        return False
+        return getattr(st.request, "num_output_tokens", None) if st is not None else None
 
     def _release_waiting_reservations(self, preempted: set[str]) -> None:
         """Reserve the chunks whose requests have their first token, were preempted (memory
@@ -1081,7 +1064,7 @@ class OffloadScheduler:
         waits: dict[str, bool] = {}
         for made, p in self._reserve_waiting:
             if p.req_id not in waits:
-                waits[p.req_id] = p.req_id not in preempted and self._awaits_first_token(p.req_id)
+                waits[p.req_id] = p.req_id not in preempted and self._first_token.awaits(p.req_id)
             if waits[p.req_id] and self._step - made < _STORE_WAIT_MAX_STEPS:
                 still.append((made, p))
             else:
@@ -1303,7 +1286,7 @@ class OffloadScheduler:
             self._plan_finished(request.request_id, block_ids)
         self._tracked_blocks.pop(request.request_id, None)
         self._schedulable.pop(request.request_id, None)
-        self._first_token_watch.discard(request.request_id)
+        self._first_token.discard(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.answer is not None and st.load_job is None:
             self._release(st.answer.pins)
@@ -1361,15 +1344,7 @@ class OffloadScheduler:
         most (under load some request is always at its first token); nothing is dropped."""
         if self._clock() - self._stats_taken_at >= _STATS_HOLD_MAX_S:
             return False
-        watch = self._first_token_watch
-        for req_id in list(watch):
-            st = self._reqs.get(req_id)
-            n = getattr(st.request, "num_output_tokens", None) if st is not None else None
-            if n == 1:
-                return True
-            if not isinstance(n, int) or n > 1:
-                watch.discard(req_id)  # past its first token (or no count to watch)
-        return False
+        return self._first_token.any_in_this_output()
 
     def take_stats(self) -> SchedulerStats:
         s, self.stats = self.stats, SchedulerStats()

@@ -99,3 +99,43 @@ def test_ablations_drop_only_the_stores_part_they_name(monkeypatch: pytest.Monke
         eng._dma(None, 0, 0, flag, None, 0)
         eng._copy_kernel(None, 0, 0, None, flag, 2)
     assert calls == [("dma", False), ("gather", False)]
+
+
+def test_request_phases_split_each_time_to_first_token_at_its_prefill_step() -> None:
+    """The engine's perf_counter runs 1,000 s behind the epoch here (its `clock` event): a
+    request sent at epoch 1,010.000 is at 10.000 on the trace's clock."""
+    events = [  # (label, thread, start s, end s); the GPU span is recorded a step later
+        ("clock", 1, 5.0, 1005.0),
+        ("schedule:1", 1, 9.990, 9.991),  # a decode step before the request: not its prefill
+        ("execute_model", 1, 9.991, 9.995),
+        ("schedule:1024", 1, 10.004, 10.005),
+        ("execute_model", 1, 10.005, 10.027),
+        ("schedule:1", 1, 10.028, 10.029),
+        ("execute_model", 1, 10.029, 10.031),
+        ("execute_gpu", 1, 10.005, 10.030),
+        ("schedule:1024", 1, 12.010, 12.011),  # the second request's prefill: no GPU span
+        ("execute_model", 1, 12.011, 12.041),
+    ]
+    first, second, unsent, untraced = engine_trace.request_phases(
+        events,
+        [
+            {"sent": 1010.0, "ttft_s": 0.040},
+            {"sent": 1012.0, "ttft_s": 0.050},
+            {"ttft_s": 0.040},  # an older report: no `sent` stamp
+            {"sent": 1013.0, "ttft_s": 0.040},  # after the last traced prefill
+        ],
+    )
+    assert first == pytest.approx(
+        {
+            "to_schedule_ms": 4.0,
+            "schedule_ms": 1.0,
+            "execute_ms": 22.0,
+            "execute_gpu_ms": 25.0,
+            "after_ms": 13.0,  # 40 ms less the 27 ms from sending to the prefill's end
+        }
+    )
+    assert second is not None and second["execute_gpu_ms"] is None
+    assert second["after_ms"] == pytest.approx(50.0 - 41.0)
+    assert unsent is None and untraced is None
+    # a trace without the clock anchor (written before it existed) places no request
+    assert engine_trace.request_phases(events[1:], [{"sent": 1010.0, "ttft_s": 0.04}]) == [None]

@@ -22,6 +22,7 @@ from serve_paired import (  # noqa: E402
     mode_split,
     paired_between,
     paired_summary,
+    phases_by_mode,
     pooled_summary,
     read_gpu_state,
 )
@@ -238,6 +239,42 @@ def test_gpu_state_joins_each_request_to_the_sample_before_it_was_sent(tmp_path:
     fast, slow = gpu_state_by_mode(samples, 0.036, state)
     assert (fast["mode"], fast["requests"], fast["clocks.sm"]) == ("fast", 2, 1980.0)
     assert (slow["mode"], slow["requests"], slow["clocks.sm"]) == ("slow", 2, 1200.0)
+
+
+def test_modes_place_each_traced_servers_slow_requests_in_the_engines_phases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """kvo's engine trace (its clock 1,000 s behind the epoch): the slow request's extra 10 ms
+    is in its prefill's GPU span, and the modes table says so; `none` has no trace, no rows."""
+    events = [["clock", 1, 0.0, 1000.0]]
+    for sent, gpu_ms in ((10.0, 25.0), (11.0, 35.0), (12.0, 25.0)):
+        events += [
+            ["schedule:1024", 1, sent + 0.004, sent + 0.005],
+            ["execute_model", 1, sent + 0.005, sent + 0.027],
+            ["execute_gpu", 1, sent + 0.005, sent + 0.005 + gpu_ms / 1e3],
+        ]
+    (tmp_path / "tr" / "kvo").mkdir(parents=True)
+    (tmp_path / "tr" / "kvo" / "trace-7.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in events)
+    )
+    samples = {
+        "none": [{"round": i, "ttft_s": t} for i, t in enumerate((0.030, 0.030, 0.031))],
+        "kvo": [
+            {"round": i, "sent": 1010.0 + i, "ttft_s": t}
+            for i, t in enumerate((0.040, 0.050, 0.041))
+        ],
+    }
+    fast, slow = phases_by_mode(samples, 0.045, tmp_path / "tr")
+    assert (fast["config"], fast["mode"], fast["requests"]) == ("kvo", "fast", 2)
+    assert (slow["mode"], slow["requests"]) == ("slow", 1)
+    assert (fast["execute_gpu_ms"], slow["execute_gpu_ms"]) == (25.0, 35.0)
+    assert fast["to_schedule_ms"] == slow["to_schedule_ms"] == 4.0
+    path = tmp_path / "call.json"
+    path.write_text(json.dumps({"samples": samples}))
+    assert main(["modes", str(path), "--engine-trace", str(tmp_path / "tr")]) == 0
+    assert "execute_gpu_ms" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # one call's trace joins one call's requests only
+        main(["modes", str(path), str(path), "--engine-trace", str(tmp_path / "tr")])
 
 
 def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, capsys) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,7 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
         "--out",
         str(out),
     ]
+    started_epoch = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, check=False)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -145,5 +147,9 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
         ]
         labels = {e[0].split(":")[0] for e in events}
         assert {"schedule", "kvo.build_connector_meta", "kvo.get_num_new_matched_tokens"} <= labels
-        assert all(e[3] >= e[2] for e in events)
+        assert all(e[3] >= e[2] for e in events if e[0] != "clock")
+        # one anchor per traced process maps its perf_counter onto the client's epoch stamps
+        for f in (tmp_path / "trace" / config).glob("trace-*.jsonl"):
+            (clock,) = [e for e in load_events(f) if e[0] == "clock"]
+            assert started_epoch < clock[3] < time.time()
     assert not (tmp_path / "trace" / "none").exists()
