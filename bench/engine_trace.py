@@ -1,7 +1,8 @@
 """Timeline of vLLM's engine-core loop around the kvoffload connector (a diagnostic).
 
-`bench/serve_sweep.py --engine-trace DIR` starts kvo configurations with this module as the
-connector module: the connector is kvoffload's own, and importing the module wraps, in the
+`bench/serve_sweep.py --engine-trace DIR` starts kvo and noop configurations with this module as
+the connector module: the connector is kvoffload's own (noop's, KVO_TRACED_CONNECTOR=noop, for a
+baseline traced alike; its hooks keep the `kvo.` labels), and importing the module wraps, in the
 engine-core process, the scheduler's `schedule`/`update_from_output`, the executor's
 `execute_model`, the wait for a step's async output, the output thread's socket send, the
 connector's step hooks, every call on the connector's RPC threads and every garbage
@@ -72,6 +73,7 @@ def _wrap_execute(executor_cls: type) -> None:
             if gpu
             else ()
         )
+        cpu0 = _cpu()
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         if gpu:
             events[0].record()
@@ -84,9 +86,28 @@ def _wrap_execute(executor_cls: type) -> None:
         _EVENTS.append(("execute_cpu", threading.get_ident(), t0, t0 + (c1 - c0)))
         # every thread of the process: what the others took beside this one
         _EVENTS.append(("execute_proc", threading.get_ident(), t0, t0 + (p1 - p0)))
+        # the CPUs the engine thread ran on as the step began and ended (placement: NUMA
+        # node, a core shared with a busy thread)
+        _EVENTS.append((f"execute_on:{cpu0}:{_cpu()}", threading.get_ident(), t0, t0))
         return out
 
     executor_cls.execute_model = wrapped
+
+
+def _cpu() -> int:
+    """The CPU this thread runs on now (glibc's sched_getcpu; -1 where it is missing)."""
+    global _SCHED_GETCPU
+    if _SCHED_GETCPU is None:
+        import ctypes
+
+        try:
+            _SCHED_GETCPU = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        except (OSError, AttributeError):
+            _SCHED_GETCPU = lambda: -1  # noqa: E731
+    return int(_SCHED_GETCPU())
+
+
+_SCHED_GETCPU = None
 
 
 def _scheduled(a, out) -> str:
@@ -119,7 +140,6 @@ def install(out_dir: str, connector_cls: type) -> None:
         return
     _PATCHED = True
     import zmq
-    from kvoffload_connector import client
     from vllm.v1.core.sched import scheduler
     from vllm.v1.executor import uniproc_executor
 
@@ -143,21 +163,8 @@ def install(out_dir: str, connector_cls: type) -> None:
         "get_kv_connector_stats",
     ):
         _wrap(connector_cls, hook, f"kvo.{hook}")
-    submit = client.RpcThread.submit
-
-    def traced_submit(self, fn):
-        label = f"rpc.{getattr(fn, '__name__', '?')}"
-
-        def run():
-            t0 = time.perf_counter()
-            try:
-                return fn()
-            finally:
-                _record(label, t0)
-
-        return submit(self, run)
-
-    client.RpcThread.submit = traced_submit
+    if connector_cls.__name__ == "KVOffloadConnector":
+        _trace_rpcs()
     import gc
 
     gc_start: list[float] = []
@@ -174,6 +181,27 @@ def install(out_dir: str, connector_cls: type) -> None:
     _EVENTS.append(("clock", threading.get_ident(), time.perf_counter(), time.time()))
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     threading.Thread(target=_dump_forever, args=(Path(out_dir),), daemon=True).start()
+
+
+def _trace_rpcs() -> None:
+    """Every call kvoffload's connector runs on its RPC thread, as `rpc.NAME`."""
+    from kvoffload_connector import client
+
+    submit = client.RpcThread.submit
+
+    def traced_submit(self, fn):
+        label = f"rpc.{getattr(fn, '__name__', '?')}"
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                _record(label, t0)
+
+        return submit(self, run)
+
+    client.RpcThread.submit = traced_submit
 
 
 ABLATIONS = {"nodma": ("dma",), "nogather": ("gather",), "nocopy": ("dma", "gather")}
@@ -215,9 +243,14 @@ def ablate(name: str) -> None:
 
 
 if os.environ.get("KVO_ENGINE_TRACE_DIR"):  # imported by vLLM as the connector module
-    from kvoffload_connector.connector import KVOffloadConnector
+    if os.environ.get("KVO_TRACED_CONNECTOR") == "noop":  # the traced baseline
+        from noop_connector import NoopConnector
 
-    install(os.environ["KVO_ENGINE_TRACE_DIR"], KVOffloadConnector)
+        install(os.environ["KVO_ENGINE_TRACE_DIR"], NoopConnector)
+    else:
+        from kvoffload_connector.connector import KVOffloadConnector
+
+        install(os.environ["KVO_ENGINE_TRACE_DIR"], KVOffloadConnector)
 
 
 def prefill_timelines(events: list, min_tokens: int = 512, window_s: float = 0.08) -> dict:
@@ -252,9 +285,11 @@ def request_phases(
     `to_schedule_ms` until the engine's first prefill step (>= min_tokens) starts scheduling after
     it was sent (HTTP, the API server, the hop to the engine, the engine loop's wake-up);
     `schedule_ms`; `execute_ms` (the step's `execute_model`) and `execute_gpu_ms` (its GPU span);
-    `after_ms`, the rest (output, the hop back, the stream to the client). None where a request
-    has no `sent` time or no prefill step was traced after it. Why: the GPU VM's TTFT has two
-    modes ~9 ms apart, and only the phase that moves between them says where they come from."""
+    `after_ms`, the rest (output, the hop back, the stream to the client; from the schedule's
+    end where no `execute_model` was traced: vLLM's CPU build runs its worker in another
+    process). None where a request has no `sent` time or no prefill step was traced after it.
+    Why: the GPU VM's TTFT has two modes ~9 ms apart, and only the phase that moves between
+    them says where they come from."""
     clock = next((e for e in events if e[0] == "clock"), None)
     if clock is None:
         return [None] * len(requests)
@@ -282,13 +317,14 @@ def request_phases(
                     break
                 if execute is not None and e[2] > execute[3] + 1.0:
                     break  # a step's GPU span is read back at the next step, well within 1 s
-            if sched is not None and execute is not None:
+            if sched is not None:
+                step_end = (execute or sched)[3]
                 found = {
                     "to_schedule_ms": 1e3 * (sched[2] - t_sent),
                     "schedule_ms": 1e3 * (sched[3] - sched[2]),
-                    "execute_ms": 1e3 * (execute[3] - execute[2]),
+                    "execute_ms": 1e3 * (execute[3] - execute[2]) if execute else None,
                     "execute_gpu_ms": 1e3 * (gpu[3] - gpu[2]) if gpu else None,
-                    "after_ms": 1e3 * (req["ttft_s"] - (execute[3] - t_sent)),
+                    "after_ms": 1e3 * (req["ttft_s"] - (step_end - t_sent)),
                 }
         out.append(found)
     return out

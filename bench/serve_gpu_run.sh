@@ -32,6 +32,8 @@ if wheels:
                     "--no-compile", "--target", "/tmp/site", *wheels], check=True)
 PY
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c 'import vllm; print("vllm", vllm.__version__)' 2>&1 | tail -1; nproc; free -g | head -2; df -h /dev/shm | tail -1; } | tee "$OUT/env.txt"
+# where the CPUs sit against the GPU (a request's host work runs on one of them)
+{ lscpu; nvidia-smi topo -m; } >> "$OUT/env.txt" 2>&1
 bash bench/build_native.sh >> "$OUT/env.txt" 2>&1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # GPU 0's clocks, power, use and temperature every 200 ms, as `EPOCH_S, values...` (serve_paired.py
@@ -47,7 +49,27 @@ for line in sys.stdin:
 nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
   --format=csv,noheader,nounits -lms 200 2>/dev/null | python3 -u -c "$to_epoch" > "$OUT/gpu_state.csv" &
 sampler=$!
-trap 'kill $sampler 2>/dev/null' EXIT
+# the host's CPUs every 200 ms: `EPOCH_S, busy %, steal %, mean/min/max MHz` (a VM's vCPUs can
+# slow down together: a shared host's load, its turbo)
+python3 -u - > "$OUT/cpu_state.csv" <<'PY' &
+import time
+def ticks():
+    f = open("/proc/stat").readline().split()[1:]
+    v = list(map(int, f))
+    return sum(v), v[3] + v[4], v[7] if len(v) > 7 else 0  # total, idle + iowait, steal
+last = ticks()
+while True:
+    time.sleep(0.2)
+    now = ticks()
+    total = max(1, now[0] - last[0])
+    mhz = [float(l.split(":")[1]) for l in open("/proc/cpuinfo") if l.startswith("cpu MHz")]
+    busy = 100 * (total - (now[1] - last[1]) - (now[2] - last[2])) / total
+    print(f"{time.time():.3f}, {busy:.1f}, {100 * (now[2] - last[2]) / total:.1f}, "
+          f"{sum(mhz) / max(1, len(mhz)):.0f}, {min(mhz, default=0):.0f}, {max(mhz, default=0):.0f}")
+    last = now
+PY
+cpu_sampler=$!
+trap 'kill $sampler $cpu_sampler 2>/dev/null' EXIT
 timeout $((budget + 30)) python3 "bench/${BENCH:-serve_sweep.py}" --budget-s "$budget" --out "$OUT/sweep.json" "$@" 2>&1 \
   | grep -v '^INFO\|^DEBUG\|^(APIServer\|^(EngineCore' | tail -120
 rc=${PIPESTATUS[0]}

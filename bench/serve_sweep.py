@@ -125,7 +125,7 @@ def kv_transfer_config(
     if base == "noop":
         return {
             "kv_connector": "NoopConnector",
-            "kv_connector_module_path": "noop_connector",
+            "kv_connector_module_path": "engine_trace" if traced else "noop_connector",
             "kv_role": "kv_both",
         }
     if base in ("none", "offloading", "simple"):  # as the end-to-end bench configures them
@@ -258,11 +258,13 @@ class Server:
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core apart
         env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
-        if self.a.engine_trace and self.config.startswith("kvo"):
+        if self.a.engine_trace and self.config.startswith(("kvo", "noop")):
             trace_dir = Path(self.a.engine_trace) / self.config
             trace_dir.mkdir(parents=True, exist_ok=True)  # a bad path fails here, not in vLLM
             env["KVO_ENGINE_TRACE_DIR"] = str(trace_dir)
             env["KVO_ABLATE"] = ablation(config_of(self.config))
+            if self.config.startswith("noop"):
+                env["KVO_TRACED_CONNECTOR"] = "noop"
         if "KVO_ENGINE_TRACE_DIR" in env or config_of(self.config) == "noop":  # bench/ modules
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
@@ -734,7 +736,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-trace",
         default="",
-        help="DIR: kvo configurations record the engine loop's timeline there (engine_trace.py)",
+        help="DIR: kvo and noop configurations record the engine loop's timeline there "
+        "(engine_trace.py)",
     )
     # workloads
     p.add_argument("--rates", type=floats, default=floats("2,4,8,16,32"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,12 @@ def test_a_traced_kvo_configuration_loads_the_trace_module_with_the_same_keys() 
     assert traced["kv_connector_extra_config"] == plain["kv_connector_extra_config"]
     assert plain["kv_connector_extra_config"]["store_threshold"] == "2"
     assert kv_transfer_config("none", "", 1 << 30, traced=True) is None  # nothing to trace
+    # the do-nothing baseline traced: the same module, its own connector class
+    noop = kv_transfer_config("noop", "", 1 << 30, traced=True)
+    assert (noop["kv_connector_module_path"], noop["kv_connector"]) == (
+        "engine_trace",
+        "NoopConnector",
+    )
 
 
 def test_prefill_timelines_measure_each_event_from_its_prefill_schedule() -> None:
@@ -139,3 +146,8 @@ def test_request_phases_split_each_time_to_first_token_at_its_prefill_step() -> 
     assert unsent is None and untraced is None
     # a trace without the clock anchor (written before it existed) places no request
     assert engine_trace.request_phases(events[1:], [{"sent": 1010.0, "ttft_s": 0.04}]) == [None]
+
+
+def test_the_trace_names_the_cpu_a_step_ran_on() -> None:
+    """`execute_on:CPU0:CPU1` events name the CPUs the engine thread ran on (sched_getcpu)."""
+    assert 0 <= engine_trace._cpu() < (os.cpu_count() or 1)

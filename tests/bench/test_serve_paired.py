@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from engine_trace import load_events, request_phases  # noqa: E402
 from harness import bootstrap_median_ci  # noqa: E402
 from serve_paired import (  # noqa: E402
     across_calls,
@@ -143,6 +144,8 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         "4",
         "--gap-s",
         "0",
+        "--engine-trace",  # the do-nothing baseline is traced alike (engine_trace.py)
+        str(tmp_path / "tr"),
         "--out",
         str(out),
     ]
@@ -171,6 +174,17 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
     # the second noop server ran the do-nothing connector too, and pools with the first
     assert report["servers"]["noop#2"]["sidecar_stats"] is None
     assert "NoopConnector" in " ".join(report["servers"]["noop#2"]["argv"])
+    # every server's engine traced its loop, the do-nothing baseline's too: each request's
+    # prefill step is found after it was sent, and ends before its first token arrives
+    for config in ("noop", "kvo-eager", "noop#2"):
+        files = (tmp_path / "tr" / config).glob("trace-*.jsonl")
+        events = [e for f in files for e in load_events(f)]
+        samples = report["samples"][config]
+        phases = request_phases(events, samples)
+        assert all(p is not None and p["to_schedule_ms"] >= 0 <= p["after_ms"] for p in phases)
+        assert all(
+            0 <= p["schedule_ms"] < 1e3 * s["ttft_s"] for p, s in zip(phases, samples, strict=True)
+        )
     pooled, offset = report["pooled"]
     assert (pooled["config"], pooled["against"]) == ("kvo-eager (x1)", "noop (x2)")
     assert (offset["config"], offset["against"], offset["n"]) == ("noop#2", "noop", 6)
