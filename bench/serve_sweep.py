@@ -24,7 +24,8 @@ Configurations (the same GPU KV cache, `--num-gpu-blocks-override`, and the same
     noop        a connector that does nothing (bench/noop_connector.py): vLLM's own cost of
                 having any connector, a diagnostic
 
-`+key=value` after a kvo name overrides a connector key (kvo-eager+store_ctas=4). `#N` after a
+`+key=value` after a kvo name overrides a connector key (kvo-eager+store_ctas=4); `+pool_gib=N`
+sets that server's sidecar pool size instead of --cpu-gib. `#N` after a
 configuration names one more server of it (`none#2`): serve_paired.py starts A B B A in one call.
 Per configuration and point: request and output-token throughput, TTFT and TPOT p50/p99 (the
 client's), and from the server's /metrics before and after the point: GPU prefix-cache hit rate,
@@ -122,6 +123,7 @@ def kv_transfer_config(
         if not traced or not base.startswith("kvo"):
             raise ValueError(f"{config}: +ablate= needs a kvo configuration and --engine-trace")
         overrides = [o for o in overrides if not o.startswith("ablate=")]
+    overrides = [o for o in overrides if not o.startswith("pool_gib=")]  # the sidecar's, not ours
     if base == "noop":
         return {
             "kv_connector": "NoopConnector",
@@ -144,6 +146,14 @@ def kv_transfer_config(
             },
         }
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
+
+
+def pool_gib(config: str, default: float) -> float:
+    """A kvo configuration's sidecar pool size: `+pool_gib=N` overrides --cpu-gib for that
+    server alone (the pool a server maps is part of its state between requests; a diagnostic
+    compares sizes side by side)."""
+    given = [o.split("=", 1)[1] for o in config.split("+")[1:] if o.startswith("pool_gib=")]
+    return float(given[-1]) if given else default
 
 
 def ablation(config: str) -> str:
@@ -251,7 +261,7 @@ class Server:
             from kvoffload_connector.sidecar_proc import SidecarProcess
 
             self.sidecar = SidecarProcess(
-                str(int(self.a.cpu_gib * (1 << 30))),
+                str(int(pool_gib(config_of(self.config), self.a.cpu_gib) * (1 << 30))),
                 log_path=self.log_path.with_suffix(".sidecar.log"),
             )
             self.sidecar.start(timeout_s=120)
@@ -775,6 +785,15 @@ def configs_arg(text: str) -> list[str]:
     bad = [t for t in items if config_of(t).split("+")[0] not in CONFIGS or not _replica_ok(t)]
     if bad or not items:
         raise argparse.ArgumentTypeError(f"configs: {bad or 'none given'}; known: {CONFIGS}")
+    for t in items:
+        if "+pool_gib=" not in t:
+            continue
+        try:
+            size = pool_gib(config_of(t), 0.0)
+        except ValueError:
+            size = 0.0
+        if not t.startswith("kvo") or not size > 0:
+            raise argparse.ArgumentTypeError(f"configs: {t}: +pool_gib= takes GiB > 0, on kvo only")
     twice = sorted({t for t in items if items.count(t) > 1})
     if twice:
         raise argparse.ArgumentTypeError(f"configs: {twice} given twice; name a second server #2")

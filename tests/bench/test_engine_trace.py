@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import engine_trace  # noqa: E402
 from engine_trace import prefill_timelines  # noqa: E402
-from serve_sweep import kv_transfer_config  # noqa: E402
+from serve_sweep import configs_arg, kv_transfer_config, pool_gib  # noqa: E402
 
 
 def test_a_traced_kvo_configuration_loads_the_trace_module_with_the_same_keys() -> None:
@@ -151,3 +152,18 @@ def test_request_phases_split_each_time_to_first_token_at_its_prefill_step() -> 
 def test_the_trace_names_the_cpu_a_step_ran_on() -> None:
     """`execute_on:CPU0:CPU1` events name the CPUs the engine thread ran on (sched_getcpu)."""
     assert 0 <= engine_trace._cpu() < (os.cpu_count() or 1)
+
+
+def test_pool_gib_sizes_one_kvo_servers_sidecar_and_stays_out_of_the_connector_keys() -> None:
+    assert pool_gib("kvo-eager+pool_gib=1.5", 24.0) == 1.5
+    assert pool_gib("kvo-eager", 24.0) == 24.0
+    kv = kv_transfer_config("kvo-eager+pool_gib=1+store_threshold=2", "/s.sock", 1 << 30)
+    assert kv["kv_connector_extra_config"] == {
+        "socket": "/s.sock",
+        "mode": "eager",
+        "store_threshold": "2",
+    }
+    assert configs_arg("none,kvo-eager+pool_gib=1,kvo-eager")[1] == "kvo-eager+pool_gib=1"
+    for bad in ("kvo-eager+pool_gib=0", "kvo-eager+pool_gib=x", "none+pool_gib=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="pool_gib"):
+            configs_arg(bad)
