@@ -19,12 +19,15 @@ from kvoffload_operator import annotations as ann
 
 @dataclass(frozen=True)
 class ConnectorState:
-    """One vLLM process's connector: ``active`` (uses the pool) or ``disabled`` (and why)."""
+    """One vLLM process's connector: ``active`` (uses the pool) or ``disabled`` (and why), and
+    the notes of an active one: limits it serves under (e.g. hits that do not survive an
+    engine restart)."""
 
     state: str
     reason: str = ""
     role: str = ""
     rank: int | None = None
+    notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """``scheduler rank 0: <reason>`` (role/rank as the connector wrote them)."""
@@ -50,6 +53,11 @@ class SidecarReport:
     def disabled_connectors(self) -> tuple[ConnectorState, ...]:
         return tuple(c for c in self.connectors if c.state == "disabled")
 
+    @property
+    def connector_notes(self) -> tuple[str, ...]:
+        """The notes of this pod's connectors, each once, in the order they were written."""
+        return tuple(dict.fromkeys(n for c in self.connectors for n in c.notes))
+
 
 def parse_connector_status(text: str) -> tuple[ConnectorState, ...]:
     """``StatsResponse.connector_status`` (a JSON array of objects); garbage yields nothing."""
@@ -64,12 +72,16 @@ def parse_connector_status(text: str) -> tuple[ConnectorState, ...]:
         if not isinstance(entry, dict):
             continue
         rank = entry.get("rank")
+        notes = entry.get("notes")
         out.append(
             ConnectorState(
                 state=str(entry.get("state") or "unknown"),
                 reason=str(entry.get("reason") or ""),
                 role=str(entry.get("role") or ""),
                 rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+                notes=tuple(n for n in notes if isinstance(n, str) and n)
+                if isinstance(notes, list)
+                else (),
             )
         )
     return tuple(out)

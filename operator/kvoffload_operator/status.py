@@ -18,6 +18,12 @@ first, each with its own cause. ``degradedPods`` counts those pods, ``degradedRe
 the causes, ``unreachableSidecars`` the sidecars that did not answer ``Stats`` (never a cause of
 ``Degraded``: a NetworkPolicy may keep the operator out). ``poolCapacity``/``poolUsed`` (and
 ``...Bytes``) sum the pools of the injected pods whose sidecar answered (`pool_usage`).
+
+``Limited``: some injected pods use the pool under a limit their vLLM connector noted (e.g.
+PYTHONHASHSEED unset with a vLLM that seeds block hashes per process: hits last one engine's
+life, a restarted engine finds nothing). Such a pod serves as well as it can and better than
+without kvoffload, so it is not ``Degraded``; ``notedPods`` counts them and the message names
+up to 5 with their note.
 """
 
 from __future__ import annotations
@@ -234,6 +240,35 @@ def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
     )
 
 
+def noted_pods(
+    mine: Sequence[Mapping[str, Any]], reports: Sequence[SidecarReport]
+) -> list[tuple[str, str]]:
+    """(pod, its connectors' notes joined) for each injected pod whose sidecar relayed notes."""
+    return [
+        (r.pod, "; ".join(r.connector_notes))
+        for r in reports_of(mine, reports)
+        if r.reachable and r.connector_notes
+    ]
+
+
+def _limited(noted: Sequence[tuple[str, str]]) -> tuple[str, str, str]:
+    """(status, reason, message) of the ``Limited`` condition."""
+    if not noted:
+        return ("False", "NoLimits", "no injected pod's connector noted a limit")
+    named = [
+        f"{pod} ({note if len(note) <= MAX_CAUSE_CHARS else note[: MAX_CAUSE_CHARS - 3] + '...'})"
+        for pod, note in noted[:MAX_NAMED_PODS]
+    ]
+    more = len(noted) - len(named)
+    return (
+        "True",
+        "ConnectorNotes",
+        f"{len(noted)} injected pod(s) use the pool under a limit: "
+        + ", ".join(named)
+        + (f" and {more} more" if more else ""),
+    )
+
+
 def event_for(problem: ContainerProblem) -> tuple[str, str]:
     """(reason, message) of the one Warning Event posted on the pod for ``problem``."""
     if problem.reason == POOL_UNAVAILABLE:
@@ -380,6 +415,8 @@ def build_status(
     problems = degraded_problems(mine, reports)
     conditions = set_condition(conditions, "Degraded", *_degraded(problems), gen, now)
     degraded_pods, degraded_reasons = degraded_counts(problems)
+    noted = noted_pods(mine, reports)
+    conditions = set_condition(conditions, "Limited", *_limited(noted), gen, now)
     return {
         "observedGeneration": gen,
         "skipped": skipped_counts(matched),
@@ -389,6 +426,7 @@ def build_status(
         "degradedPods": degraded_pods,
         "degradedReasons": degraded_reasons,
         "unreachableSidecars": sum(1 for r in reports if not r.reachable),
+        "notedPods": len(noted),
         **pool_usage(reports_of(mine, reports)).status(),
         "policyHash": policy.spec_hash,
         "conditions": conditions,

@@ -142,6 +142,41 @@ def test_pool_unavailable_and_connector_disabled_fold_into_degraded() -> None:
     assert (healthy["degradedPods"], healthy["degradedReasons"]) == (0, {})
 
 
+SEED_NOTE = (
+    "PYTHONHASHSEED is unset and this vLLM seeds its sha256 block hashes per process: pool "
+    "hits last this engine's life, a restarted engine will not find what it stored (set "
+    "PYTHONHASHSEED to any fixed value in the engine's environment)"
+)
+
+
+def test_connector_notes_fold_into_limited_and_not_into_degraded() -> None:
+    """A pod whose connector serves with the pool under a noted limit is named in Limited,
+    each note once per pod (scheduler and worker may both write it); it is not Degraded."""
+    noted = json.dumps(
+        [
+            {"state": "active", "role": "scheduler", "notes": [SEED_NOTE]},
+            {"state": "active", "role": "worker", "rank": 0, "notes": [SEED_NOTE, 7, ""]},
+        ]
+    )
+    pods = [pod(f"p{i}") for i in range(7)]
+    reports = [report(f"p{i}", connectors=noted) for i in range(6)] + [report("p6")]
+    status = build_status(POLICY, pods, [POLICY], namespace_enabled=True, now="t", reports=reports)
+    limited = conditions(status)["Limited"]
+    assert (limited["status"], limited["reason"]) == ("True", "ConnectorNotes")
+    assert limited["message"].startswith("6 injected pod(s) use the pool under a limit: p0 (")
+    assert limited["message"].endswith(" and 1 more")
+    assert limited["message"].count("PYTHONHASHSEED is unset") == 5  # one per named pod
+    assert status["notedPods"] == 6
+    assert conditions(status)["Degraded"]["status"] == "False" and status["degradedPods"] == 0
+    clear = build_status(POLICY, pods, [POLICY], namespace_enabled=True, now="t", reports=[])
+    assert (conditions(clear)["Limited"]["status"], clear["notedPods"]) == ("False", 0)
+    # a report of a pod this policy did not inject is not this policy's limit
+    other = build_status(
+        POLICY, pods[:1], [POLICY], namespace_enabled=True, now="t", reports=reports[1:2]
+    )
+    assert other["notedPods"] == 0
+
+
 def test_failing_containers_take_precedence_and_hide_that_pods_stats() -> None:
     pods = [pod("nopool"), pod("pull", waiting="ImagePullBackOff", started=False)]
     reports = [
@@ -293,11 +328,21 @@ def test_grpc_source_reads_a_real_degraded_sidecar_over_tcp(tmp_path: Path) -> N
         (sock_dir / "connector-status-scheduler-0.json").write_text(
             json.dumps({"state": "disabled", "reason": "pool refused", "role": "scheduler"})
         )
+        (sock_dir / "connector-status-worker-0.json").write_text(
+            json.dumps({"state": "active", "role": "worker", "rank": 0, "notes": [SEED_NOTE]})
+        )
         (answer,) = probe_sidecars(
             [pod("a", ip="127.0.0.1", port=port)], GrpcStatsSource(), timeout=2.0
         )
     assert answer.reachable and "999" in answer.degraded_reason
     assert answer.disabled_connectors == (ConnectorState("disabled", "pool refused", "scheduler"),)
+    # an active connector's notes travel through the sidecar's Stats to the policy status
+    assert answer.connector_notes == (SEED_NOTE,)
+    status = build_status(
+        POLICY, [pod("a")], [POLICY], namespace_enabled=True, now="t", reports=[answer]
+    )
+    assert status["notedPods"] == 1
+    assert conditions(status)["Limited"]["reason"] == "ConnectorNotes"
     # nothing listens there any more: unreachable within the deadline
     began = time.monotonic()
     (gone,) = probe_sidecars([pod("a", ip="127.0.0.1", port=port)], GrpcStatsSource(), timeout=1.0)

@@ -80,6 +80,7 @@ def test_build_status_counts_and_conflicts() -> None:
         "Ready": "InjectionDisabled",
         "Conflicting": "NoConflict",
         "Degraded": "SidecarsRunning",
+        "Limited": "NoLimits",
     }
 
 
