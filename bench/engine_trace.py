@@ -114,13 +114,16 @@ def _scheduled(a, out) -> str:
     return str(getattr(out, "total_num_scheduled_tokens", "?"))
 
 
+DUMP_PERIOD_S = 3.0  # a client waits this long after its last request before stopping servers
+
+
 def _dump_forever(out_dir: Path) -> None:
     """Append the events recorded since the last turn, one JSON line each: this thread shares
     the GIL with the engine it measures, so a turn costs what is new, not the whole run."""
     path = out_dir / f"trace-{os.getpid()}.jsonl"
     written = 0
     while True:
-        time.sleep(3.0)
+        time.sleep(DUMP_PERIOD_S)
         end = len(_EVENTS)
         if end > written:
             with path.open("a") as f:
@@ -303,6 +306,7 @@ def request_phases(
         if sent is not None:
             t_sent = sent - epoch_minus_perf
             sched = execute = gpu = None
+            cpu = -1
             for i in range(bisect.bisect_left(starts, t_sent), len(events)):
                 e = events[i]
                 label = e[0]
@@ -310,13 +314,19 @@ def request_phases(
                     tokens = label.split(":")[1] if label.startswith("schedule:") else ""
                     if tokens.isdigit() and int(tokens) >= min_tokens:
                         sched = e
-                elif label == "execute_model" and execute is None:
-                    execute = e
-                elif label == "execute_gpu" and execute is not None and e[2] == execute[2]:
+                    continue
+                if execute is None:
+                    if label == "execute_model":
+                        execute = e
+                    elif e[2] > sched[3] + 1.0:
+                        break  # no traced execute (vLLM's CPU build runs it in a worker)
+                    continue
+                if e[2] != execute[2]:
+                    break  # the step's own records (its vCPU, its GPU span) share its start
+                if label.startswith("execute_on:"):
+                    cpu = int(label.split(":")[1])
+                elif label == "execute_gpu":
                     gpu = e
-                    break
-                if execute is not None and e[2] > execute[3] + 1.0:
-                    break  # a step's GPU span is read back at the next step, well within 1 s
             if sched is not None:
                 step_end = (execute or sched)[3]
                 found = {
@@ -325,6 +335,7 @@ def request_phases(
                     "execute_ms": 1e3 * (execute[3] - execute[2]) if execute else None,
                     "execute_gpu_ms": 1e3 * (gpu[3] - gpu[2]) if gpu else None,
                     "after_ms": 1e3 * (req["ttft_s"] - (step_end - t_sent)),
+                    "cpu": cpu,  # the vCPU the prefill was launched from (-1: not traced)
                 }
         out.append(found)
     return out

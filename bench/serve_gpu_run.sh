@@ -49,25 +49,11 @@ for line in sys.stdin:
 nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
   --format=csv,noheader,nounits -lms 200 2>/dev/null | python3 -u -c "$to_epoch" > "$OUT/gpu_state.csv" &
 sampler=$!
-# the host's CPUs every 200 ms: `EPOCH_S, busy %, steal %, mean/min/max MHz` (a VM's vCPUs can
-# slow down together: a shared host's load, its turbo)
-python3 -u - > "$OUT/cpu_state.csv" <<'PY' &
-import time
-def ticks():
-    f = open("/proc/stat").readline().split()[1:]
-    v = list(map(int, f))
-    return sum(v), v[3] + v[4], v[7] if len(v) > 7 else 0  # total, idle + iowait, steal
-last = ticks()
-while True:
-    time.sleep(0.2)
-    now = ticks()
-    total = max(1, now[0] - last[0])
-    mhz = [float(l.split(":")[1]) for l in open("/proc/cpuinfo") if l.startswith("cpu MHz")]
-    busy = 100 * (total - (now[1] - last[1]) - (now[2] - last[2])) / total
-    print(f"{time.time():.3f}, {busy:.1f}, {100 * (now[2] - last[2]) / total:.1f}, "
-          f"{sum(mhz) / max(1, len(mhz)):.0f}, {min(mhz, default=0):.0f}, {max(mhz, default=0):.0f}")
-    last = now
-PY
+# each vCPU's busy/interrupt/steal shares every 200 ms (bench/cpu_sampler.py; `modes
+# --engine-trace T --cpu-state cpu_state.jsonl` reads the prefill's own vCPU), and the interrupt
+# counters per vCPU before and after
+cat /proc/interrupts > "$OUT/interrupts_start.txt" 2>/dev/null
+python3 bench/cpu_sampler.py "$OUT/cpu_state.jsonl" &
 cpu_sampler=$!
 trap 'kill $sampler $cpu_sampler 2>/dev/null' EXIT
 timeout $((budget + 30)) python3 "bench/${BENCH:-serve_sweep.py}" --budget-s "$budget" --out "$OUT/sweep.json" "$@" 2>&1 \
@@ -82,5 +68,6 @@ for f in "$OUT"/sweep/server.*.log "$OUT"/sweep/client.*.log; do
   rm -f "$f"
 done
 rm -rf "$OUT/sweep/model"
+cat /proc/interrupts > "$OUT/interrupts_end.txt" 2>/dev/null
 echo "== sweep rc $rc"
 exit "$rc"

@@ -14,7 +14,8 @@ baseline is a fair pair; the report gives the median ratio with a bootstrap 95% 
     (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
     python bench/serve_paired.py merge bench/results/serve_paired/s*.json* --pair kvo-eager/none
     python bench/serve_paired.py modes bench/results/serve_paired/s28p2*.json
-    python bench/serve_paired.py modes P.json --gpu-state gpu_state.csv --engine-trace TRACE_DIR
+    python bench/serve_paired.py modes P.json --gpu-state gpu_state.csv --engine-trace TRACE_DIR \
+        --cpu-state cpu_state.jsonl
 
 A server's small offset for the whole call follows its start order (sessions 22-25), so a call can
 start two servers of each configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`):
@@ -45,7 +46,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine_trace import load_events, request_phases  # noqa: E402
+from cpu_sampler import read_samples, share_at  # noqa: E402
+from engine_trace import DUMP_PERIOD_S, load_events, request_phases  # noqa: E402
 from harness import (  # noqa: E402
     bootstrap_median_ci,
     machine,
@@ -406,9 +408,14 @@ def modes_main(argv: list[str]) -> int:
     p.add_argument(
         "--engine-trace", type=Path, help="the call's --engine-trace DIR (one call only)"
     )
+    p.add_argument(
+        "--cpu-state", type=Path, help="the call's cpu_state.jsonl (with --engine-trace)"
+    )
     a = p.parse_args(argv)
     if (a.gpu_state or a.engine_trace) and len(a.files) != 1:
         p.error("--gpu-state/--engine-trace: give one call's file")
+    if a.cpu_state and not a.engine_trace:
+        p.error("--cpu-state: needs --engine-trace (the trace says which vCPU ran a prefill)")
     for name, f in call_names(a.files).items():
         samples = read_result(f)["samples"]
         modes = mode_split(samples)
@@ -420,7 +427,8 @@ def modes_main(argv: list[str]) -> int:
             state = read_gpu_state(a.gpu_state)
             print(table(gpu_state_by_mode(samples, modes["cut_ms"] / 1e3, state)))
         if a.engine_trace:
-            print(table(phases_by_mode(samples, modes["cut_ms"] / 1e3, a.engine_trace)))
+            cpus = read_samples(a.cpu_state) if a.cpu_state else None
+            print(table(phases_by_mode(samples, modes["cut_ms"] / 1e3, a.engine_trace, cpus)))
     return 0
 
 
@@ -428,10 +436,15 @@ PHASES = ("to_schedule_ms", "schedule_ms", "execute_ms", "execute_gpu_ms", "afte
 
 
 def phases_by_mode(
-    samples: dict[str, list[dict]], cut_s: float, trace_root: Path
+    samples: dict[str, list[dict]],
+    cut_s: float,
+    trace_root: Path,
+    cpu_samples: list[tuple[float, dict[str, list[float]]]] | None = None,
 ) -> list[dict[str, Any]]:
     """Per traced server (`--engine-trace ROOT` wrote ROOT/LABEL/trace-*.jsonl) and mode, the
-    median of each phase of the time to first token (engine_trace.request_phases)."""
+    median of each phase of the time to first token (engine_trace.request_phases); with
+    `cpu_samples` (cpu_sampler.py), also the busy, interrupt and steal shares of the vCPU the
+    prefill was launched from, over the sample window that holds the request's send."""
     n = min(len(v) for v in samples.values())
     rows = []
     for label, v in samples.items():
@@ -441,19 +454,27 @@ def phases_by_mode(
         events = [e for f in files for e in load_events(f)]
         phases = request_phases(events, v[:n])
         for mode in ("fast", "slow"):
-            got = [
-                p
+            pairs = [
+                (x, p)
                 for x, p in zip(v[:n], phases, strict=True)
                 if p is not None and (x["ttft_s"] > cut_s) == (mode == "slow")
             ]
-            rows.append(
-                {
-                    "config": label,
-                    "mode": mode,
-                    "requests": len(got),
-                    **{k: _median_ms([p[k] for p in got]) for k in PHASES},
-                }
-            )
+            got = [p for _, p in pairs]
+            row = {
+                "config": label,
+                "mode": mode,
+                "requests": len(got),
+                **{k: _median_ms([p[k] for p in got]) for k in PHASES},
+            }
+            if cpu_samples is not None:
+                at = [
+                    share_at(cpu_samples, x["sent"], int(p["cpu"]))
+                    for x, p in pairs
+                    if p["cpu"] is not None and p["cpu"] >= 0
+                ]
+                for i, name in enumerate(("cpu_busy_pct", "cpu_irq_pct", "cpu_steal_pct")):
+                    row[name] = _median_ms([a[i] if a else None for a in at])
+            rows.append(row)
     return rows
 
 
@@ -536,6 +557,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(a.gap_s)
         for s in servers:
             report["servers"][s.config]["sidecar_stats"] = s.sidecar_stats()
+        if a.engine_trace:  # the engines write their last events before they stop
+            time.sleep(DUMP_PERIOD_S + 0.5)
     finally:
         for s in servers:
             s.stop()

@@ -267,6 +267,8 @@ def test_modes_place_each_traced_servers_slow_requests_in_the_engines_phases(
             ["execute_model", 1, sent + 0.005, sent + 0.027],
             ["execute_gpu", 1, sent + 0.005, sent + 0.005 + gpu_ms / 1e3],
         ]
+        if gpu_ms > 30:  # only the slow request's step says where it ran
+            events.append(["execute_on:3:3", 1, sent + 0.005, sent + 0.005])
     (tmp_path / "tr" / "kvo").mkdir(parents=True)
     (tmp_path / "tr" / "kvo" / "trace-7.jsonl").write_text(
         "".join(json.dumps(e) + "\n" for e in events)
@@ -279,6 +281,17 @@ def test_modes_place_each_traced_servers_slow_requests_in_the_engines_phases(
         ],
     }
     fast, slow = phases_by_mode(samples, 0.045, tmp_path / "tr")
+    assert "cpu_irq_pct" not in fast  # no CPU samples given
+    # with the sampler's windows: the slow request's prefill ran from vCPU 3 while it took
+    # interrupts (events without an `execute_on` have no vCPU: left out of these columns)
+    cpus = [
+        (1010.5, {"3": [40.0, 2.0, 0.0]}),
+        (1011.5, {"3": [60.0, 30.0, 1.0]}),
+        (1012.5, {"3": [40.0, 2.0, 0.0]}),
+    ]
+    with_cpu = phases_by_mode(samples, 0.045, tmp_path / "tr", cpus)
+    assert [r["cpu_irq_pct"] for r in with_cpu] == [None, 30.0]
+    assert with_cpu[1]["cpu_busy_pct"] == 60.0 and with_cpu[1]["cpu_steal_pct"] == 1.0
     assert (fast["config"], fast["mode"], fast["requests"]) == ("kvo", "fast", 2)
     assert (slow["mode"], slow["requests"]) == ("slow", 1)
     assert (fast["execute_gpu_ms"], slow["execute_gpu_ms"]) == (25.0, 35.0)
