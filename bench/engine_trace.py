@@ -187,8 +187,12 @@ def install(out_dir: str, connector_cls: type) -> None:
 
 
 def _trace_rpcs() -> None:
-    """Every call kvoffload's connector runs on its RPC thread, as `rpc.NAME`."""
+    """Every call kvoffload's connector runs on its RPC thread, as `rpc.NAME`, and each turn
+    of its keep-attached threads that finds the session up (`keeper`: the socket's stat, five
+    times a second per client, each wake taking the GIL from whatever runs)."""
     from kvoffload_connector import client
+
+    _wrap(client.PoolClient, "_socket_now", "keeper")
 
     submit = client.RpcThread.submit
 
@@ -290,9 +294,10 @@ def request_phases(
     `schedule_ms`; `execute_ms` (the step's `execute_model`) and `execute_gpu_ms` (its GPU span);
     `after_ms`, the rest (output, the hop back, the stream to the client; from the schedule's
     end where no `execute_model` was traced: vLLM's CPU build runs its worker in another
-    process). None where a request has no `sent` time or no prefill step was traced after it.
-    Why: the GPU VM's TTFT has two modes ~9 ms apart, and only the phase that moves between
-    them says where they come from."""
+    process). `cpu`: the vCPU that launched the prefill; `beside`: how many records of other
+    threads (RPCs, keep-attached turns) began while it was launched. None where a request has
+    no `sent` time or no prefill step was traced after it. Why: the GPU VM's TTFT has two
+    modes ~9 ms apart, and only the phase that moves between them says where they come from."""
     clock = next((e for e in events if e[0] == "clock"), None)
     if clock is None:
         return [None] * len(requests)
@@ -323,12 +328,26 @@ def request_phases(
                     continue
                 if e[2] != execute[2]:
                     break  # the step's own records (its vCPU, its GPU span) share its start
+
                 if label.startswith("execute_on:"):
                     cpu = int(label.split(":")[1])
                 elif label == "execute_gpu":
                     gpu = e
             if sched is not None:
                 step_end = (execute or sched)[3]
+                # other threads' records that began while the prefill step was launched
+                beside = (
+                    sum(
+                        1
+                        for j in range(
+                            bisect.bisect_left(starts, execute[2]),
+                            bisect.bisect_right(starts, execute[3]),
+                        )
+                        if events[j][1] != execute[1]
+                    )
+                    if execute
+                    else None
+                )
                 found = {
                     "to_schedule_ms": 1e3 * (sched[2] - t_sent),
                     "schedule_ms": 1e3 * (sched[3] - sched[2]),
@@ -336,6 +355,7 @@ def request_phases(
                     "execute_gpu_ms": 1e3 * (gpu[3] - gpu[2]) if gpu else None,
                     "after_ms": 1e3 * (req["ttft_s"] - (step_end - t_sent)),
                     "cpu": cpu,  # the vCPU the prefill was launched from (-1: not traced)
+                    "beside": beside,  # other threads' records begun during execute_model
                 }
         out.append(found)
     return out

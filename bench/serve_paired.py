@@ -442,7 +442,8 @@ def phases_by_mode(
     cpu_samples: list[tuple[float, dict[str, list[float]]]] | None = None,
 ) -> list[dict[str, Any]]:
     """Per traced server (`--engine-trace ROOT` wrote ROOT/LABEL/trace-*.jsonl) and mode, the
-    median of each phase of the time to first token (engine_trace.request_phases); with
+    median of each phase of the time to first token (engine_trace.request_phases) and the
+    share of prefills launched while another engine thread ran (`beside_share`); with
     `cpu_samples` (cpu_sampler.py), also the busy, interrupt and steal shares of the vCPU the
     prefill was launched from, over the sample window that holds the request's send."""
     n = min(len(v) for v in samples.values())
@@ -460,11 +461,16 @@ def phases_by_mode(
                 if p is not None and (x["ttft_s"] > cut_s) == (mode == "slow")
             ]
             got = [p for _, p in pairs]
+            beside = [p["beside"] for p in got if p.get("beside") is not None]
             row = {
                 "config": label,
                 "mode": mode,
                 "requests": len(got),
                 **{k: _median_ms([p[k] for p in got]) for k in PHASES},
+                # share of prefills launched while another thread of the engine ran
+                "beside_share": round(sum(b > 0 for b in beside) / len(beside), 3)
+                if beside
+                else None,
             }
             if cpu_samples is not None:
                 at = [

@@ -119,6 +119,8 @@ def test_request_phases_split_each_time_to_first_token_at_its_prefill_step() -> 
         ("schedule:1024", 1, 10.004, 10.005),
         ("execute_model", 1, 10.005, 10.027),
         ("execute_on:5:5", 1, 10.005, 10.005),  # launched from vCPU 5
+        ("keeper", 2, 10.010, 10.0101),  # another thread, during the launch
+        ("kvo.start_load_kv", 1, 10.006, 10.0061),  # the engine thread's own hook: not beside
         ("schedule:1", 1, 10.028, 10.029),
         ("execute_model", 1, 10.029, 10.031),
         ("execute_gpu", 1, 10.005, 10.030),
@@ -142,9 +144,11 @@ def test_request_phases_split_each_time_to_first_token_at_its_prefill_step() -> 
             "execute_gpu_ms": 25.0,
             "after_ms": 13.0,  # 40 ms less the 27 ms from sending to the prefill's end
             "cpu": 5,
+            "beside": 1,
         }
     )
     assert second is not None and second["execute_gpu_ms"] is None and second["cpu"] == -1
+    assert second["beside"] == 0
     assert second["after_ms"] == pytest.approx(50.0 - 41.0)
     assert unsent is None and untraced is None
     # a trace without the clock anchor (written before it existed) places no request

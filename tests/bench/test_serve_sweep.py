@@ -147,6 +147,7 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
         ]
         labels = {e[0].split(":")[0] for e in events}
         assert {"schedule", "kvo.build_connector_meta", "kvo.get_num_new_matched_tokens"} <= labels
+        assert "keeper" in labels  # the keep-attached threads' turns (5 a second per client)
         assert all(e[3] >= e[2] for e in events if e[0] != "clock")
         # one anchor per traced process maps its perf_counter onto the client's epoch stamps
         for f in (tmp_path / "trace" / config).glob("trace-*.jsonl"):
