@@ -328,7 +328,6 @@ def request_phases(
                     continue
                 if e[2] != execute[2]:
                     break  # the step's own records (its vCPU, its GPU span) share its start
-
                 if label.startswith("execute_on:"):
                     cpu = int(label.split(":")[1])
                 elif label == "execute_gpu":

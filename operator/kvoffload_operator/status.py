@@ -202,10 +202,12 @@ def degraded_counts(problems: Sequence[ContainerProblem]) -> tuple[int, dict[str
 def _named(problem: ContainerProblem) -> str:
     if not problem.serving:
         return f"{problem.pod} ({problem.container}: {problem.reason})"
-    cause = problem.message
-    if len(cause) > MAX_CAUSE_CHARS:
-        cause = cause[: MAX_CAUSE_CHARS - 3] + "..."
-    return f"{problem.pod} ({problem.reason}: {cause})"
+    return f"{problem.pod} ({problem.reason}: {_clip(problem.message)})"
+
+
+def _clip(cause: str) -> str:
+    """One pod's cause as the condition's message quotes it: MAX_CAUSE_CHARS at most."""
+    return cause if len(cause) <= MAX_CAUSE_CHARS else cause[: MAX_CAUSE_CHARS - 3] + "..."
 
 
 def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
@@ -255,10 +257,7 @@ def _limited(noted: Sequence[tuple[str, str]]) -> tuple[str, str, str]:
     """(status, reason, message) of the ``Limited`` condition."""
     if not noted:
         return ("False", "NoLimits", "no injected pod's connector noted a limit")
-    named = [
-        f"{pod} ({note if len(note) <= MAX_CAUSE_CHARS else note[: MAX_CAUSE_CHARS - 3] + '...'})"
-        for pod, note in noted[:MAX_NAMED_PODS]
-    ]
+    named = [f"{pod} ({_clip(note)})" for pod, note in noted[:MAX_NAMED_PODS]]
     more = len(noted) - len(named)
     return (
         "True",
