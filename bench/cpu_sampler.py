@@ -2,8 +2,10 @@
 
 `serve_gpu_run.sh` runs it beside the servers. Each line is one JSON object:
 `{"t": EPOCH_S, "cpus": {"0": [busy, irq, steal], ...}}`, the percentage of that vCPU's time
-since the previous line. busy counts everything but idle and iowait; irq is hard plus soft
-interrupts; steal is time the hypervisor ran something else.
+since the previous line. The first line, `{"siblings": {"0": [8], ...}}`, names each vCPU's
+hyperthread siblings as the guest sees them (a busy sibling slows a core's other thread).
+busy counts everything but idle and iowait; irq is hard plus soft interrupts; steal is time the
+hypervisor ran something else.
 
 Why: on the GPU VM a request's prefill runs ~45% slower in some periods, on whichever vCPU
 the engine thread sits (session 29), and the guest's clock rate and total steal stay flat.
@@ -56,9 +58,30 @@ def shares(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[st
     return out
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """A kernel CPU list ("0,8" or "0-3,8-11") as numbers."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def read_siblings(cpu_root: Path = Path("/sys/devices/system/cpu")) -> dict[str, list[int]]:
+    """Each vCPU's hyperthread siblings (itself left out), from sysfs topology."""
+    out = {}
+    for f in sorted(cpu_root.glob("cpu[0-9]*/topology/thread_siblings_list")):
+        cpu = int(f.parts[-3][3:])
+        out[str(cpu)] = [c for c in parse_cpu_list(f.read_text()) if c != cpu]
+    return out
+
+
 def sample_forever(out: Path, period_s: float) -> None:
     last = read_ticks(Path("/proc/stat").read_text())
     with out.open("a") as f:
+        f.write(json.dumps({"siblings": read_siblings()}) + "\n")
         while True:
             time.sleep(period_s)
             now = read_ticks(Path("/proc/stat").read_text())
@@ -77,6 +100,18 @@ def read_samples(path: Path) -> list[tuple[float, dict[str, list[float]]]]:
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by the kill
     return sorted(rows, key=lambda r: r[0])
+
+
+def siblings_in(path: Path) -> dict[str, list[int]]:
+    """The sampler's siblings line ({} where the file has none)."""
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "siblings" in obj:
+            return {str(k): [int(c) for c in v] for k, v in obj["siblings"].items()}
+    return {}
 
 
 def share_at(

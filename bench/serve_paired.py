@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_sampler import read_samples, share_at  # noqa: E402
+from cpu_sampler import read_samples, share_at, siblings_in  # noqa: E402
 from engine_trace import DUMP_PERIOD_S, load_events, request_phases  # noqa: E402
 from harness import (  # noqa: E402
     bootstrap_median_ci,
@@ -57,6 +57,7 @@ from harness import (  # noqa: E402
     rotations,
     table,
 )
+from pinning import server_cpu_groups, tree_cpus  # noqa: E402
 from serve_model import build_model_dir  # noqa: E402
 from serve_sweep import SERVED_NAME, Server, build_parser, config_of  # noqa: E402
 
@@ -428,7 +429,9 @@ def modes_main(argv: list[str]) -> int:
             print(table(gpu_state_by_mode(samples, modes["cut_ms"] / 1e3, state)))
         if a.engine_trace:
             cpus = read_samples(a.cpu_state) if a.cpu_state else None
-            print(table(phases_by_mode(samples, modes["cut_ms"] / 1e3, a.engine_trace, cpus)))
+            siblings = siblings_in(a.cpu_state) if a.cpu_state else None
+            rows = phases_by_mode(samples, modes["cut_ms"] / 1e3, a.engine_trace, cpus, siblings)
+            print(table(rows))
     return 0
 
 
@@ -440,12 +443,15 @@ def phases_by_mode(
     cut_s: float,
     trace_root: Path,
     cpu_samples: list[tuple[float, dict[str, list[float]]]] | None = None,
+    siblings: dict[str, list[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """Per traced server (`--engine-trace ROOT` wrote ROOT/LABEL/trace-*.jsonl) and mode, the
     median of each phase of the time to first token (engine_trace.request_phases) and the
     share of prefills launched while another engine thread ran (`beside_share`); with
     `cpu_samples` (cpu_sampler.py), also the busy, interrupt and steal shares of the vCPU the
-    prefill was launched from, over the sample window that holds the request's send."""
+    prefill was launched from, over the sample window that holds the request's send, with the
+    busiest of its hyperthread siblings (`siblings`, cpu_sampler.siblings_in) and the mean
+    over all vCPUs."""
     n = min(len(v) for v in samples.values())
     rows = []
     for label, v in samples.items():
@@ -480,8 +486,32 @@ def phases_by_mode(
                 ]
                 for i, name in enumerate(("cpu_busy_pct", "cpu_irq_pct", "cpu_steal_pct")):
                     row[name] = _median_ms([a[i] if a else None for a in at])
+                around = [
+                    _busy_around(cpu_samples, x["sent"], int(p["cpu"]), siblings or {})
+                    for x, p in pairs
+                    if p["cpu"] is not None and p["cpu"] >= 0
+                ]
+                row["sibling_busy_pct"] = _median_ms([s for s, _ in around])
+                row["all_busy_pct"] = _median_ms([m for _, m in around])
             rows.append(row)
     return rows
+
+
+def _busy_around(
+    cpu_samples: list[tuple[float, dict[str, list[float]]]],
+    t: float,
+    cpu: int,
+    siblings: dict[str, list[int]],
+) -> tuple[float | None, float | None]:
+    """At time t: the busiest hyperthread sibling of `cpu` (None without one) and the mean
+    busy share over all vCPUs (None outside the samples)."""
+    near = [share_at(cpu_samples, t, c) for c in siblings.get(str(cpu), [])]
+    sib = max((s[0] for s in near if s), default=None)
+    i = bisect.bisect_left([s[0] for s in cpu_samples], t)
+    if share_at(cpu_samples, t, cpu) is None or i >= len(cpu_samples):
+        return sib, None
+    busy = [v[0] for v in cpu_samples[i][1].values()]
+    return sib, round(sum(busy) / len(busy), 1) if busy else None
 
 
 def merge_main(argv: list[str]) -> int:
@@ -525,6 +555,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.gpu_mem_util_total:
         a.gpu_mem_util = round(a.gpu_mem_util_total / len(a.configs), 3)
     servers = [Server(a, c, model_dir, work) for c in a.configs]
+    if a.pin_cpus:
+        for s, cpus in zip(servers, server_cpu_groups(len(servers)), strict=True):
+            s.cpus = cpus
     report: dict[str, Any] = {
         "benchmark": "serve_paired",
         "machine": machine(),
@@ -536,7 +569,17 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         for s in servers:  # one at a time: each profiles GPU memory with the others settled
             s.start()
-            report["servers"][s.config] = {"start_s": round(s.start_s, 1), "argv": s.argv()}
+            report["servers"][s.config] = {
+                "start_s": round(s.start_s, 1),
+                "argv": s.argv(),
+                "cpus": sorted(s.cpus) if s.cpus else None,
+                # read back: every thread of vllm serve's processes and of the sidecar
+                "cpus_seen": sorted(
+                    tree_cpus(s.proc.pid) | (tree_cpus(s.sidecar.proc.pid) if s.sidecar else set())
+                )
+                if s.proc is not None
+                else None,
+            }
             print(f"   {s.config}: started in {s.start_s:.0f} s", flush=True)
         burst = warmup_burst(servers, rng, a, vocab)
         for label, done in burst.items():
@@ -611,6 +654,11 @@ def build_paired_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="split this share of GPU memory between the servers (else each gets --gpu-mem-util)",
+    )
+    p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="each server and its sidecar on whole cores of its own (pinning.py), in start order",
     )
     return p
 

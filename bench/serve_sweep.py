@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_gpu import kv_transfer_config as e2e_kv_transfer_config  # noqa: E402
 from harness import machine, table  # noqa: E402
+from pinning import pin_tasks  # noqa: E402
 from serve_model import build_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,6 +204,7 @@ class Server:
         self.sidecar: Any = None
         self.proc: subprocess.Popen | None = None
         self.start_s = float("nan")
+        self.cpus: set[int] | None = None  # pinning.py: this server's own cores, else any
 
     def argv(self) -> list[str]:
         a = self.a
@@ -265,6 +267,8 @@ class Server:
                 log_path=self.log_path.with_suffix(".sidecar.log"),
             )
             self.sidecar.start(timeout_s=120)
+            if self.cpus and self.sidecar.proc is not None:
+                pin_tasks(self.sidecar.proc.pid, self.cpus)
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core apart
         env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
@@ -283,8 +287,15 @@ class Server:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv())}\n".encode())
             log.flush()
+            cpus = self.cpus
             self.proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                self.argv(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                # before exec: every process and thread vLLM starts inherits the cores
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
         deadline = t0 + self.a.start_timeout_s
         while time.monotonic() < deadline:

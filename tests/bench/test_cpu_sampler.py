@@ -12,7 +12,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from cpu_sampler import read_samples, read_ticks, share_at, shares  # noqa: E402
+from cpu_sampler import (  # noqa: E402
+    parse_cpu_list,
+    read_samples,
+    read_siblings,
+    read_ticks,
+    share_at,
+    shares,
+    siblings_in,
+)
 
 
 def test_shares_split_each_vcpus_ticks_into_busy_interrupts_and_steal() -> None:
@@ -38,7 +46,7 @@ def test_a_real_sampler_writes_every_vcpu_and_requests_find_their_window(tmp_pat
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (
-            not out.exists() or len(out.read_text().splitlines()) < 4
+            not out.exists() or len(out.read_text().splitlines()) < 5  # siblings + 4 samples
         ):
             time.sleep(0.05)
     finally:
@@ -48,6 +56,7 @@ def test_a_real_sampler_writes_every_vcpu_and_requests_find_their_window(tmp_pat
         f.write('{"t": 1')  # a line cut short by the kill is skipped
     samples = read_samples(out)
     assert len(samples) >= 4
+    assert siblings_in(out) == read_siblings()  # the topology line first, not a sample
     times = [t for t, _ in samples]
     assert times == sorted(times) and abs(times[-1] - time.time()) < 60
     ncpu = os.cpu_count() or 1
@@ -60,3 +69,15 @@ def test_a_real_sampler_writes_every_vcpu_and_requests_find_their_window(tmp_pat
     assert share_at(samples, times[0] - 10, 0) is None
     assert share_at(samples, times[-1] + 10, 0) is None
     assert share_at(samples, mid, ncpu + 5) is None  # a vCPU the sampler never saw
+
+
+def test_siblings_come_from_the_kernels_topology_lists(tmp_path: Path) -> None:
+    assert parse_cpu_list("0-3,8-9\n") == [0, 1, 2, 3, 8, 9]
+    assert parse_cpu_list("5") == [5]
+    for cpu, text in ((0, "0,2"), (1, "1"), (2, "0,2"), (10, "10-11")):
+        d = tmp_path / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "thread_siblings_list").write_text(text + "\n")
+    (tmp_path / "cpufreq").mkdir()  # not a vCPU
+    assert read_siblings(tmp_path) == {"0": [2], "1": [], "2": [0], "10": [11]}
+    assert siblings_in(tmp_path / "cpu0" / "topology" / "thread_siblings_list") == {}

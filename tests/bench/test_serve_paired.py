@@ -285,13 +285,18 @@ def test_modes_place_each_traced_servers_slow_requests_in_the_engines_phases(
     # with the sampler's windows: the slow request's prefill ran from vCPU 3 while it took
     # interrupts (events without an `execute_on` have no vCPU: left out of these columns)
     cpus = [
-        (1010.5, {"3": [40.0, 2.0, 0.0]}),
-        (1011.5, {"3": [60.0, 30.0, 1.0]}),
-        (1012.5, {"3": [40.0, 2.0, 0.0]}),
+        (1010.5, {"3": [40.0, 2.0, 0.0], "11": [0.0, 0.0, 0.0]}),
+        (1011.5, {"3": [60.0, 30.0, 1.0], "11": [90.0, 0.0, 0.0]}),
+        (1012.5, {"3": [40.0, 2.0, 0.0], "11": [0.0, 0.0, 0.0]}),
     ]
     with_cpu = phases_by_mode(samples, 0.045, tmp_path / "tr", cpus)
     assert [r["cpu_irq_pct"] for r in with_cpu] == [None, 30.0]
     assert with_cpu[1]["cpu_busy_pct"] == 60.0 and with_cpu[1]["cpu_steal_pct"] == 1.0
+    assert with_cpu[1]["sibling_busy_pct"] is None  # no topology given
+    assert with_cpu[1]["all_busy_pct"] == 75.0  # vCPUs 3 and 11 over that window
+    # vCPU 11 is 3's hyperthread sibling, and was busy while the slow prefill ran
+    paired = phases_by_mode(samples, 0.045, tmp_path / "tr", cpus, {"3": [11], "11": [3]})
+    assert paired[1]["sibling_busy_pct"] == 90.0
     assert (fast["config"], fast["mode"], fast["requests"]) == ("kvo", "fast", 2)
     assert (slow["mode"], slow["requests"]) == ("slow", 1)
     assert (fast["execute_gpu_ms"], slow["execute_gpu_ms"]) == (25.0, 35.0)
