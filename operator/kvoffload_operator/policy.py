@@ -141,6 +141,18 @@ def parse_quantity(text: str | int) -> int:
         raise PolicyError(f"not a quantity: {text!r}")
     if isinstance(text, int):
         return text
+    value = quantity_value(text)
+    if value != value.to_integral_value():
+        raise PolicyError(f"quantity {text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def quantity_value(text: str | int) -> Decimal:
+    """Any Kubernetes quantity (``"250m"`` CPU, ``"64Gi"``) as an exact number."""
+    if isinstance(text, bool):
+        raise PolicyError(f"not a quantity: {text!r}")
+    if isinstance(text, int):
+        return Decimal(text)
     m = _QUANTITY.match(str(text).strip())
     if not m:
         raise PolicyError(f"not a quantity: {text!r} (use e.g. 64Gi)")
@@ -154,9 +166,7 @@ def parse_quantity(text: str | int) -> int:
             value = Decimal(number) * _SUFFIX[suffix]
     except (InvalidOperation, KeyError) as exc:
         raise PolicyError(f"not a quantity: {text!r}") from exc
-    if value != value.to_integral_value():
-        raise PolicyError(f"quantity {text!r} is not a whole number of bytes")
-    return int(value)
+    return value
 
 
 def policy_hash(policy: Policy) -> str:

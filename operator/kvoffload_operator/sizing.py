@@ -22,7 +22,8 @@ INDEX_HEADROOM_DIVISOR = 256
 EMPTYDIR_SLACK_BYTES = 16 * MIB  # tmpfs metadata, a lock file: the pool file itself is exact
 RUN_DIR_LIMIT = "16Mi"  # the Unix socket's directory
 PYTHON_DIR_LIMIT = "1Gi"  # the connector payload copied by the init container
-SIDECAR_CPU_REQUEST = "250m"  # no CPU limit: throttling a control-path server adds latency
+SIDECAR_CPU_REQUEST = "250m"  # no CPU limit (throttling a control path adds latency) but in a
+# Guaranteed pod, which any container without one would demote (inject/qos.py)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
   ``sh -c`` script, ``--kv-transfer-config '<json>'`` right after the engine invocation), mounts,
   ``PYTHONHASHSEED=0`` when unset and no ``envFrom`` may set it (block hashes must agree across
   processes), ``PYTHONPATH``;
-- annotations ``kvoffload.io/status|policy|policy-generation`` and label ``kvoffload.io/injected``.
-Nothing the user wrote is removed or replaced (a user's ``/dev/shm`` mount stays as it is).
+- annotations ``kvoffload.io/status|policy|policy-generation`` and label ``kvoffload.io/injected``;
+- in a Guaranteed pod, limits equal to requests on what is added, and with pod-level resources
+  the sidecar's share added to them (`qos.py`: the pod keeps its QoS class and its budget).
+Nothing else the user wrote is removed or replaced (a user's ``/dev/shm`` mount stays as it is).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ from typing import Any
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
 from kvoffload_operator.inject.engine import ShellEdit, insert_flag
+from kvoffload_operator.inject.qos import (
+    GUARANTEED_INSTALLER_CPU,
+    GUARANTEED_SIDECAR_CPU,
+    grow_pod_level,
+    guaranteed_resources,
+    is_guaranteed,
+)
 from kvoffload_operator.policy import Delivery, Policy, SecurityProfile, SidecarSpec
 from kvoffload_operator.sizing import PYTHON_DIR_LIMIT, RUN_DIR_LIMIT, size_pool
 from kvoffload_operator.tenants import sidecar_flag
@@ -90,15 +99,17 @@ def security_context(sidecar: SidecarSpec) -> dict[str, Any]:
     }
 
 
-def _resources(policy: Policy, pool_bytes: int) -> dict[str, Any]:
+def _resources(policy: Policy, pool_bytes: int, guaranteed: bool) -> dict[str, Any]:
     sizing = size_pool(policy.pool, pool_bytes)
     out: dict[str, Any] = {
         "requests": dict(sizing.sidecar_requests),
         "limits": dict(sizing.sidecar_limits),
     }
+    if guaranteed:  # qos.py: the CPU is set below, limit == request
+        out["requests"].pop("cpu", None)
     for key in ("requests", "limits"):  # the policy's overrides win, key by key
         out[key].update((policy.sidecar.resources or {}).get(key) or {})
-    return out
+    return guaranteed_resources(out, GUARANTEED_SIDECAR_CPU) if guaranteed else out
 
 
 def startup_probe(deadline: int) -> dict[str, Any]:
@@ -123,7 +134,9 @@ def startup_probe(deadline: int) -> dict[str, Any]:
     }
 
 
-def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults) -> dict[str, Any]:
+def sidecar_container(
+    policy: Policy, pool_bytes: int, defaults: RenderDefaults, guaranteed: bool = False
+) -> dict[str, Any]:
     args = [
         f"--pool-size={pool_bytes}",
         f"--pool-dir={POOL_DIR}",
@@ -159,7 +172,7 @@ def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults)
             "timeoutSeconds": 5,
             "failureThreshold": 6,
         },
-        "resources": _resources(policy, pool_bytes),
+        "resources": _resources(policy, pool_bytes, guaranteed),
         "securityContext": security_context(policy.sidecar),
         "volumeMounts": [
             {"name": POOL_VOLUME, "mountPath": POOL_DIR},
@@ -168,13 +181,21 @@ def sidecar_container(policy: Policy, pool_bytes: int, defaults: RenderDefaults)
     }
 
 
-def installer_container(policy: Policy, defaults: RenderDefaults) -> dict[str, Any]:
+def installer_container(
+    policy: Policy, defaults: RenderDefaults, guaranteed: bool = False
+) -> dict[str, Any]:
+    resources: dict[str, Any] = {
+        "requests": {"cpu": "50m", "memory": "64Mi"},
+        "limits": {"memory": "256Mi"},
+    }
+    if guaranteed:  # an init container's request does not add to the pod's (max, not sum)
+        resources = guaranteed_resources({"limits": {"memory": "256Mi"}}, GUARANTEED_INSTALLER_CPU)
     return {
         "name": INSTALLER_NAME,
         "image": policy.connector.image or defaults.connector_image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["cp", "-R", "/payload/.", PYTHON_DIR],
-        "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "256Mi"}},
+        "resources": resources,
         # copying files needs no privilege and no capability, whatever the sidecar's profile
         "securityContext": security_context(MINIMAL_INSTALLER),
         "volumeMounts": [{"name": PYTHON_VOLUME, "mountPath": PYTHON_DIR}],
@@ -239,13 +260,16 @@ def render(pod: Mapping[str, Any], decision: Decision, defaults: RenderDefaults)
     policy, pool_bytes = decision.policy, decision.pool_bytes
     out = copy.deepcopy(dict(pod))
     spec = out.setdefault("spec", {})
+    guaranteed = is_guaranteed(spec)  # the user's pod, before anything is added
     inits = spec.setdefault("initContainers", [])
     added = []
     if policy.connector.delivery is Delivery.INIT_CONTAINER:
-        inits.append(installer_container(policy, defaults))
+        inits.append(installer_container(policy, defaults, guaranteed))
         added.append(INSTALLER_NAME)
-    inits.append(sidecar_container(policy, pool_bytes, defaults))
+    sidecar = sidecar_container(policy, pool_bytes, defaults, guaranteed)
+    inits.append(sidecar)
     added.append(SIDECAR_NAME)
+    grown = grow_pod_level(spec, sidecar["resources"])
     volumes = _volumes(policy, pool_bytes)
     spec["volumes"] = [*(spec.get("volumes") or []), *volumes]
     vllm = next(c for c in spec["containers"] if c.get("name") == decision.container)
@@ -260,6 +284,10 @@ def render(pod: Mapping[str, Any], decision: Decision, defaults: RenderDefaults)
         "volumes": [v["name"] for v in volumes],
         "env": env,
     }
+    if guaranteed:
+        status["qos"] = "Guaranteed"  # kept: the injected containers' limits equal requests
+    if grown:
+        status["podResources"] = grown  # pod-level quantities grown by the sidecar's
     annotations = meta.setdefault("annotations", {})
     annotations.pop(ann.SKIP_REASON, None)
     annotations[ann.STATUS] = json.dumps(status, sort_keys=True, separators=(",", ":"))
