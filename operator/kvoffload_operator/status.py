@@ -7,12 +7,15 @@ pods left alone, counted per skip reason.
 
 ``Degraded``: some injected pods serve worse than they could, each for its most basic cause:
 1. a kvoffload container cannot run (image pull failure, crash loop; from the pod's status): no
-   pod spec can bypass a sidecar image that cannot be pulled, so vLLM waits;
+   pod spec can bypass a sidecar image that cannot be pulled, so vLLM waits; or the pod cannot
+   be scheduled for want of memory, hugepages or CPU, which the sidecar adds (the pool is in
+   its memory request: ``Unschedulable``, the scheduler's message quoted);
 2. else the sidecar serves without a pool (``PoolUnavailable``: its ``Stats.degraded_reason``);
 3. else a vLLM connector turned itself off (``ConnectorDisabled``: a ``connector_status`` entry
    with state ``disabled``); when the pool is unavailable the connectors are off *because* of
    it, so 2 hides 3 for that pod.
-The condition's reason is the worst cause present (1 as ``ImagePullFailed``/``ContainerFailing``,
+The condition's reason is the worst cause present (1 as ``ImagePullFailed``/``Unschedulable``/
+``ContainerFailing``,
 then ``PoolUnavailable``, then ``ConnectorDisabled``); its message names up to 5 pods, worst
 first, each with its own cause. ``degradedPods`` counts those pods, ``degradedReasons`` counts
 the causes, ``unreachableSidecars`` the sidecars that did not answer ``Stats`` (never a cause of
@@ -47,6 +50,9 @@ FAILING_REASONS = frozenset(
     {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CrashLoopBackOff"}
 )
 PULL_REASONS = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName"})
+UNSCHEDULABLE = "Unschedulable"  # the scheduler's PodScheduled reason, for what we add
+# the scheduler's words for a resource the sidecar requests (its memory holds the pool)
+ADDED_RESOURCE_SHORTAGES = ("Insufficient memory", "Insufficient hugepages", "Insufficient cpu")
 OUR_CONTAINERS = (SIDECAR_NAME, INSTALLER_NAME)
 MAX_NAMED_PODS = 5  # the condition's message names this many pods, then counts the rest
 MAX_CAUSE_CHARS = 160  # one pod's cause in the condition's message
@@ -111,6 +117,36 @@ def container_problems(pods: Sequence[Mapping[str, Any]]) -> list[ContainerProbl
     return out
 
 
+def unschedulable_problems(pods: Sequence[Mapping[str, Any]]) -> list[ContainerProblem]:
+    """Pending pods the scheduler places nowhere for want of a resource the sidecar requests:
+    the pod waits, where without kvoffload it might have run."""
+    out = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        if status.get("phase") not in (None, "Pending"):
+            continue
+        for cond in status.get("conditions") or []:
+            message = str(cond.get("message", ""))
+            if (
+                cond.get("type") == "PodScheduled"
+                and cond.get("status") == "False"
+                and cond.get("reason") == UNSCHEDULABLE
+                and any(s in message for s in ADDED_RESOURCE_SHORTAGES)
+            ):
+                meta = pod.get("metadata") or {}
+                out.append(
+                    ContainerProblem(
+                        pod=str(meta.get("name", "?")),
+                        namespace=str(meta.get("namespace", "")),
+                        uid=str(meta.get("uid", "")),
+                        container=SIDECAR_NAME,
+                        reason=UNSCHEDULABLE,
+                        message=message,
+                    )
+                )
+    return out
+
+
 def skipped_counts(pods: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Pods carrying ``kvoffload.io/skip-reason``, counted per reason."""
     out: dict[str, int] = {}
@@ -164,7 +200,7 @@ def degraded_problems(
 ) -> list[ContainerProblem]:
     """Every cause of ``Degraded`` among the injected pods ``mine``, worst first (see the module
     doc): a pod with a failing container gets no Stats-derived problem."""
-    failing = container_problems(mine)
+    failing = [*unschedulable_problems(mine), *container_problems(mine)]
     blocked = {p.pod_key for p in failing}
     live = {(p.get("metadata") or {}).get("uid") or "" for p in mine}
     names = {
@@ -200,6 +236,8 @@ def degraded_counts(problems: Sequence[ContainerProblem]) -> tuple[int, dict[str
 
 
 def _named(problem: ContainerProblem) -> str:
+    if problem.reason == UNSCHEDULABLE:
+        return f"{problem.pod} ({problem.reason}: {_clip(problem.message)})"
     if not problem.serving:
         return f"{problem.pod} ({problem.container}: {problem.reason})"
     return f"{problem.pod} ({problem.reason}: {_clip(problem.message)})"
@@ -223,12 +261,18 @@ def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
     more = len(problems) - len(named)
     containers = {p.reason for p in problems if not p.serving}
     if containers:
-        reason = "ImagePullFailed" if containers <= PULL_REASONS else "ContainerFailing"
+        if containers <= PULL_REASONS:
+            reason = "ImagePullFailed"
+        elif containers == {UNSCHEDULABLE}:
+            reason = UNSCHEDULABLE
+        else:
+            reason = "ContainerFailing"
     else:
         reason = problems[0].reason  # PoolUnavailable before ConnectorDisabled
     head = {
         "ImagePullFailed": "cannot run a kvoffload container",
         "ContainerFailing": "cannot run a kvoffload container",
+        UNSCHEDULABLE: "cannot be scheduled with the kvoffload sidecar's resources",
         POOL_UNAVAILABLE: "serve without the kvoffload pool",
         CONNECTOR_DISABLED: "serve without the kvoffload pool",
     }[reason]
@@ -276,6 +320,13 @@ def event_for(problem: ContainerProblem) -> tuple[str, str]:
             f"kvoffload sidecar serves without a pool: {problem.message}; vLLM serves without "
             "the KV offload tier. Fix the policy's pool settings (size, numaNode, hugepages) or "
             "the node.",
+        )
+    if problem.reason == UNSCHEDULABLE:
+        return (
+            "KVOffloadUnschedulable",
+            f"no node fits this pod with the kvoffload sidecar's request (its memory holds the "
+            f"pool): {problem.message}. Lower the policy's pool size (or this pod's "
+            'kvoffload.io/pool-size), or opt the pod out (kvoffload.io/inject: "false").',
         )
     if problem.reason == CONNECTOR_DISABLED:
         return (

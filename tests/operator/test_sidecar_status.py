@@ -347,3 +347,48 @@ def test_grpc_source_reads_a_real_degraded_sidecar_over_tcp(tmp_path: Path) -> N
     began = time.monotonic()
     (gone,) = probe_sidecars([pod("a", ip="127.0.0.1", port=port)], GrpcStatsSource(), timeout=1.0)
     assert not gone.reachable and time.monotonic() - began < 3.0
+
+
+def _pending(name: str, message: str) -> dict[str, Any]:
+    p = pod(name, ip=None, phase="Pending", started=False)
+    p["status"]["conditions"] = [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+    ]
+    return p
+
+
+def test_a_pod_no_node_fits_with_the_sidecars_memory_is_degraded_unschedulable() -> None:
+    short = "0/3 nodes are available: 3 Insufficient memory. preemption: 0/3 nodes are available."
+    pods = [
+        _pending("big", short),
+        # short of GPUs: not what the sidecar adds, not our cause
+        _pending("gpu", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."),
+        pod("fine"),
+    ]
+    problems = degraded_problems(pods, [report("fine")])
+    assert [(p.pod, p.reason, p.container) for p in problems] == [
+        ("big", "Unschedulable", SIDECAR_NAME)
+    ]
+    status, reason, message = _degraded(problems)
+    assert (status, reason) == ("True", "Unschedulable")
+    assert message == (
+        "1 injected pod(s) cannot be scheduled with the kvoffload sidecar's resources: "
+        f"big (Unschedulable: {short})"
+    )
+    event, text = event_for(problems[0])
+    assert event == "KVOffloadUnschedulable" and "Insufficient memory" in text
+    assert (
+        "pool size" in text and problems[0].field_path == "spec.initContainers{kvoffload-sidecar}"
+    )
+    # with a failing image too, the reason is the generic one and both pods are named
+    both = degraded_problems([*pods, pod("pull", waiting="ErrImagePull", started=False)], [])
+    assert _degraded(both)[1] == "ContainerFailing" and degraded_counts(both)[0] == 2
+    # once scheduled (Running), the same old condition message is no cause
+    running = _pending("big", short)
+    running["status"]["phase"] = "Running"
+    assert degraded_problems([running], []) == []
+    full = build_status(
+        POLICY, pods, [POLICY], namespace_enabled=True, now="t", reports=[report("fine")]
+    )
+    assert conditions(full)["Degraded"]["reason"] == "Unschedulable"
+    assert full["degradedReasons"] == {"Unschedulable": 1}
