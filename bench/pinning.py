@@ -33,9 +33,11 @@ def core_groups(allowed: set[int], siblings: dict[str, list[int]], n: int) -> li
     return [{c for core in cores[i * per : (i + 1) * per] for c in core} for i in range(n)]
 
 
-def server_cpu_groups(n: int) -> list[set[int]]:
-    """This machine's groups for `n` servers, from this process's allowed vCPUs."""
-    return core_groups(os.sched_getaffinity(0), read_siblings(), n)
+def server_cpu_groups(n: int, siblings: dict[str, list[int]] | None = None) -> list[set[int]]:
+    """This machine's groups for `n` servers, from this process's allowed vCPUs; hyperthread
+    siblings from sysfs unless given (sibling_probe.py finds those a VM hides)."""
+    known = read_siblings() if siblings is None else siblings
+    return core_groups(os.sched_getaffinity(0), known, n)
 
 
 def pin_tasks(pid: int, cpus: set[int], proc_root: Path = Path("/proc")) -> int:

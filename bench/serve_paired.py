@@ -556,7 +556,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         a.gpu_mem_util = round(a.gpu_mem_util_total / len(a.configs), 3)
     servers = [Server(a, c, model_dir, work) for c in a.configs]
     if a.pin_cpus:
-        for s, cpus in zip(servers, server_cpu_groups(len(servers)), strict=True):
+        siblings = json.loads(a.cpu_siblings.read_text())["siblings"] if a.cpu_siblings else None
+        for s, cpus in zip(servers, server_cpu_groups(len(servers), siblings), strict=True):
             s.cpus = cpus
     report: dict[str, Any] = {
         "benchmark": "serve_paired",
@@ -659,6 +660,11 @@ def build_paired_parser() -> argparse.ArgumentParser:
         "--pin-cpus",
         action="store_true",
         help="each server and its sidecar on whole cores of its own (pinning.py), in start order",
+    )
+    p.add_argument(
+        "--cpu-siblings",
+        type=Path,
+        help="with --pin-cpus: the cores from sibling_probe.py's JSON, not from sysfs",
     )
     return p
 
