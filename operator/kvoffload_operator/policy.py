@@ -208,6 +208,27 @@ def _int(value: Any, path: str, lo: int, hi: int) -> int:
     return value
 
 
+def _sidecar_resources(value: Any) -> Mapping[str, Any]:
+    """``spec.sidecar.resources``: quantities that parse, and no request above the limit the
+    policy sets beside it (the API server would refuse every injected pod)."""
+    path = "spec.sidecar.resources"
+    res = _map(value, path, ("requests", "limits"))
+    requests = _map(res.get("requests"), f"{path}.requests")
+    limits = _map(res.get("limits"), f"{path}.limits")
+    for kind, values in (("requests", requests), ("limits", limits)):
+        for name, q in values.items():
+            try:
+                quantity_value(q)
+            except PolicyError as exc:
+                raise PolicyError(f"{path}.{kind}.{name}: {exc}") from None
+    for name in set(requests) & set(limits):
+        if quantity_value(requests[name]) > quantity_value(limits[name]):
+            raise PolicyError(
+                f"{path}: requests.{name} {requests[name]} is above limits.{name} {limits[name]}"
+            )
+    return res
+
+
 def _map(value: Any, path: str, known: tuple[str, ...] | None = None) -> Mapping[str, Any]:
     """``value`` as a mapping; with ``known``, unknown keys are rejected (as kubectl's strict
     field validation does), so a typo is an error rather than a silently ignored setting."""
@@ -305,7 +326,7 @@ def _sidecar(raw: Mapping[str, Any]) -> SidecarSpec:
         )
     return SidecarSpec(
         image=raw.get("image") or None,
-        resources=_map(raw.get("resources"), "spec.sidecar.resources"),
+        resources=_sidecar_resources(raw.get("resources")),
         security_profile=profile,
         extra_capabilities=caps,
         startup_timeout_seconds=_int(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from decimal import Decimal
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject import inject_pod
 from kvoffload_operator.inject.qos import grow_pod_level, is_guaranteed
-from kvoffload_operator.policy import policy_from_resource, quantity_value
+from kvoffload_operator.policy import PolicyError, policy_from_resource, quantity_value
 
 
 def policy(**spec: Any) -> Any:
@@ -145,3 +146,29 @@ def test_pod_level_requests_alone_grow_by_the_request_and_bad_values_are_left() 
     assert grow_pod_level(limits_only, added) == ["limits.cpu", "limits.memory"]
     assert limits_only["resources"]["limits"] == {"cpu": "1250m", "memory": "2048Mi"}
     assert grow_pod_level({"containers": []}, added) == []
+
+
+def test_a_policy_cpu_limit_below_the_default_request_brings_the_request_down() -> None:
+    p = policy(sidecar={"resources": {"limits": {"cpu": "100m"}}})
+    sidecar = inject_pod(vllm_pod(None), [p]).pod["spec"]["initContainers"][1]
+    # the API server refuses a container whose request is above its limit: 250m comes down
+    assert sidecar["resources"]["requests"]["cpu"] == "100m"
+    assert sidecar["resources"]["limits"]["cpu"] == "100m"
+
+
+@pytest.mark.parametrize(
+    ("resources", "words"),
+    [
+        (
+            {"requests": {"cpu": "2"}, "limits": {"cpu": "1"}},
+            "requests.cpu 2 is above limits.cpu 1",
+        ),
+        ({"requests": {"memory": "lots"}}, "spec.sidecar.resources.requests.memory"),
+        ({"limit": {"cpu": "1"}}, "unknown field(s) 'limit'"),
+    ],
+)
+def test_sidecar_resources_a_pod_could_not_be_created_with_are_refused(
+    resources: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(PolicyError, match=re.escape(words)):
+        policy(sidecar={"resources": resources})

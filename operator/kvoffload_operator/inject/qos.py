@@ -102,3 +102,18 @@ def grow_pod_level(spec: dict[str, Any], added: Mapping[str, Any]) -> list[str]:
             have[r] = _format(r, total)
             grown.append(f"{kind}.{r}")
     return grown
+
+
+def within_limits(resources: dict[str, Any]) -> dict[str, Any]:
+    """A computed request above the limit a policy set (e.g. a CPU limit below the default
+    250m request) comes down to that limit: the API server refuses a container whose request
+    exceeds its limit, and the pod must be created. The policy's own pairs are checked when it
+    is read (policy.py)."""
+    requests, limits = resources.get("requests") or {}, resources.get("limits") or {}
+    for name in set(requests) & set(limits):
+        try:
+            if quantity_value(requests[name]) > quantity_value(limits[name]):
+                requests[name] = limits[name]
+        except PolicyError:
+            continue  # policy.py rejects unreadable quantities before they get here
+    return resources

@@ -34,6 +34,7 @@ from kvoffload_operator.inject.qos import (
     grow_pod_level,
     guaranteed_resources,
     is_guaranteed,
+    within_limits,
 )
 from kvoffload_operator.policy import Delivery, Policy, SecurityProfile, SidecarSpec
 from kvoffload_operator.sizing import PYTHON_DIR_LIMIT, RUN_DIR_LIMIT, size_pool
@@ -109,7 +110,8 @@ def _resources(policy: Policy, pool_bytes: int, guaranteed: bool) -> dict[str, A
         out["requests"].pop("cpu", None)
     for key in ("requests", "limits"):  # the policy's overrides win, key by key
         out[key].update((policy.sidecar.resources or {}).get(key) or {})
-    return guaranteed_resources(out, GUARANTEED_SIDECAR_CPU) if guaranteed else out
+    out = guaranteed_resources(out, GUARANTEED_SIDECAR_CPU) if guaranteed else out
+    return within_limits(out)
 
 
 def startup_probe(deadline: int) -> dict[str, Any]:
