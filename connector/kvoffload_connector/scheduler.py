@@ -1,4 +1,4 @@
-"""Scheduler side of the connector: lookups, load and store planning, fencing (no torch).
+"""Scheduler side of the connector: lookups, loads, store reservations, fencing (no torch).
 
 Runs in vLLM's EngineCore process on the scheduler thread. Network calls go to
 one `RpcThread` (all but the inline lookups below, bounded by their deadline),
@@ -12,16 +12,17 @@ next hook.
   pin in one round of `ReserveLoad`s; windows first for sliding-window models)
   are `pool_lookup.py`'s. The pinned prefix is the answer (block-aligned, never
   the last prompt token: the n-1 rule); a presence-map miss needs no round trip.
-- Stores: eager mode plans every chunk that is full after this step (while
-  half of the GPU cache is free, a request's plan waits until its first token
-  has left the engine: the request's own blocks hold the bytes meanwhile); lazy
-  mode plans only chunks of finished requests whose GPU blocks reached the
-  head of vLLM's free queue (next to be evicted). Either way the chunk's GPU
-  blocks get a reference (`BlockPool.touch`) when planned and lose it when the
-  store job finished on every rank, so no block is reused before its bytes are
-  in the pool: this fences request completion, preemption and sliding-window
-  frees alike. Slots come from a batched `ReserveStore`; the job goes to the
-  workers in the step after the reservation answered.
+- Stores: which chunks to store, and when, is `store_plan.py`'s: eager mode
+  plans every chunk that is full after this step (while half of the GPU cache
+  is free, a request's plan waits until its first token has left the engine:
+  the request's own blocks hold the bytes meanwhile); lazy mode plans only
+  chunks of finished requests whose GPU blocks reached the head of vLLM's free
+  queue (next to be evicted). Either way the chunk's GPU blocks get a reference
+  (`BlockPool.touch`) here when planned and lose it when the store job finished
+  on every rank, so no block is reused before its bytes are in the pool: this
+  fences request completion, preemption and sliding-window frees alike. Slots
+  come from a batched `ReserveStore`; the job goes to the workers in the step
+  after the reservation answered.
 - Completion: workers report per-job outcomes in `WorkerReport`; a job is
   complete when every rank reported it.
 """
@@ -42,9 +43,9 @@ from typing import Any
 
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
 from kvoffload_connector.config import ConnectorConfig, LoadMode, StoreMode
-from kvoffload_connector.events import EventFeed, announce_blob
+from kvoffload_connector.events import EventFeed
 from kvoffload_connector.first_token import FirstTokenWatch
-from kvoffload_connector.keys import PoolKey, chunk_keys, in_epoch, make_key
+from kvoffload_connector.keys import PoolKey, chunk_keys, in_epoch
 from kvoffload_connector.metadata import (
     ConnectorMeta,
     GroupTransfer,
@@ -54,32 +55,14 @@ from kvoffload_connector.metadata import (
     WorkerReport,
 )
 from kvoffload_connector.pool_lookup import LookupAnswer, LookupBatch, PoolLookup
+from kvoffload_connector.req_state import ReqState, cache_salt
 from kvoffload_connector.reset_guard import install_reset_guard
 from kvoffload_connector.reuse import ReuseTracker
+from kvoffload_connector.store_plan import PlanContext, PlannedChunk, StorePlan, StorePlanner
 
 log = logging.getLogger(__name__)
 
 STORE_NEW = 1  # pool_pb2.STORE_DECISION_NEW (kept numeric: no proto import on this path)
-
-
-@dataclass
-class _Req:
-    req_id: str
-    request: Any  # vLLM Request (block_hashes, num_tokens, num_computed_tokens, ...)
-    queued: bool = False  # lookup queued or in flight
-    answer: LookupAnswer | None = None
-    hit_end: int = 0  # tokens covered by the answer (after the n-1 cap)
-    stored_chunks: int = 0  # chunks already in, or on their way to, the pool
-    load_job: int | None = None
-    planned: bool = False  # eager: seen by a store plan since it was (re)scheduled
-    deferred_full: int = 0  # eager, deferred: chunks full when its plan was last put off
-    wait_from: int = -1  # the step its stores began waiting for its first token (-1: not yet)
-    load_async: bool = False  # the load mode last answered to vLLM for this request
-    stale_lookup: bool = False  # its lookup in flight asked for keys of an earlier cache epoch
-    answer_step: int = 0  # the step its answer came in
-    refreshing: bool = False  # a second lookup in flight for a longer hit (waiting request)
-    waited_for_refresh: bool = False  # it was passed over once for a background refresh
-    store_gated: bool = False  # the reuse gate was closed when it came: chunks asked once wait
 
 
 @dataclass
@@ -94,27 +77,6 @@ class _Job:
     chunks: int = 0
     done: int = 0
     failed: int = 0
-
-
-@dataclass
-class _PlannedChunk:
-    req_id: str
-    group: int
-    chunk: int
-    key: PoolKey
-    blocks: list[Any]  # KVCacheBlocks of the chunk (already touched)
-    announce: bytes = b""  # what KV events say of it once visible (events.py); b"": events off
-    salt: str | None = None  # the request's vLLM cache_salt (the sidecar's per-tenant quotas)
-    gpu_resets: int = 0  # vLLM prefix-cache resets before it was referenced (see _let_go)
-
-
-@dataclass(frozen=True)
-class _LazyChunk:
-    """Lazy mode: a finished request's chunk, stored once its GPU blocks near eviction, and
-    the block hashes it had then (a block reused for other tokens no longer matches)."""
-
-    chunk: _PlannedChunk
-    hashes: tuple[Any, ...]
 
 
 @dataclass
@@ -137,8 +99,6 @@ class SchedulerStats:
 
 
 _MISS_REPORT_MAX = 1024  # presence-map misses kept for one report at most
-# a store waits this many steps at most for its request's first token (a long chunked prefill)
-_STORE_WAIT_MAX_STEPS = 64
 # counted stats wait at most this long for an output that carries no request's first token
 _STATS_HOLD_MAX_S = 1.0
 
@@ -172,23 +132,16 @@ class OffloadScheduler:
         self._rpc = RpcThread("kvoffload-scheduler-rpc")
         self._results: collections.deque = collections.deque()  # (kind, payload) from _rpc
         self._answered = threading.Event()  # set by _rpc after each lookup answer
-        self._reqs: dict[str, _Req] = {}
-        self._lookup_queue: list[_Req] = []
+        self._reqs: dict[str, ReqState] = {}
+        self._lookup_queue: list[ReqState] = []
         self._refreshes_in_flight = 0
         self.refreshed_hits = 0  # refreshes that found a longer hit (tests, debugging)
         self._loads_out: list[LoadJob] = []
         self._stores_out: list[StoreJob] = []
-        # planned store chunks waiting for their request's first output token: (step, chunk)
-        self._reserve_waiting: list[tuple[int, _PlannedChunk]] = []
-        # eager: requests whose store plan waits for their first token
-        self._deferred: set[str] = set()
-        # and their block ids when vLLM's KV cache manager serves them (gone once preempted)
-        self._deferred_ids: dict[str, Sequence[Sequence[int]]] = {}
-        self._step_blocks = -(-max_num_batched_tokens // block_size)  # one step's allocations
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         # store reservations in flight on the RPC thread (their chunks hold block references)
-        self._reserving: dict[int, list[_PlannedChunk]] = {}
+        self._reserving: dict[int, list[PlannedChunk]] = {}
         # vLLM prefix-cache resets that took our block references back (`_let_go`), and the
         # jobs whose copies the workers must finish before the next forward (`fence`)
         self._gpu_resets = 0
@@ -218,16 +171,21 @@ class OffloadScheduler:
         self._told_unusable = ""  # the reason last logged for serving without the pool
         self.block_pool: Any = None
         self.kv_cache_manager: Any = None
-        self._tracked_blocks: dict[str, list[list[int]]] = {}  # vLLM 0.26 only
-        self._lazy: dict[int, _LazyChunk] = {}  # GPU block id -> the finished chunk it is in
-        watermark = cfg.lazy_watermark_blocks or 2 * num_groups * max(
-            self.chunk_blocks, -(-max_num_batched_tokens // block_size)
-        )
-        self.lazy_watermark = watermark
         self.stats = SchedulerStats()
         # the gate is eager mode's (lazy stores only what leaves the GPU): lazy counts nothing
         self.reuse = ReuseTracker(cfg.store_threshold if cfg.mode is StoreMode.EAGER else 0)
         self._gate_said = False  # store_threshold auto closed its gate once, said at INFO
+        # what to store and when (store_plan.py); this scheduler references and reserves it
+        self._stores = StorePlanner(
+            cfg,
+            block_size=block_size,
+            num_groups=num_groups,
+            reqs=self._reqs,
+            first_token=self._first_token,
+            reuse=self.reuse,
+            window_start=self._lookup.window_start,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
         # KV events (--kv-events-config): the chunks' announce blobs go with their reservation,
         # and a feed follows the pool's event log (events.py)
         self.event_feed: EventFeed | None = None
@@ -243,6 +201,7 @@ class OffloadScheduler:
         self.block_pool = (
             block_pool if block_pool is not None else getattr(kv_cache_manager, "block_pool", None)
         )
+        self._stores.bind(self.kv_cache_manager, self.block_pool)
         if self.block_pool is not None:
             install_reset_guard(self.block_pool, self._before_gpu_reset)
 
@@ -310,7 +269,7 @@ class OffloadScheduler:
                     self.stats.presence_misses += 1
                     if not self._presence_missed:
                         self._oldest_miss_at = self._clock()
-                    self._presence_missed.append((_salt(request), self._request_keys(request)))
+                    self._presence_missed.append((cache_salt(request), self._request_keys(request)))
                     self._schedulable.setdefault(req_id, self._step)
                     return 0, False
                 st.queued = True
@@ -340,14 +299,14 @@ class OffloadScheduler:
         st.load_async = mode is LoadMode.ASYNC or (mode is LoadMode.ADAPTIVE and queueing)
         return hit_end - num_computed_tokens, st.load_async
 
-    def _new_req(self, request: Any) -> _Req:
+    def _new_req(self, request: Any) -> ReqState:
         """A request's first visit: its state, and (store_threshold) one more ask of each of
         its full chunks."""
-        st = self._reqs[request.request_id] = _Req(request.request_id, request)
+        st = self._reqs[request.request_id] = ReqState(request.request_id, request)
         self._first_token.add(request.request_id)
         if self.reuse.enabled:
             gating = self.reuse.gating
-            self.reuse.count(self._reuse_keys(request))
+            self.reuse.count(self._stores.reuse_keys(request))
             st.store_gated = self.reuse.gating  # as it came: its plan may be steps later
             if self.reuse.auto and st.store_gated != gating:
                 self._say_gate()
@@ -368,11 +327,6 @@ class OffloadScheduler:
             if gated
             else "a request repeated a chunk: storing every chunk again",
         )
-
-    def _reuse_keys(self, request: Any, start: int = 0, end: int | None = None) -> list[PoolKey]:
-        """Chunks [start, end) of a request as the reuse gate counts them: group 0's keys (a
-        chunk's last block hash covers the prefix up to it, in every group)."""
-        return chunk_keys(request.block_hashes, self.chunk_blocks, 0, end, start)
 
     def _queueing(self) -> bool:
         """The engine is saturated: a request answered in an earlier step is still waiting to
@@ -440,7 +394,7 @@ class OffloadScheduler:
 
         self._rpc.submit(count)
 
-    def _look_up_inline(self, st: _Req) -> None:
+    def _look_up_inline(self, st: ReqState) -> None:
         """The lookup and its pins in this scheduling call (deadline: `lookup_timeout_ms`), so
         the request's hit (or miss) is scheduled now, not after an engine step."""
         self._lookups_in_flight += 1
@@ -497,7 +451,7 @@ class OffloadScheduler:
             self._first_query_at = now
         return (now - self._first_query_at) * 1e3 < self.cfg.register_wait_ms
 
-    def _refresh_due(self, st: _Req, possible_chunks: int) -> bool:
+    def _refresh_due(self, st: ReqState, possible_chunks: int) -> bool:
         """A request vLLM visits again whose answer is `refresh_steps` steps old and shorter
         than its prompt allows. Under load vLLM walks past requests whose lookups are still out
         and asks the ones behind them, so a request is often answered long before it reaches
@@ -514,7 +468,7 @@ class OffloadScheduler:
             and self._usable()
         )
 
-    def _refresh(self, st: _Req) -> bool:
+    def _refresh(self, st: ReqState) -> bool:
         """Ask again for `st`: inline within the step's budget (True: its answer is fresh now),
         else in the background (False: the request waits one step for it, never longer, since
         a refresh in flight is not due again)."""
@@ -540,7 +494,7 @@ class OffloadScheduler:
         st.waited_for_refresh = True
         return False
 
-    def _adopt_refresh(self, st: _Req | None, answer: LookupAnswer | None) -> None:
+    def _adopt_refresh(self, st: ReqState | None, answer: LookupAnswer | None) -> None:
         """A refresh's answer replaces the request's when it is longer and nothing loads yet;
         otherwise its pins go back."""
         if st is not None:
@@ -693,288 +647,29 @@ class OffloadScheduler:
         if self.block_pool is not None and blocks:
             self.block_pool.free_blocks(blocks)
 
-    def _plan_eager(
-        self, scheduler_output: Any, preempted: Sequence[str] | set[str]
-    ) -> list[_PlannedChunk]:
-        """Every chunk that is full after this step, of each scheduled request. A request still
-        waiting for its first token is only noted (`_defer`), and planned once the token is out,
-        when it finishes, or when memory turns short; a deferred request preempted all the
-        same is planned from its blocks' hashes (`_plan_preempted`)."""
-        planned: list[_PlannedChunk] = []
-        defer_ok = None  # computed once, when a request could be deferred
-        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
-            st = self._reqs.get(req_id)
-            if st is None:
-                continue
-            full = self._full_chunks(st, n_sched)
-            if full <= st.stored_chunks:
-                continue
-            if self._may_defer(st):
-                if defer_ok is None:
-                    defer_ok = self._memory_allows_deferral()
-                if defer_ok:
-                    self._defer(st, full)
-                    continue
-            if req_id in self._deferred:
-                self._deferred.discard(req_id)
-                self._deferred_ids.pop(req_id, None)
-            self._plan_chunks(st, full, self._block_ids_of(req_id), planned)
-        if self._deferred:
-            for req_id in [r for r in preempted if r in self._deferred]:
-                self._plan_preempted(req_id, planned)
-            if defer_ok is False or (defer_ok is None and not self._memory_allows_deferral()):
-                for req_id in list(self._deferred):  # running, not scheduled this step
-                    st = self._reqs.get(req_id)
-                    self._deferred.discard(req_id)
-                    self._deferred_ids.pop(req_id, None)
-                    if st is not None:
-                        self._plan_chunks(st, st.deferred_full, self._block_ids_of(req_id), planned)
-        return planned
-
-    def _full_chunks(self, st: _Req, n_sched: int) -> int:
-        """The request's chunks that are full once this step ran (its first schedule also
-        skips what vLLM's GPU prefix cache gave it: an earlier request stored that)."""
-        req = st.request
-        if not st.planned:
-            # First schedule: what vLLM found in its GPU prefix cache was computed by an
-            # earlier request, whose eager stores sent it already (re-reserving it is a
-            # round of PRESENT answers and block references held for nothing).
-            st.planned = True
-            gpu_chunks = req.num_computed_tokens // self.chunk_tokens
-            if self.reuse.enabled:  # except what this request brought to the threshold
-                gpu_chunks = self.reuse.first_unstored(self._reuse_keys(req, 0, gpu_chunks))
-            st.stored_chunks = max(st.stored_chunks, gpu_chunks)
-        computed = req.num_computed_tokens + n_sched
-        if not self.cfg.store_decode:
-            computed = min(computed, req.num_prompt_tokens)
-        return min(computed // self.chunk_tokens, len(req.block_hashes) // self.chunk_blocks)
-
-    # -- deferred planning: nothing on a request's path to its first token ---------------
-    def _may_defer(self, st: _Req) -> bool:
-        """Stores wait for the first token (`store_after_first_token`), so their planning can
-        wait too: under vLLM's async scheduling the prefill step and the one after it are
-        scheduled before that token is sent, and the step after that while it is sent, so
-        anything done there delays it. A long chunked prefill is planned after
-        `_STORE_WAIT_MAX_STEPS` steps all the same."""
-        if not self.cfg.store_after_first_token or not self._first_token.awaits(st.req_id):
-            return False
-        return st.wait_from < 0 or self._step - st.wait_from < _STORE_WAIT_MAX_STEPS
-
-    def _memory_allows_deferral(self) -> bool:
-        """A deferred request's blocks hold no reference of ours, and vLLM preempts only
-        when an allocation fails: defer only while at least half of the GPU blocks are free
-        and more than two steps' worth of allocations (token budget and one block per live
-        request, per group), so a preemption before the next step's plan is not expected.
-        If one happens all the same, `_plan_preempted` stores what is still intact."""
-        pool = self.block_pool
-        try:
-            free, total = int(pool.get_num_free_blocks()), int(pool.num_gpu_blocks)
-        except (AttributeError, TypeError, ValueError):
-            return False  # a block pool without these counts: plan at once, as before
-        margin = 2 * self.num_groups * (self._step_blocks + len(self._reqs) + 1)
-        return free >= max(margin, total // 2)
-
-    def _defer(self, st: _Req, full: int) -> None:
-        self._deferred.add(st.req_id)
-        if st.wait_from < 0:
-            st.wait_from = self._step
-        st.deferred_full = full
-        if self.kv_cache_manager is not None:  # vLLM 0.26's tracked ids outlive a preemption
-            with contextlib.suppress(KeyError):
-                self._deferred_ids[st.req_id] = self.kv_cache_manager.get_block_ids(st.req_id)
-
-    def _plan_preempted(self, req_id: str, planned: list[_PlannedChunk]) -> None:
-        """A deferred request was preempted: vLLM dropped its reference to its blocks (and
-        reset its computed tokens), so only blocks that still carry the hash of the chunk they
-        held are planned (a block handed to another request loses or changes its hash; with
-        vLLM 0.26's fenced frees none is handed on yet). The rest is recomputed on resume."""
-        self._deferred.discard(req_id)
-        st = self._reqs.get(req_id)
-        block_ids = self._block_ids_of(req_id, preempted=True)
-        if st is None or block_ids is None:
-            return
-        self._plan_chunks(st, st.deferred_full, block_ids, planned, verify=True)
-
-    def _plan_chunks(
-        self,
-        st: _Req,
-        full: int,
-        block_ids: Sequence[Sequence[int]] | None,
-        planned: list[_PlannedChunk],
-        verify: bool = False,
-    ) -> None:
-        """Plan chunks [stored_chunks, full) of a request from its GPU block ids. `verify`:
-        the blocks are no longer the request's, keep only chunks whose blocks still hold it."""
-        if full <= st.stored_chunks or block_ids is None:
-            return
-        req, pool = st.request, self.block_pool
-        storable = full
-        if self.reuse.enabled:
-            new = self._reuse_keys(req, st.stored_chunks, full)
-            storable = st.stored_chunks + self.reuse.storable(new, st.store_gated)
-            self.stats.store_chunks_below_threshold += full - storable
-            self.reuse.mark_stored(new[: storable - st.stored_chunks])
-        hashes = req.block_hashes
-        # sliding-window groups keep only what a hit at the prompt's end (or later) reads
-        prompt_hit = (req.num_prompt_tokens - 1) // self.block_size * self.block_size
-        keep_from = [
-            self.window_start(g, prompt_hit // self.chunk_tokens) for g in range(self.num_groups)
-        ]
-        for c in range(st.stored_chunks, storable):
-            for g in range(min(self.num_groups, len(block_ids))):
-                if c < keep_from[g]:
-                    continue
-                ids = block_ids[g][c * self.chunk_blocks : (c + 1) * self.chunk_blocks]
-                if len(ids) < self.chunk_blocks:
-                    continue
-                blocks = [pool.blocks[i] for i in ids]
-                if any(b.is_null for b in blocks):
-                    continue
-                first = c * self.chunk_blocks
-                if verify and not all(
-                    b.block_hash is not None
-                    and bytes(b.block_hash) == make_key(hashes[first + i], g)
-                    for i, b in enumerate(blocks)
-                ):
-                    continue
-                (key,) = in_epoch(
-                    [make_key(hashes[first + self.chunk_blocks - 1], g)], self._key_epoch
-                )
-                planned.append(
-                    _PlannedChunk(
-                        st.req_id, g, c, key, blocks, self._announce(req, g, c), _salt(req)
-                    )
-                )
-        st.stored_chunks = full
-
-    def _block_ids_of(self, req_id: str, preempted: bool = False) -> Sequence[Sequence[int]] | None:
-        """The request's GPU block ids per group. `preempted`: vLLM already took them from
-        the request; the ones noted when it was deferred (`_deferred_ids`) serve instead."""
-        if preempted and req_id in self._deferred_ids:
-            return self._deferred_ids.pop(req_id)
-        if self.kv_cache_manager is not None:
-            with contextlib.suppress(KeyError):
-                return self.kv_cache_manager.get_block_ids(req_id)
-            return None
-        return self._tracked_blocks.get(req_id)
-
-    def _track_block_ids(self, scheduler_output: Any) -> None:
-        """vLLM 0.26 (no kv_cache_manager binding): follow block tables from the output."""
-        for r in getattr(scheduler_output, "scheduled_new_reqs", ()):
-            self._tracked_blocks[r.req_id] = [list(g) for g in r.block_ids]
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is None:
-            return
-        resumed = getattr(cached, "resumed_req_ids", set())
-        for req_id, new in zip(cached.req_ids, cached.new_block_ids, strict=False):
-            if new is None:
-                continue
-            if req_id in resumed or req_id not in self._tracked_blocks:
-                self._tracked_blocks[req_id] = [list(g) for g in new]
-            else:
-                for g, ids in zip(self._tracked_blocks[req_id], new, strict=False):
-                    g.extend(ids)
-
-    def _remember_for_lazy(self, request: Any, block_ids: Sequence[Sequence[int]]) -> None:
-        """Lazy mode: note the finished request's full chunks, stored when near eviction."""
-        st = self._reqs.get(request.request_id)
-        start = st.stored_chunks if st is not None else 0
-        n_full = len(request.block_hashes) // self.chunk_blocks
-        pool = self.block_pool
-        for g in range(min(self.num_groups, len(block_ids))):
-            for c in range(start, n_full):
-                ids = block_ids[g][c * self.chunk_blocks : (c + 1) * self.chunk_blocks]
-                if len(ids) < self.chunk_blocks:
-                    break
-                blocks = tuple(pool.blocks[i] for i in ids)
-                if any(b.is_null or b.block_hash is None for b in blocks):
-                    continue
-                (key,) = in_epoch(
-                    [make_key(request.block_hashes[(c + 1) * self.chunk_blocks - 1], g)],
-                    self._key_epoch,
-                )
-                chunk = _PlannedChunk(
-                    request.request_id,
-                    g,
-                    c,
-                    key,
-                    list(blocks),
-                    self._announce(request, g, c),
-                    _salt(request),
-                )
-                entry = _LazyChunk(chunk, tuple(b.block_hash for b in blocks))
-                for b in blocks:
-                    self._lazy[b.block_id] = entry
-
-    def _announce(self, request: Any, group: int, chunk: int) -> bytes:
-        """The chunk's announce blob when KV events are on (b"" when off or it cannot be made:
-        an event detail never stops a store)."""
-        if self.event_feed is None:
-            return b""
-        try:
-            return announce_blob(
-                request,
-                group,
-                chunk * self.chunk_blocks,
-                self.chunk_blocks,
-                self.block_size,
-                self.event_feed.epoch,  # names the key epoch in the blob (not the key)
-            )
-        except Exception:  # noqa: BLE001
-            log.debug("kvoffload: no announce blob for a chunk", exc_info=True)
-            return b""
+    def _plan_context(self) -> PlanContext:
+        """What a store plan reads of this scheduler now: the step, the key and event epochs."""
+        feed = self.event_feed
+        return PlanContext(self._step, self._key_epoch, feed.epoch if feed is not None else None)
 
     def take_events(self) -> list[Any]:
         """vLLM's `take_events`: the host tier's BlockStored/BlockRemoved since the last step."""
         return self.event_feed.take() if self.event_feed is not None else []
 
-    def _plan_lazy(self) -> list[_PlannedChunk]:
-        if not self._lazy:
-            return []
-        planned: list[_PlannedChunk] = []
-        seen: set[bytes] = set()
-        queue = self.block_pool.free_block_queue
-        blk = queue.fake_free_list_head.next_free_block
-        tail = queue.fake_free_list_tail
-        for _ in range(self.lazy_watermark):
-            if blk is None or blk is tail:
-                break
-            entry = self._lazy.get(blk.block_id)
-            blk = blk.next_free_block
-            if entry is None:
-                continue
-            chunk = entry.chunk
-            for b in chunk.blocks:
-                self._lazy.pop(b.block_id, None)
-            if chunk.key in seen or any(
-                b.block_hash != h for b, h in zip(chunk.blocks, entry.hashes, strict=True)
-            ):
-                continue  # already planned, or a block was reused for other tokens
-            seen.add(chunk.key)
-            planned.append(chunk)
-        return planned
-
-    def _reserve(self, planned: list[_PlannedChunk]) -> None:
+    def _reserve(self, plan: StorePlan) -> None:
+        """Reference the plan's blocks, then reserve its chunks (store_plan.py holds back those
+        waiting for their request's first token)."""
+        self.stats.store_chunks_below_threshold += plan.below_threshold
+        planned = plan.chunks
         if not planned:
             return
         for p in planned:
             self._touch(p.blocks)
             p.gpu_resets = self._gpu_resets
         self.stats.store_chunks_planned += len(planned)
-        if self.cfg.store_after_first_token:
-            waits = {r: self._first_token.awaits(r) for r in {p.req_id for p in planned}}
-            if any(waits.values()):  # the wait counts from the request's first deferral
-                self._reserve_waiting.extend(
-                    (self._wait_from(p.req_id), p) for p in planned if waits[p.req_id]
-                )
-                planned = [p for p in planned if not waits[p.req_id]]
-        self._send_reservation(planned)
+        self._send_reservation(self._stores.hold_for_first_token(planned, self._step))
 
-    def _wait_from(self, req_id: str) -> int:
-        st = self._reqs.get(req_id)
-        return st.wait_from if st is not None and st.wait_from >= 0 else self._step
-
-    def _send_reservation(self, planned: list[_PlannedChunk]) -> None:
+    def _send_reservation(self, planned: list[PlannedChunk]) -> None:
         """Reserve slots for `planned` (blocks already held) in the background."""
         if not planned:
             return
@@ -988,7 +683,7 @@ class OffloadScheduler:
         self._reserving[id(planned)] = planned
         self._rpc.submit(lambda: self._reserve_rpc(planned))
 
-    def _reserve_rpc(self, planned: list[_PlannedChunk]) -> None:
+    def _reserve_rpc(self, planned: list[PlannedChunk]) -> None:
         try:
             reg = self.client.registration
             announce = [p.announce for p in planned] if self.event_feed is not None else ()
@@ -1000,7 +695,7 @@ class OffloadScheduler:
         self._results.append(("store", payload))
 
     def _on_reserved(
-        self, planned: list[_PlannedChunk], res: Any, namespace_id: str, generation: str
+        self, planned: list[PlannedChunk], res: Any, namespace_id: str, generation: str
     ) -> None:
         """Scheduler thread: turn a reservation into a store job; drop what is not NEW."""
         self._reserving.pop(id(planned), None)
@@ -1011,7 +706,7 @@ class OffloadScheduler:
                 self._abort_store(namespace_id, res.store_id)
             return
         drop: list[Any] = []
-        keep: list[tuple[_PlannedChunk, int]] = []
+        keep: list[tuple[PlannedChunk, int]] = []
         if res is None:
             drop = [b for p in planned for b in p.blocks]
             self.stats.store_chunks_dropped += len(planned)
@@ -1056,22 +751,6 @@ class OffloadScheduler:
         st = self._reqs.get(req_id)
         return getattr(st.request, "num_output_tokens", None) if st is not None else None
 
-    def _release_waiting_reservations(self, preempted: set[str]) -> None:
-        """Reserve the chunks whose requests have their first token, were preempted (memory
-        is short: their blocks should free as soon as they are stored) or waited too long."""
-        still: list[tuple[int, _PlannedChunk]] = []
-        ready: list[_PlannedChunk] = []
-        waits: dict[str, bool] = {}
-        for made, p in self._reserve_waiting:
-            if p.req_id not in waits:
-                waits[p.req_id] = p.req_id not in preempted and self._first_token.awaits(p.req_id)
-            if waits[p.req_id] and self._step - made < _STORE_WAIT_MAX_STEPS:
-                still.append((made, p))
-            else:
-                ready.append(p)
-        self._reserve_waiting = still
-        self._send_reservation(ready)
-
     # -- per step -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
         if (
@@ -1092,16 +771,17 @@ class OffloadScheduler:
         if self._results:
             self._drain()
         if self.kv_cache_manager is None:
-            self._track_block_ids(scheduler_output)
+            self._stores.track_block_ids(scheduler_output)
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if self.block_pool is not None:
             if self.cfg.mode is StoreMode.EAGER:
-                self._reserve(self._plan_eager(scheduler_output, preempted or ()))
+                ctx = self._plan_context()
+                self._reserve(self._stores.plan_eager(scheduler_output, preempted or (), ctx))
             else:
-                self._reserve(self._plan_lazy())
-        if self._reserve_waiting:
+                self._reserve(self._stores.plan_lazy())
+        if self._stores.has_waiting():
             # a preempted request's blocks are wanted back: its stores leave now, not later
-            self._release_waiting_reservations(set(preempted or ()))
+            self._send_reservation(self._stores.release_waiting(set(preempted or ()), self._step))
         self._send_lookups()
         self._count_presence_misses()
         # A preempted request's blocks with stores in flight stay referenced until stored, so
@@ -1188,7 +868,7 @@ class OffloadScheduler:
 
         self._rpc.submit(abort)
 
-    def _restart(self, st: _Req) -> None:
+    def _restart(self, st: ReqState) -> None:
         """A preempted request's blocks are gone: look up and store again on resume."""
         st.stored_chunks = 0
         st.planned = False
@@ -1208,8 +888,7 @@ class OffloadScheduler:
         for st in self._reqs.values():
             if st.planned and not st.request.num_computed_tokens:
                 self._restart(st)
-                self._deferred.discard(st.req_id)  # its blocks' hashes are about to go
-                self._deferred_ids.pop(st.req_id, None)
+                self._stores.undefer(st.req_id)  # its blocks' hashes are about to go
         pool = self.block_pool
         held: dict[int, list[Any]] = {}
         for b in self._referenced_blocks():
@@ -1224,7 +903,7 @@ class OffloadScheduler:
     def _referenced_blocks(self) -> list[Any]:
         """Every block reference this scheduler holds, one entry per reference."""
         blocks = [b for job in self._jobs.values() for b in job.blocks]
-        blocks += [b for _, p in self._reserve_waiting for b in p.blocks]
+        blocks += self._stores.waiting_blocks()
         blocks += [b for planned in self._reserving.values() for p in planned for b in p.blocks]
         return blocks
 
@@ -1245,8 +924,7 @@ class OffloadScheduler:
             else:
                 self._fence.add(job.job_id)
             job.blocks = []
-        self.stats.store_chunks_dropped += len(self._reserve_waiting)
-        self._reserve_waiting = []
+        self.stats.store_chunks_dropped += self._stores.drop_waiting()
         self._untouch(blocks)
         log.info(
             "kvoffload: vLLM resets its prefix cache: %d block references given back, %d "
@@ -1280,30 +958,18 @@ class OffloadScheduler:
         self, request: Any, block_ids: Sequence[Sequence[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Never delays the free: blocks with pending stores/loads hold our reference."""
+        ctx = self._plan_context()
         if self.cfg.mode is StoreMode.LAZY and self.block_pool is not None:
-            self._remember_for_lazy(request, block_ids)
-        if request.request_id in self._deferred:  # finished before its first token was out
-            self._plan_finished(request.request_id, block_ids)
-        self._tracked_blocks.pop(request.request_id, None)
+            self._stores.remember_for_lazy(request, block_ids, ctx)
+        # a deferred request (finished before its first token was out) is planned now
+        self._reserve(self._stores.plan_finished(request.request_id, block_ids, ctx))
+        self._stores.forget(request.request_id)
         self._schedulable.pop(request.request_id, None)
         self._first_token.discard(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.answer is not None and st.load_job is None:
             self._release(st.answer.pins)
         return False, None
-
-    def _plan_finished(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> None:
-        """A deferred request finished (one output token, an abort): vLLM frees its blocks
-        after this hook, so they are planned and referenced now, and reserved at once."""
-        self._deferred.discard(req_id)
-        self._deferred_ids.pop(req_id, None)
-        st = self._reqs.get(req_id)
-        if st is None or self.block_pool is None:
-            return
-        planned: list[_PlannedChunk] = []
-        ids = self._block_ids_of(req_id)
-        self._plan_chunks(st, st.deferred_full, ids if ids else block_ids, planned)
-        self._reserve(planned)
 
     def has_pending_work(self) -> bool:
         return bool(
@@ -1313,7 +979,7 @@ class OffloadScheduler:
             or self._refreshes_in_flight
             or self._results
             or self._stores_out
-            or self._reserve_waiting
+            or self._stores.has_waiting()
             or self._loads_out
         )
 
@@ -1360,14 +1026,9 @@ class OffloadScheduler:
         self.client.close()
 
 
-def _salt(request: Any) -> str | None:
-    """A vLLM request's `cache_salt` (per-tenant prefix isolation); None when unset."""
-    return getattr(request, "cache_salt", None) or None
-
-
-def _salts(reqs: Sequence[_Req]) -> dict[str, str] | None:
+def _salts(reqs: Sequence[ReqState]) -> dict[str, str] | None:
     """The cache salts of requests that have one, by request id (None: no request has)."""
-    salts = {st.req_id: salt for st in reqs if (salt := _salt(st.request))}
+    salts = {st.req_id: salt for st in reqs if (salt := cache_salt(st.request))}
     return salts or None
 
 

@@ -782,7 +782,7 @@ def test_a_lookup_never_waits_behind_a_reregistration():
 
 def test_lazy_mode_stores_only_blocks_about_to_be_evicted():
     s, fake, bp, mgr = make(mode="lazy", nblocks=40)
-    s.lazy_watermark = 4
+    s._stores.lazy_watermark = 4
     req = Request("r", list(range(130)))
     ask(s, req)
     blocks = bp.allocate(5)
@@ -1397,7 +1397,7 @@ def test_a_waiting_store_is_reserved_at_once_when_its_request_is_preempted():
 
 def test_store_after_first_token_false_reserves_in_the_prefill_step():
     s, fake, bp, mgr = make()
-    s.cfg = dataclasses.replace(s.cfg, store_after_first_token=False)
+    s.cfg = s._stores.cfg = dataclasses.replace(s.cfg, store_after_first_token=False)
     req = PrefillingRequest("r", list(range(200)))
     ask(s, req)
     _prefill(s, bp, mgr, req)
@@ -1614,12 +1614,12 @@ def test_reset_cache_announces_the_host_tier_removed_and_tags_later_blobs():
     req = Request("a", list(range(300)))
     req.all_token_ids, req.lora_request, req.cache_salt = req.prompt, None, None  # what blobs read
     req.mm_features, req.prompt_embeds = [], None
-    before = decode_blob(s._announce(req, 0, 0))
+    before = decode_blob(s._stores._announce(req, 0, 0, s.event_feed.epoch))
     assert before.epoch == b""
     s.reset_cache()
     (removed,) = s.event_feed.take()
     assert type(removed).__name__ == "BlockRemoved" and removed.medium == "CPU"
-    after = decode_blob(s._announce(req, 0, 0))
+    after = decode_blob(s._stores._announce(req, 0, 0, s.event_feed.epoch))
     assert after.hashes == before.hashes and after.epoch == s.event_feed.epoch != b""
 
 

@@ -70,7 +70,7 @@ def test_a_store_batch_carries_one_salt_per_key() -> None:
 
 def test_lazy_stores_keep_the_salt_of_the_finished_request() -> None:
     s, fake, bp, mgr = make(mode="lazy", nblocks=40)
-    s.lazy_watermark = 4
+    s._stores.lazy_watermark = 4
     req = SaltedRequest("r", list(range(130)), cache_salt="a")
     ask(s, req)
     blocks = bp.allocate(5)
