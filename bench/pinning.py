@@ -24,7 +24,10 @@ def core_groups(allowed: set[int], siblings: dict[str, list[int]], n: int) -> li
     for cpu in sorted(allowed):
         if cpu in seen:
             continue
-        core = tuple(sorted({cpu, *(c for c in siblings.get(str(cpu), []) if c in allowed)}))
+        # a measured topology (sibling_probe.py) need not be transitive: a vCPU joins the
+        # first core that names it, so no two groups share one
+        mates = (c for c in siblings.get(str(cpu), []) if c in allowed and c not in seen)
+        core = tuple(sorted({cpu, *mates}))
         seen.update(core)
         cores.append(core)
     if n < 1 or len(cores) < n:

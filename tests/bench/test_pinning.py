@@ -27,6 +27,12 @@ def test_servers_get_whole_cores_evenly_and_leftovers_stay_out() -> None:
     # a sibling this process may not use is not handed out
     assert core_groups({0, 1, 2, 3, 4}, SIBLINGS, 2) == [{0, 4, 1}, {2, 3}]
     assert core_groups({0, 1}, {}, 2) == [{0}, {1}]  # no topology: each vCPU a core
+    # a probed topology that is not transitive (4 slows 1, 10 and 12; 12 slows 7 and 10):
+    # vCPU 10 names two vCPUs already in cores, and the groups stay disjoint
+    probed = {"1": [4], "4": [1, 10, 12], "7": [12], "10": [4, 12], "12": [4, 7, 10]}
+    groups = core_groups(set(range(16)), probed, 4)
+    assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :])
+    assert {1, 4} in [g & {1, 4} for g in groups] and {7, 12} in [g & {7, 12} for g in groups]
     with pytest.raises(ValueError, match="4 cores for 5 servers"):
         core_groups(set(range(8)), SIBLINGS, 5)
 
