@@ -479,18 +479,15 @@ def phases_by_mode(
                 else None,
             }
             if cpu_samples is not None:
-                at = [
-                    share_at(cpu_samples, x["sent"], int(p["cpu"]))
+                placed = [
+                    (x["sent"], int(p["cpu"]))
                     for x, p in pairs
-                    if p["cpu"] is not None and p["cpu"] >= 0
+                    if p["cpu"] is not None and p["cpu"] >= 0  # vCPU 0 counts
                 ]
+                at = [share_at(cpu_samples, t, cpu) for t, cpu in placed]
                 for i, name in enumerate(("cpu_busy_pct", "cpu_irq_pct", "cpu_steal_pct")):
                     row[name] = _median_ms([a[i] if a else None for a in at])
-                around = [
-                    _busy_around(cpu_samples, x["sent"], int(p["cpu"]), siblings or {})
-                    for x, p in pairs
-                    if p["cpu"] is not None and p["cpu"] >= 0
-                ]
+                around = [_busy_around(cpu_samples, t, cpu, siblings or {}) for t, cpu in placed]
                 row["sibling_busy_pct"] = _median_ms([s for s, _ in around])
                 row["all_busy_pct"] = _median_ms([m for _, m in around])
             rows.append(row)
