@@ -11,7 +11,7 @@ import contextlib
 import logging
 import signal
 
-from kvoffload_sidecar.config import SidecarConfig, remove_dead_instance
+from kvoffload_sidecar.config import POOL_FILE_NAME, SidecarConfig, remove_dead_instance
 from kvoffload_sidecar.degraded import (
     Degraded,
     Endpoints,
@@ -21,6 +21,7 @@ from kvoffload_sidecar.degraded import (
 )
 from kvoffload_sidecar.errors import PoolError
 from kvoffload_sidecar.keymap import native_enabled
+from kvoffload_sidecar.memory_room import memory_room, pool_shortfall
 from kvoffload_sidecar.metrics import MetricsHttpServer
 from kvoffload_sidecar.pool import Pool, PoolSettings
 from kvoffload_sidecar.server import SidecarServer, create_server
@@ -110,13 +111,27 @@ def endpoints_of(config: SidecarConfig) -> Endpoints:
 
 
 def build_pool(config: SidecarConfig) -> Pool | Degraded:
-    """One attempt at building and starting the pool; why not when it failed."""
+    """One attempt at building and starting the pool; why not when it failed. A pool the
+    container's memory limit cannot hold is not started (memory_room.py: pre-faulting it would
+    get this process OOM-killed, again after every restart)."""
+    if not config.hugepages:  # hugetlbfs pages are not charged to the memory cgroup
+        short = pool_shortfall(config.pool_size, _resident_bytes(config), memory_room())
+        if short is not None:
+            return Degraded("no_memory", short)
     pool = Pool(pool_settings(config))
     try:
         pool.start()
     except (OSError, ValueError, PoolError) as exc:
         return from_pool_error(exc, config.pool_dir)
     return pool
+
+
+def _resident_bytes(config: SidecarConfig) -> int:
+    """The pool file's bytes already in memory (a restarted sidecar adopts them)."""
+    try:
+        return (config.pool_dir / POOL_FILE_NAME).stat().st_blocks * 512
+    except OSError:
+        return 0
 
 
 def run(config: SidecarConfig, failure: Degraded | None = None) -> int:

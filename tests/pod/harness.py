@@ -29,6 +29,13 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
   (literal values) plus PATH and HOME=/tmp when unset. `restart_always(name)` restarts a
   container whenever it exits (restartPolicy Always); `restart(name)` stops one with a signal
   and starts it again (a liveness failure, a rollout of the same pod's process).
+- **Memory limits**: kvoffload's own containers (sidecar, installer) run in a cgroup v1 memory
+  cgroup of their own with `limit_in_bytes` = `resources.limits.memory`, where this box lets root
+  make one: pages of a memory emptyDir are charged to the container that first touches them,
+  so the sidecar's pre-faulted pool counts against its limit as under the kubelet (a too-small
+  limit is an OOM kill, or the sidecar's own refusal). The same cgroup is kept across that
+  container's restarts. vLLM's limits are not enforced (the CPU build's memory is not a GPU
+  pod's).
 - **vLLM container**: its argv translated by `pod_translate.py`; env adds
   `VLLM_CPU_KVCACHE_SPACE=1`, `VLLM_CPU_OMP_THREADS_BIND=nobind` (no pinning on a shared box),
   `OMP_NUM_THREADS=1`, `VLLM_SERVER_DEV_MODE=1` (for `/reset_prefix_cache`),
@@ -56,6 +63,7 @@ from typing import Any, BinaryIO
 import pod_images as images
 import pod_translate as translate
 
+MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
 KVOFFLOAD_IMAGE_USER = 65532
 VLLM_IMAGE_USER = 1000
 UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9}
@@ -126,6 +134,7 @@ class Pod:
     _keep_restarting: set[str] = field(default_factory=set)
     _watch: threading.Thread | None = None
     _stopping: bool = False
+    _cgroups: dict[str, Path] = field(default_factory=dict)  # container -> its memory cgroup
     last_stats_error: str = ""  # why the last pool_stats() got no answer
 
     def __post_init__(self) -> None:
@@ -265,14 +274,38 @@ class Pod:
             return translate.translate(c)
         return translate.kubelet_argv(c)
 
-    def _wrap(self, c: Mapping[str, Any], argv: Sequence[str]) -> list[str]:
+    def _wrap(self, c: Mapping[str, Any], argv: Sequence[str], limit: bool = False) -> list[str]:
         uid, gid = self._ids(c)
         env = [f"{k}={v}" for k, v in self._env(c).items()]
+        cg = self._memory_cgroup(c) if limit else None
+        join = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh"] if cg else []
         return [
-            *self.nsenter(),
+            *self.nsenter(), *join,
             "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--",
             "env", "-i", *env, *argv,
         ]  # fmt: skip
+
+    def _memory_cgroup(self, c: Mapping[str, Any]) -> Path | None:
+        """The container's memory cgroup (made on first use), or None: not ours, no limit,
+        or no cgroup v1 memory hierarchy root may write here."""
+        limit = ((c.get("resources") or {}).get("limits") or {}).get("memory")
+        if limit is None or self._image_kind(c) == "vllm":
+            return None
+        if c["name"] in self._cgroups:
+            return self._cgroups[c["name"]]
+        assert self._pause is not None
+        d = MEMORY_CGROUPS / f"kvo-pod-{self._pause.pid}-{c['name']}"
+        try:
+            d.mkdir(exist_ok=True)
+            (d / "memory.limit_in_bytes").write_text(str(quantity(limit)))
+        except OSError:
+            return None
+        self._cgroups[c["name"]] = d
+        return d
+
+    def memory_cgroup_of(self, name: str) -> Path | None:
+        """Where container `name`'s memory is charged (None: not enforced)."""
+        return self._cgroups.get(name)
 
     def spawn(self, c: Mapping[str, Any]) -> Proc:
         name = c["name"]
@@ -282,7 +315,7 @@ class Pod:
         out.write(f"--- start {time.strftime('%T')} {shlex.join(self.argv_of(c))}\n".encode())
         out.flush()
         popen = subprocess.Popen(
-            self._wrap(c, self.argv_of(c)),
+            self._wrap(c, self.argv_of(c), limit=True),
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -434,6 +467,12 @@ class Pod:
             with contextlib.suppress(OSError):
                 p.rmdir()
         self._created.clear()
+        for cg in self._cgroups.values():  # empty once its processes and the pod's tmpfs went
+            with contextlib.suppress(OSError):
+                (cg / "memory.force_empty").write_text("0")
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+        self._cgroups.clear()
 
     # -- serving ---------------------------------------------------------------------------
     def curl(

@@ -208,6 +208,12 @@ def test_injected_pod_serves_with_pool_hits(
         assert first == want and second == want, "tokens differ from the pod without kvoffload"
         assert hits > 0, f"no pool hits in round 2:\n{engine.text()[-3000:]}"
         assert engine.alive()
+        cg = pod.memory_cgroup_of(pod.sidecar()["name"])
+        if cg is not None:  # the injected limit holds the pre-faulted pool, with room to spare
+            pool_bytes = int((pod.pool_stats(socket) or {}).get("pool_bytes", 0))
+            charged = int((cg / "memory.usage_in_bytes").read_text())
+            assert 0 < pool_bytes <= charged  # the pool's pages are the sidecar's, as a kubelet's
+            assert int((cg / "memory.failcnt").read_text()) == 0
 
 
 # -- faults at pod level --------------------------------------------------------------------------
@@ -327,6 +333,37 @@ def test_fault_sidecar_without_a_pool_serves_degraded_and_vllm_serves(
         assert "node 999" in stats.get("degraded_reason", ""), stats
         log = pod.procs[sidecar["name"]].text()
         assert log.count("kvoffload sidecar: degraded, serving without a pool: ") == 1, log
+        assert engine.alive()
+
+
+@_mark
+def test_fault_sidecar_memory_limit_below_its_pool_serves_degraded_not_oom_killed(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Out of memory: a sidecar whose container limit (here lowered by hand below the 256 MiB
+    pool, as a policy's `spec.sidecar.resources` could) cannot hold its pool. Under the
+    kubelet's memory cgroup the pre-fault would be OOM-killed, and again after each restart;
+    the sidecar measures its cgroup first and serves degraded instead, vLLM serves the same
+    tokens, and `kvoffload stats` says why. And the injected limit itself holds the pool: the
+    other pod tests run their sidecars under it."""
+    wd = workdir_for(tmp_path_factory, "oom")
+    want = baseline(FAULT_FIXTURE, wd)["missing"]
+    (doc,) = inject(FAULT_FIXTURE)
+    sidecar = _sidecar_of(doc)
+    sidecar["resources"]["limits"]["memory"] = sidecar["resources"]["requests"]["memory"] = "160Mi"
+    with harness.running(doc, wd) as (pod, engine):
+        cg = pod.memory_cgroup_of(sidecar["name"])
+        if cg is None:
+            pytest.skip("no memory cgroup to enforce the limit with on this box")
+        for _ in range(2):
+            assert pod.complete(PROMPT_SETS["missing"], MAX_TOKENS) == want
+            pod.reset_prefix_cache()
+        stats = pod.pool_stats(harness.socket_of(sidecar)) or {}
+        reason = stats.get("degraded_reason", "")
+        assert "does not fit the sidecar container's memory limit" in reason, stats
+        proc = pod.procs[sidecar["name"]]
+        assert proc.alive() and proc.restarts == 0, proc.text()[-2000:]
+        assert int((cg / "memory.failcnt").read_text()) == 0  # never reached the limit
         assert engine.alive()
 
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,8 +155,10 @@ def sidecar_process(
     pool_size: str = "16Mi",
     ready_timeout: float = 30.0,
     env: dict[str, str] | None = None,
+    wrap: Sequence[str] = (),
 ) -> Iterator[SidecarProc]:
-    """Start `kvoffload sidecar`, wait for SERVING, yield, then SIGTERM (kill after 15 s)."""
+    """Start `kvoffload sidecar`, wait for SERVING, yield, then SIGTERM (kill after 15 s).
+    `wrap`: a command that execs the rest (e.g. joins a cgroup first)."""
     sock = sock_dir / "pool.sock"
     stderr_path = sock_dir / f"sidecar-{time.monotonic_ns()}.log"
     argv = [
@@ -173,7 +175,9 @@ def sidecar_process(
         *args,
     ]
     with open(stderr_path, "wb") as err:
-        proc = subprocess.Popen(argv, stdout=err, stderr=err, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(
+            [*wrap, *argv], stdout=err, stderr=err, env={**os.environ, **(env or {})}
+        )
     handle = SidecarProc(proc, sock, pool_dir, stderr_path, argv)
     try:
         try:
