@@ -9,11 +9,14 @@ raised in place (in-place pod resize) lets the next attempt build the pool.
 
 cgroup v2 (``0::/path``; the limit is the lowest ``memory.max`` of the cgroup and its ancestors)
 and v1 (the ``memory`` controller's ``hierarchical_memory_limit``) are read; inside a container
-whose cgroup is mounted at the root, the root's files are the container's own.
+whose cgroup is mounted at the root, the root's files are the container's own. Usage is the
+working set, as the kubelet counts it: inactive file cache, which the kernel reclaims for the
+pool, is left out (tmpfs pages are not file cache and stay in).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,24 +53,29 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
+def _stat(d: Path) -> dict[str, int]:
+    out = {}
+    try:
+        for line in (d / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
 def _v1(root: Path, path: str) -> MemoryRoom | None:
     d = root / path.lstrip("/")
     if not (d / "memory.usage_in_bytes").exists():
         d = root  # a container's own cgroup mounted at the root
-    limit = None
-    try:
-        for line in (d / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "hierarchical_memory_limit":
-                limit = int(value)
-    except (OSError, ValueError):
-        pass
-    if limit is None:
-        limit = _read_int(d / "memory.limit_in_bytes")
+    stat = _stat(d)
+    limit = stat.get("hierarchical_memory_limit") or _read_int(d / "memory.limit_in_bytes")
     usage = _read_int(d / "memory.usage_in_bytes")
     if limit is None or usage is None or limit >= UNLIMITED:
         return None
-    return MemoryRoom(limit, usage)
+    # the working set, as the kubelet counts it: inactive file cache is reclaimed for the pool
+    return MemoryRoom(limit, max(0, usage - stat.get("total_inactive_file", 0)))
 
 
 def _v2(root: Path, path: str) -> MemoryRoom | None:
@@ -75,6 +83,8 @@ def _v2(root: Path, path: str) -> MemoryRoom | None:
     if not (d / "memory.current").exists():
         d = root
     usage = _read_int(d / "memory.current")
+    if usage is not None:
+        usage = max(0, usage - _stat(d).get("inactive_file", 0))
     limits = [
         x
         for p in (d, *d.parents)

@@ -36,9 +36,13 @@ def test_cgroup_v1_reads_the_hierarchical_limit(tmp_path: Path) -> None:
     _write(proc, "5:cpu:/\n4:memory:/pod/sidecar\n0::/\n")
     d = tmp_path / "sys" / "memory" / "pod" / "sidecar"
     _write(d / "memory.limit_in_bytes", "9223372036854771712\n")  # its own: none
-    _write(d / "memory.stat", "cache 1\nhierarchical_memory_limit 1073741824\n")  # the pod's
+    _write(
+        d / "memory.stat",
+        # the pod's limit; 40 MiB of inactive file cache the kernel would reclaim
+        "cache 1\nhierarchical_memory_limit 1073741824\ntotal_inactive_file 41943040\n",
+    )
     _write(d / "memory.usage_in_bytes", "104857600\n")
-    assert memory_room(proc, tmp_path / "sys") == MemoryRoom(1 << 30, 100 * MIB)
+    assert memory_room(proc, tmp_path / "sys") == MemoryRoom(1 << 30, 60 * MIB)
     _write(d / "memory.stat", "hierarchical_memory_limit 9223372036854771712\n")
     assert memory_room(proc, tmp_path / "sys") is None  # unlimited: nothing to refuse
 
@@ -52,7 +56,8 @@ def test_cgroup_v2_takes_the_lowest_limit_up_the_tree_and_a_containers_root(
     _write(root / "kubepods" / "memory.max", "max\n")
     _write(root / "kubepods" / "pod1" / "memory.max", "536870912\n")
     _write(root / "kubepods" / "pod1" / "sidecar" / "memory.max", "max\n")
-    _write(root / "kubepods" / "pod1" / "sidecar" / "memory.current", "1048576\n")
+    _write(root / "kubepods" / "pod1" / "sidecar" / "memory.current", "3145728\n")
+    _write(root / "kubepods" / "pod1" / "sidecar" / "memory.stat", "inactive_file 2097152\n")
     assert memory_room(proc, root) == MemoryRoom(512 * MIB, MIB)
     # inside a container (cgroup namespace): "0::/" and the container's files at the root
     own = tmp_path / "own"
