@@ -344,6 +344,16 @@ def _mount_of(path: Path, mounts_text: str) -> tuple[str, str]:
     return best
 
 
+def resident_pool_bytes(pool_dir: Path) -> int:
+    """The bytes a pool file left in `pool_dir` already holds in memory (a restarted sidecar
+    adopts them, so they count as room); 0 without one."""
+    try:
+        existing = pool_dir / POOL_FILE_NAME
+        return existing.stat().st_blocks * 512 if existing.is_file() else 0
+    except OSError:
+        return 0
+
+
 def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) -> list[str]:
     """Check the settings against this machine; ConfigError on a fatal problem, else warnings."""
     warnings: list[str] = []
@@ -373,9 +383,7 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
             "the pool may be written back to disk"
         )
     fs = os.statvfs(pool_dir)
-    existing = pool_dir / POOL_FILE_NAME
-    reusable = existing.stat().st_blocks * 512 if existing.is_file() else 0
-    available = fs.f_bavail * fs.f_frsize + reusable
+    available = fs.f_bavail * fs.f_frsize + resident_pool_bytes(pool_dir)
     if fs.f_blocks and config.pool_size > available:
         raise _error(
             flag["pool_size"],

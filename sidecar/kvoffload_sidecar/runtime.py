@@ -11,7 +11,7 @@ import contextlib
 import logging
 import signal
 
-from kvoffload_sidecar.config import POOL_FILE_NAME, SidecarConfig, remove_dead_instance
+from kvoffload_sidecar.config import SidecarConfig, remove_dead_instance, resident_pool_bytes
 from kvoffload_sidecar.degraded import (
     Degraded,
     Endpoints,
@@ -115,7 +115,8 @@ def build_pool(config: SidecarConfig) -> Pool | Degraded:
     container's memory limit cannot hold is not started (memory_room.py: pre-faulting it would
     get this process OOM-killed, again after every restart)."""
     if not config.hugepages:  # hugetlbfs pages are not charged to the memory cgroup
-        short = pool_shortfall(config.pool_size, _resident_bytes(config), memory_room())
+        resident = resident_pool_bytes(config.pool_dir)
+        short = pool_shortfall(config.pool_size, resident, memory_room())
         if short is not None:
             return Degraded("no_memory", short)
     pool = Pool(pool_settings(config))
@@ -124,14 +125,6 @@ def build_pool(config: SidecarConfig) -> Pool | Degraded:
     except (OSError, ValueError, PoolError) as exc:
         return from_pool_error(exc, config.pool_dir)
     return pool
-
-
-def _resident_bytes(config: SidecarConfig) -> int:
-    """The pool file's bytes already in memory (a restarted sidecar adopts them)."""
-    try:
-        return (config.pool_dir / POOL_FILE_NAME).stat().st_blocks * 512
-    except OSError:
-        return 0
 
 
 def run(config: SidecarConfig, failure: Degraded | None = None) -> int:
