@@ -86,6 +86,11 @@ class ConnectorConfig:
     # (and our block references) come at once and only the reservation waits. Preemption, the
     # request's end, or 64 steps (a long chunked prefill) send them sooner.
     store_after_first_token: bool = True
+    # The scheduler thread lets vLLM's output thread take the GIL once, in the first hook after
+    # an output carrying a request's first token was queued: otherwise that token waits until
+    # the engine thread blocks, after it scheduled and launched the next step (~0.5-1 ms of
+    # host time on the GPU VM; a lone request's whole TTFT is ~33 ms). first_token.py.
+    first_token_handoff: bool = True
     # A request alone in the engine gets its lookup answered inside the scheduling call that
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:
     # nothing else is running for the wait to delay. With company, lookups batch in background.
@@ -237,6 +242,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
             "framed_session",
             "kv_events",
             "store_after_first_token",
+            "first_token_handoff",
         ):
             fields[key] = _bool(key, value)
         elif key == "client_name":

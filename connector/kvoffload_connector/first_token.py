@@ -22,12 +22,14 @@ class FirstTokenWatch:
     def __init__(self, output_count: Callable[[str], int | None]) -> None:
         self._output_count = output_count
         self._watched: set[str] = set()
+        self._handed: set[str] = set()  # first tokens `newly_out` reported already
 
     def add(self, req_id: str) -> None:
         self._watched.add(req_id)
 
     def discard(self, req_id: str) -> None:
         self._watched.discard(req_id)
+        self._handed.discard(req_id)
 
     def awaits(self, req_id: str) -> bool:
         """This request's first token may not have left the engine yet."""
@@ -42,6 +44,20 @@ class FirstTokenWatch:
         """Some request has exactly one token: the output being built carries its first."""
         return any(n == 1 for n in self._counts())
 
+    def newly_out(self) -> bool:
+        """Some request's first token was appended since the last call: the output vLLM just
+        handed to its output thread carries it (each request is reported once)."""
+        new = False
+        for req_id in list(self._watched):
+            n = self._output_count(req_id)
+            if not isinstance(n, int) or n >= 2:
+                self._watched.discard(req_id)
+                self._handed.discard(req_id)
+            elif n == 1 and req_id not in self._handed:
+                self._handed.add(req_id)
+                new = True
+        return new
+
     def __len__(self) -> int:
         return len(self._watched)
 
@@ -52,3 +68,4 @@ class FirstTokenWatch:
                 yield n
             else:
                 self._watched.discard(req_id)
+                self._handed.discard(req_id)

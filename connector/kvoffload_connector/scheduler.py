@@ -37,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,7 @@ class OffloadScheduler:
         windows: Sequence[int] | None = None,
         clock=time.monotonic,
         kv_events: bool = False,
+        yield_gil: Callable[[], None] = lambda: time.sleep(0),
     ):
         self.cfg = cfg
         self.block_size = block_size
@@ -129,6 +130,7 @@ class OffloadScheduler:
         self.client = client
         self._lookup = PoolLookup(client, self.windows, cfg.chunk_tokens)
         self._clock = clock
+        self._yield_gil = yield_gil  # first_token_handoff: a GIL release (sleep(0))
         self._rpc = RpcThread("kvoffload-scheduler-rpc")
         self._results: collections.deque = collections.deque()  # (kind, payload) from _rpc
         self._answered = threading.Event()  # set by _rpc after each lookup answer
@@ -154,8 +156,9 @@ class OffloadScheduler:
         self._step = 0  # build_connector_meta calls: engine steps
         # requests answered (schedulable) and not yet admitted: req id -> step of the answer
         self._schedulable: dict[str, int] = {}
-        # (salt, keys per group) of requests the presence map answered, for `_count_presence_misses`
-        self._presence_missed: list[tuple[str | None, list[list[PoolKey]]]] = []
+        # requests the presence map answered, for `_count_presence_misses`: their salt, block
+        # hashes, usable chunks and key epoch (keys are built on the RPC thread, off the step)
+        self._presence_missed: list[tuple[str | None, Sequence[bytes], int, bytes | None]] = []
         self._missed_reported_at = float("-inf")  # the first misses are due at once
         self._oldest_miss_at = 0.0  # when the first miss not yet reported was counted
         self._first_token = FirstTokenWatch(self._output_count)
@@ -269,7 +272,14 @@ class OffloadScheduler:
                     self.stats.presence_misses += 1
                     if not self._presence_missed:
                         self._oldest_miss_at = self._clock()
-                    self._presence_missed.append((cache_salt(request), self._request_keys(request)))
+                    self._presence_missed.append(
+                        (
+                            cache_salt(request),
+                            request.block_hashes,  # the prompt's hashes never change
+                            self._usable_chunks(request),
+                            self._key_epoch,
+                        )
+                    )
                     self._schedulable.setdefault(req_id, self._step)
                     return 0, False
                 st.queued = True
@@ -384,11 +394,15 @@ class OffloadScheduler:
                 return
         self._missed_reported_at = now
         batch, self._presence_missed = self._presence_missed, []
-        queries = [keys for _, per_group in batch for keys in per_group]
-        salts = [salt for salt, per_group in batch for _ in per_group]
         timeout_s = self.cfg.lookup_timeout_ms / 1e3
 
         def count() -> None:
+            queries = [
+                in_epoch(chunk_keys(hashes, self.chunk_blocks, g, limit), epoch)
+                for _, hashes, limit, epoch in batch
+                for g in range(self.num_groups)
+            ]
+            salts = [salt for salt, *_ in batch for _ in range(self.num_groups)]
             with contextlib.suppress(PoolUnavailable):
                 self.client.lookup(queries, timeout_s=timeout_s, salts=salts, report_misses=True)
 
@@ -542,13 +556,17 @@ class OffloadScheduler:
 
     def _request_keys(self, request: Any) -> list[list[PoolKey]]:
         """Chunk keys per group, only as many chunks as the n-1 rule lets a hit use."""
-        usable = (request.num_tokens - 1) // self.block_size * self.block_size
-        limit = -(-usable // self.chunk_tokens)
+        limit = self._usable_chunks(request)
         hashes = request.block_hashes
         return [
             in_epoch(chunk_keys(hashes, self.chunk_blocks, g, limit), self._key_epoch)
             for g in range(self.num_groups)
         ]
+
+    def _usable_chunks(self, request: Any) -> int:
+        """Chunks a hit may use (the n-1 rule: the last prompt token is always computed)."""
+        usable = (request.num_tokens - 1) // self.block_size * self.block_size
+        return -(-usable // self.chunk_tokens)
 
     def window_start(self, group: int, hit_chunks: int) -> int:
         return self._lookup.window_start(group, hit_chunks)
@@ -753,6 +771,11 @@ class OffloadScheduler:
 
     # -- per step -----------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        if self.cfg.first_token_handoff and self._first_token.newly_out():
+            # The first hook after vLLM queued an output with a request's first token: its
+            # output thread waits for the GIL, which this thread would hold until it blocks
+            # after launching the step being scheduled. Released here, the token goes out now.
+            self._yield_gil()
         if (
             (self._lookups_in_flight or self._refreshes_in_flight)
             and not self._results
@@ -762,7 +785,8 @@ class OffloadScheduler:
             # answer here (bounded) instead of letting the engine loop spin empty steps that
             # starve the RPC thread of the GIL. No scheduled work is delayed by this.
             self._answered.wait(min(self.cfg.lookup_timeout_ms, 50) / 1e3)
-        self._answered.clear()
+        if self._answered.is_set():  # (clear() takes the event's lock every step)
+            self._answered.clear()
         self._inline_spent_s = 0.0  # the next scheduling call is a new step
         self._step += 1
         if self._schedulable:

@@ -31,3 +31,21 @@ def test_finished_requests_and_requests_without_a_count_are_forgotten() -> None:
     watch.add("x")
     watch.discard("x")
     assert len(watch) == 0
+
+
+def test_newly_out_reports_each_first_token_once() -> None:
+    counts: dict[str, int | None] = {"a": 0, "b": 0}
+    watch = FirstTokenWatch(counts.get)
+    watch.add("a")
+    watch.add("b")
+    assert not watch.newly_out()  # no token yet
+    counts["a"] = 1
+    assert watch.newly_out() and not watch.newly_out()  # a's, once
+    counts["b"] = 1
+    counts["a"] = 2
+    assert watch.newly_out() and not watch.newly_out()  # b's; a is forgotten
+    assert len(watch) == 1
+    watch.add("a2")
+    counts["a2"] = 1
+    watch.discard("a2")
+    assert not watch.newly_out()  # discarded before its token was reported

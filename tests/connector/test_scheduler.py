@@ -1704,3 +1704,38 @@ def test_store_threshold_parses_auto_and_refuses_other_words():
     assert parse_extra_config({}, 16).store_threshold == "auto"  # the default
     with pytest.raises(ValueError, match="integer or 'auto'"):
         parse_extra_config({"store_threshold": "sometimes"}, 16)
+
+
+def test_the_scheduler_yields_the_gil_once_when_an_output_carries_a_first_token():
+    """vLLM's output thread sends the output that carries a first token only once it gets the
+    GIL; the scheduler thread releases it in the first hook after that output was queued (once
+    per request, at most once per step), and never while no first token is waiting."""
+    s, fake, bp, mgr = roomy()
+    yields: list[int] = []
+    s._yield_gil = lambda: yields.append(s._step)
+    a, b, c = (PrefillingRequest(r, list(range(200))) for r in "abc")
+    for req in (a, b):
+        ask(s, req)
+    prefilled(s, bp, mgr, a)
+    assert step(s, {"a": 1}) == () and yields == []  # the prefill's token is not out yet
+    a.num_output_tokens = 1  # vLLM queued the output with a's first token
+    step(s, {"a": 1})
+    assert len(yields) == 1
+    step(s, {"a": 1})
+    assert len(yields) == 1  # a's token was handed over already
+    a.num_output_tokens = b.num_output_tokens = 2
+    step(s, {"a": 1, "b": 1})
+    assert len(yields) == 1
+    ask(s, c)
+    c.num_output_tokens = 1
+    step(s, {"a": 1, "c": 1})
+    assert len(yields) == 2  # c's first token: one more
+    s.cfg = dataclasses.replace(s.cfg, first_token_handoff=False)
+    d = PrefillingRequest("d", list(range(200)))
+    ask(s, d)
+    d.num_output_tokens = 1
+    step(s, {"d": 1})
+    assert len(yields) == 2  # switched off
+    assert not parse_extra_config({"first_token_handoff": "false"}, BS).first_token_handoff
+    with pytest.raises(ValueError, match="first_token_handoff"):
+        parse_extra_config({"first_token_handoff": "sometimes"}, BS)
