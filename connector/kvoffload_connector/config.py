@@ -88,8 +88,8 @@ class ConnectorConfig:
     store_after_first_token: bool = True
     # The scheduler thread lets vLLM's output thread take the GIL once, in the first hook after
     # an output carrying a request's first token was queued: otherwise that token waits until
-    # the engine thread blocks, after it scheduled and launched the next step (~0.5-1 ms of
-    # host time on the GPU VM; a lone request's whole TTFT is ~33 ms). first_token.py.
+    # the engine thread blocks, after it scheduled and launched the next step (0.3-0.4 ms on
+    # the H200 VM, session 31; a lone request's whole TTFT is ~31 ms). first_token.py.
     first_token_handoff: bool = True
     # A request alone in the engine gets its lookup answered inside the scheduling call that
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:

@@ -48,12 +48,8 @@ class FirstTokenWatch:
         """Some request's first token was appended since the last call: the output vLLM just
         handed to its output thread carries it (each request is reported once)."""
         new = False
-        for req_id in list(self._watched):
-            n = self._output_count(req_id)
-            if not isinstance(n, int) or n >= 2:
-                self._watched.discard(req_id)
-                self._handed.discard(req_id)
-            elif n == 1 and req_id not in self._handed:
+        for req_id, n in self._live():
+            if n == 1 and req_id not in self._handed:
                 self._handed.add(req_id)
                 new = True
         return new
@@ -62,10 +58,15 @@ class FirstTokenWatch:
         return len(self._watched)
 
     def _counts(self) -> Iterator[int]:
+        return (n for _, n in self._live())
+
+    def _live(self) -> Iterator[tuple[str, int]]:
+        """(request, output-token count) of the watched requests still before their second
+        token; the others are forgotten as they are read."""
         for req_id in list(self._watched):
             n = self._output_count(req_id)
             if isinstance(n, int) and n < 2:
-                yield n
+                yield req_id, n
             else:
                 self._watched.discard(req_id)
                 self._handed.discard(req_id)

@@ -398,9 +398,9 @@ class OffloadScheduler:
 
         def count() -> None:
             queries = [
-                in_epoch(chunk_keys(hashes, self.chunk_blocks, g, limit), epoch)
+                keys
                 for _, hashes, limit, epoch in batch
-                for g in range(self.num_groups)
+                for keys in self._group_keys(hashes, limit, epoch)
             ]
             salts = [salt for salt, *_ in batch for _ in range(self.num_groups)]
             with contextlib.suppress(PoolUnavailable):
@@ -556,10 +556,14 @@ class OffloadScheduler:
 
     def _request_keys(self, request: Any) -> list[list[PoolKey]]:
         """Chunk keys per group, only as many chunks as the n-1 rule lets a hit use."""
-        limit = self._usable_chunks(request)
-        hashes = request.block_hashes
+        return self._group_keys(request.block_hashes, self._usable_chunks(request), self._key_epoch)
+
+    def _group_keys(
+        self, hashes: Sequence[bytes], limit: int, epoch: bytes | None
+    ) -> list[list[PoolKey]]:
+        """Per group, the keys of the first `limit` chunks, named in `epoch`."""
         return [
-            in_epoch(chunk_keys(hashes, self.chunk_blocks, g, limit), self._key_epoch)
+            in_epoch(chunk_keys(hashes, self.chunk_blocks, g, limit), epoch)
             for g in range(self.num_groups)
         ]
 
