@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from cpu_sampler import parse_cpu_list, read_siblings
+from thread_cpu import descendants
 
 
 def core_groups(allowed: set[int], siblings: dict[str, list[int]], n: int) -> list[set[int]]:
@@ -59,19 +60,8 @@ def pin_tasks(pid: int, cpus: set[int], proc_root: Path = Path("/proc")) -> int:
 def tree_cpus(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
     """The vCPUs any thread of `pid` or of its descendants may run on (what pinning gave
     them, read back for the report)."""
-    children: dict[int, list[int]] = {}
-    for stat in proc_root.glob("[0-9]*/stat"):
-        try:
-            # pid (comm) state ppid ...: comm may hold spaces and parentheses
-            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
     cpus: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
+    for p in descendants(pid, proc_root):
         for status in (proc_root / str(p) / "task").glob("*/status"):
             try:
                 text = status.read_text()

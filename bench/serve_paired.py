@@ -60,6 +60,8 @@ from harness import (  # noqa: E402
 from pinning import server_cpu_groups, tree_cpus  # noqa: E402
 from serve_model import build_model_dir  # noqa: E402
 from serve_sweep import SERVED_NAME, Server, build_parser, config_of  # noqa: E402
+from thread_cpu import activity, python_thread_names, snapshot  # noqa: E402
+from thread_cpu import table as thread_table  # noqa: E402
 
 
 def random_prompt(rng: random.Random, tokens: int, vocab: int) -> list[int]:
@@ -591,10 +593,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         # the slow starts come out of the rounds, not past --budget-s (a caller's timeout)
         t_end = min(time.monotonic() + a.measure_s, t_start + a.budget_s)
         orders = rotations(servers, a.warmup_rounds + a.rounds)
+        threads_at: dict[str, tuple[float, dict]] = {}
         for i, order in enumerate(orders):
             if time.monotonic() > t_end:
                 print(f"   out of time after {i} rounds", flush=True)
                 break
+            if i == a.warmup_rounds:  # what each server's threads do over the measured rounds
+                threads_at = {
+                    s.config: (time.monotonic(), snapshot(server_pids(s))) for s in servers
+                }
             for s in order:
                 prompt = random_prompt(rng, a.prompt_tokens, vocab)
                 sent = round(time.time(), 3)  # wall clock: joins `modes --gpu-state` samples
@@ -602,8 +609,15 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 if i >= a.warmup_rounds:
                     samples[s.config].append({"round": i, "sent": sent, **r})
                 time.sleep(a.gap_s)
+        threads_end = {s.config: (time.monotonic(), snapshot(server_pids(s))) for s in servers}
         for s in servers:
             report["servers"][s.config]["sidecar_stats"] = s.sidecar_stats()
+            if s.config in threads_at:
+                (t0, before), (t1, after) = threads_at[s.config], threads_end[s.config]
+                names = python_thread_names(sorted({t.pid for t in after.values()}))
+                threads = activity(before, after, t1 - t0, names)
+                report["servers"][s.config]["threads"] = threads
+                print(thread_table(f"   {s.config} threads", threads), flush=True)
         if a.engine_trace:  # the engines write their last events before they stop
             time.sleep(DUMP_PERIOD_S + 0.5)
     finally:
@@ -625,6 +639,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         print("\n== each configuration's servers pooled, and each replica against its first ==")
         print(table(report["pooled"]))
     return report
+
+
+def server_pids(s: Server) -> list[int]:
+    """The roots of a server's process trees: `vllm serve` and its sidecar."""
+    return [p.pid for p in (s.proc, s.sidecar.proc if s.sidecar else None) if p is not None]
 
 
 def build_paired_parser() -> argparse.ArgumentParser:

@@ -185,6 +185,13 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         assert all(
             0 <= p["schedule_ms"] < 1e3 * s["ttft_s"] for p, s in zip(phases, samples, strict=True)
         )
+    # what each server's threads did over the measured rounds: the engines worked, and the
+    # kvoffload server's tree holds one more process than a noop server's (its sidecar)
+    threads = {c: report["servers"][c]["threads"] for c in ("noop", "kvo-eager", "noop#2")}
+    for t in threads.values():
+        assert t["seconds"] > 0 and t["cpu_ms_per_s"] > 0 and t["wakes_per_s"] > 0
+        assert t["top"] and all(r["wakes_per_s"] >= 0 for r in t["top"])
+    assert len(threads["kvo-eager"]["processes"]) == len(threads["noop"]["processes"]) + 1
     pooled, offset = report["pooled"]
     assert (pooled["config"], pooled["against"]) == ("kvo-eager (x1)", "noop (x2)")
     assert (offset["config"], offset["against"], offset["n"]) == ("noop#2", "noop", 6)
