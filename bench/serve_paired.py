@@ -274,6 +274,46 @@ def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) 
     }
 
 
+def modes_across_calls(
+    reports: dict[str, dict[str, Any]], config: str, against: str
+) -> dict[str, Any]:
+    """`config` against `against` split by the GPU VM's two TTFT modes (`mode_split`, each
+    call cut on its own): per call, each side's slow share (mean over its servers) and the
+    ratio of their fast-mode medians; over calls, the mean slow-share difference with its
+    standard error and the geometric mean of the fast-mode ratios. Why: a call's median ratio
+    mixes what a configuration costs within a mode with how often its requests fell in the
+    slow one (sessions 29-32), and the two have different causes."""
+    per_call: dict[str, dict[str, Any]] = {}
+    for name, rep in reports.items():
+        samples = rep.get("samples", {})
+        mine = servers_of(samples, config)
+        theirs = [x for x in servers_of(samples, against) if x not in mine]
+        if not mine or not theirs:
+            continue
+        rows = {r["config"]: r for r in mode_split(samples)["rows"]}
+        fast = [[rows[x]["fast_p50_ms"] for x in side] for side in (mine, theirs)]
+        if any(v is None for side in fast for v in side):
+            continue  # a server with no fast request: no fast-mode median to compare
+        per_call[name] = {
+            "slow_share": [
+                round(statistics.fmean(rows[x]["slow_share"] for x in side), 3)
+                for side in (mine, theirs)
+            ],
+            "fast_ratio": round(statistics.fmean(fast[0]) / statistics.fmean(fast[1]), 4),
+        }
+    diffs = [c["slow_share"][0] - c["slow_share"][1] for c in per_call.values()]
+    ratios = [c["fast_ratio"] for c in per_call.values()]
+    return {
+        "calls": len(per_call),
+        "per_call": per_call,
+        "slow_share_diff": round(statistics.fmean(diffs), 3) if diffs else None,
+        "slow_share_diff_sem": round(statistics.stdev(diffs) / math.sqrt(len(diffs)), 3)
+        if len(diffs) > 1
+        else None,
+        "fast_ratio_geo_mean": _geo_mean(ratios),
+    }
+
+
 BALANCED = "balanced"  # a call whose servers of the pair started in a balanced order (A B B A)
 
 
@@ -524,15 +564,41 @@ def merge_main(argv: list[str]) -> int:
     if any(pair.count("/") != 1 for pair in a.pair):
         p.error("--pair: CONFIG/AGAINST, e.g. kvo-eager/none")
     reports = {name: read_result(f) for name, f in call_names(a.files).items()}
-    rows = [across_calls(reports, *pair.split("/")) for pair in a.pair]
+    rows = [
+        {
+            **across_calls(reports, *pair.split("/")),
+            "modes": modes_across_calls(reports, *pair.split("/")),
+        }
+        for pair in a.pair
+    ]
     print(
         table(
             [
                 {
-                    **r,
+                    **{k: v for k, v in r.items() if k != "modes"},
                     "per_call": " ".join(f"{k}:{v}" for k, v in r["per_call"].items()),
                     "first_started": " ".join(f"{k}:{v}" for k, v in r["first_started"].items()),
                     "by_order": " ".join(f"{k}:{v}" for k, v in r["by_order"].items()),
+                }
+                for r in rows
+            ]
+        )
+    )
+    print("\n== by mode: slow share (config, against) and fast-mode p50 ratio, per call ==")
+    print(
+        table(
+            [
+                {
+                    "config": r["config"],
+                    "against": r["against"],
+                    "calls": r["modes"]["calls"],
+                    "per_call": " ".join(
+                        f"{k}:{c['slow_share'][0]}/{c['slow_share'][1]},{c['fast_ratio']}"
+                        for k, c in r["modes"]["per_call"].items()
+                    ),
+                    "slow_share_diff": r["modes"]["slow_share_diff"],
+                    "sem": r["modes"]["slow_share_diff_sem"],
+                    "fast_ratio_geo_mean": r["modes"]["fast_ratio_geo_mean"],
                 }
                 for r in rows
             ]

@@ -21,6 +21,7 @@ from serve_paired import (  # noqa: E402
     gpu_state_by_mode,
     main,
     mode_split,
+    modes_across_calls,
     paired_between,
     paired_summary,
     phases_by_mode,
@@ -374,6 +375,35 @@ def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, 
     mixed = [str(packed), *files[1:]]
     assert main(["merge", *mixed, "--pair", "kvo/none", "--out", str(out)]) == 0
     assert json.loads(out.read_text())[0]["per_call"] == {"a": 1.03, "b": 1.01, "d": 0.99}
+
+
+def test_modes_across_calls_split_each_calls_gap_into_slow_share_and_fast_mode_cost(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Call a: kvo slow in 5 rounds of 10, none in 3, kvo's fast requests 1% slower; call b:
+    both slow in 4, equally fast; call c: none never fast (no fast-mode median: left out)."""
+
+    def server(slow_rounds: int, fast_s: float) -> list[tuple[int, float]]:
+        return [(i, 0.040 if i < slow_rounds else fast_s) for i in range(10)]
+
+    calls = {
+        "a": _report({"none": server(3, 0.030), "kvo": server(5, 0.0303)}),
+        "b": _report({"none": server(4, 0.030), "kvo": server(4, 0.030)}),
+        "c": _report({"none": server(10, 0.030), "kvo": server(2, 0.030)}),
+    }
+    modes = modes_across_calls(calls, "kvo", "none")
+    assert modes["calls"] == 2 and set(modes["per_call"]) == {"a", "b"}
+    assert modes["per_call"]["a"] == {"slow_share": [0.5, 0.3], "fast_ratio": 1.01}
+    assert modes["per_call"]["b"] == {"slow_share": [0.4, 0.4], "fast_ratio": 1.0}
+    assert modes["slow_share_diff"] == 0.1 and modes["slow_share_diff_sem"] == 0.1
+    assert modes["fast_ratio_geo_mean"] == pytest.approx(1.01**0.5, abs=1e-4)
+    for name, rep in calls.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(rep))
+    out = tmp_path / "merged.json"
+    files = [str(tmp_path / f"{n}.json") for n in calls]
+    assert main(["merge", *files, "--pair", "kvo/none", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["modes"]["slow_share_diff"] == 0.1
+    assert "a:0.5/0.3,1.01" in capsys.readouterr().out
 
 
 def test_calls_started_a_b_b_a_count_as_both_start_orders() -> None:
