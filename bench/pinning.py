@@ -61,7 +61,7 @@ def tree_cpus(pid: int, proc_root: Path = Path("/proc")) -> set[int]:
     """The vCPUs any thread of `pid` or of its descendants may run on (what pinning gave
     them, read back for the report)."""
     cpus: set[int] = set()
-    for p in descendants(pid, proc_root):
+    for p in descendants([pid], proc_root):
         for status in (proc_root / str(p) / "task").glob("*/status"):
             try:
                 text = status.read_text()

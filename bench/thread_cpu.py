@@ -40,8 +40,9 @@ class ThreadSample:
     cpu: int  # the vCPU it last ran on
 
 
-def descendants(pid: int, proc_root: Path = PROC) -> list[int]:
-    """`pid` and every process below it (the ones alive now)."""
+def descendants(roots: list[int], proc_root: Path = PROC) -> list[int]:
+    """`roots` and every process below them (the ones alive now), each once: one pass over
+    /proc however many roots."""
     children: dict[int, list[int]] = {}
     for stat in proc_root.glob("[0-9]*/stat"):
         try:
@@ -50,9 +51,12 @@ def descendants(pid: int, proc_root: Path = PROC) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
         children.setdefault(ppid, []).append(int(stat.parent.name))
-    out, todo = [], [pid]
+    out, seen, todo = [], set(), list(roots)
     while todo:
         p = todo.pop()
+        if p in seen:  # a root below another root
+            continue
+        seen.add(p)
         out.append(p)
         todo.extend(children.get(p, []))
     return out
@@ -74,17 +78,16 @@ def _thread(pid: int, task: Path, process: str) -> ThreadSample | None:
 def snapshot(root_pids: list[int], proc_root: Path = PROC) -> dict[int, ThreadSample]:
     """Every thread of the trees under `root_pids`, by tid."""
     out: dict[int, ThreadSample] = {}
-    for root in root_pids:
-        for pid in descendants(root, proc_root):
-            try:
-                process = (proc_root / str(pid) / "comm").read_text().strip()
-                tasks = list((proc_root / str(pid) / "task").iterdir())
-            except OSError:
-                continue
-            for task in tasks:
-                t = _thread(pid, task, process)
-                if t is not None:
-                    out[t.tid] = t
+    for pid in descendants(root_pids, proc_root):
+        try:
+            process = (proc_root / str(pid) / "comm").read_text().strip()
+            tasks = list((proc_root / str(pid) / "task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            t = _thread(pid, task, process)
+            if t is not None:
+                out[t.tid] = t
     return out
 
 
