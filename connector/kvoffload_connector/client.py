@@ -161,7 +161,7 @@ class _Session(OrderedSession):
     # -- stream state ---------------------------------------------------------------
     def _on_done(self, _call: object) -> None:
         """The RPC ended (either side, any reason): no call can succeed on it any more."""
-        self.alive = False
+        self._mark_ended()
         self._wake.set()  # let the watchdog exit
         self._retick.set()
         if not self._closing and not self._expired:
@@ -208,7 +208,7 @@ class _Session(OrderedSession):
             try:
                 resp = next(self._responses)
             except (grpc.RpcError, StopIteration):
-                self.alive = False
+                self._mark_ended()
                 if self._expired:
                     raise PoolUnavailable(f"no answer within {timeout_s * 1e3:.0f} ms") from None
                 raise PoolUnavailable("session closed") from None
@@ -223,7 +223,7 @@ class _Session(OrderedSession):
         self._requests.put(None)
         with contextlib.suppress(Exception):
             self._responses.cancel()
-        self.alive = False
+        self._mark_ended()
         self._wake.set()
         self._retick.set()
 
@@ -315,7 +315,12 @@ class PoolClient:
             self._start_keeper()
 
     # -- staying attached -------------------------------------------------------------
-    KEEPER_PERIOD_S = 0.2
+    KEEPER_PERIOD_S = 0.2  # while away: how often it tries to register again
+    # While attached it sleeps on the session's `ended` (a hang-up or close wakes it at once)
+    # and wakes on its own only this rarely, to see whether another process bound the socket:
+    # every timer wake takes the engine's GIL, and a launch thread that hands it over
+    # mid-prefill is one more chance for the host to slow it (docs/BENCHMARKS.md, issue 20).
+    KEEPER_ATTACHED_CHECK_S = 2.0
 
     def _start_keeper(self) -> None:
         """Lock held: with `keep_attached`, a daemon thread re-registers on its own when the
@@ -328,7 +333,14 @@ class PoolClient:
             self._keeper.start()
 
     def _keep(self) -> None:
-        while not self._closed.wait(self.KEEPER_PERIOD_S):
+        while not self._closed.is_set():
+            session = self._session
+            if session is not None and self.connected:
+                session.ended.wait(self.KEEPER_ATTACHED_CHECK_S)
+            else:
+                self._closed.wait(self.KEEPER_PERIOD_S)
+            if self._closed.is_set():
+                return
             try:
                 if self.connected:
                     if self._socket_id is None or self._socket_now() == self._socket_id:

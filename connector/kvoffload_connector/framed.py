@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import socket
 import struct
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 HEADER = struct.Struct("<I")
 MAX_FRAME_BYTES = 32 << 20  # the sidecar's message limit
 _HANGUP = select.POLLRDHUP | select.POLLHUP | select.POLLERR  # peer closed (Linux)
-_WATCH_MS = 500  # the watcher re-checks `close()` this often; a hang-up wakes it at once
 
 
 class FramedSession(OrderedSession):
@@ -56,28 +56,40 @@ class FramedSession(OrderedSession):
             self.close()
             raise PoolUnavailable(f"attach refused: {reply.error.message}")
         self._closed = threading.Event()
+        # The watcher sleeps in poll() with no timeout (a timer would take the engine's GIL
+        # a few times a second for nothing); closing this pipe's write end wakes it.
+        self._wake_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
         threading.Thread(target=self._watch, name="kvoffload-framed-watch", daemon=True).start()
 
     def _watch(self) -> None:
         """Notice the sidecar closing the connection between calls (it died or restarted), as
         gRPC's done callback does for the stream: `alive` turns False at once, so callers
         re-register before their next call instead of learning it from a failed one. Polls
-        for hang-up only (never reads), so it cannot race an exchange for the answers."""
+        for hang-up only (never reads), so it cannot race an exchange for the answers; the
+        session ending (`_fail`, `close`) wakes it through the pipe."""
         poller = select.poll()
         try:
             poller.register(self._sock.fileno(), _HANGUP)
-        except (OSError, ValueError):
-            return
-        while self.alive and not self._closed.is_set():
-            try:
-                events = poller.poll(_WATCH_MS)
-            except OSError:
-                return
-            if any(ev & _HANGUP for _, ev in events):
-                if self.alive and not self._closed.is_set():
-                    log.info("kvoffload: the sidecar closed the framed session")
-                self.alive = False
-                return
+            poller.register(self._wake_r, select.POLLIN | select.POLLHUP)
+            while self.alive and not self._closed.is_set():
+                events = poller.poll()
+                if any(fd != self._wake_r and ev & _HANGUP for fd, ev in events):
+                    if self.alive and not self._closed.is_set():
+                        log.info("kvoffload: the sidecar closed the framed session")
+                    self._mark_ended()
+        except (OSError, ValueError):  # the socket closed under us: the session ended
+            pass
+        finally:
+            self._wake_watcher()
+            os.close(self._wake_r)
+
+    def _wake_watcher(self) -> None:
+        """Close the pipe's write end (once): the watcher's poll() returns."""
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                os.close(self._wake_w)
+                self._wake_w = -1
 
     # -- transport ------------------------------------------------------------------
     def _send(self, requests: list[pool_pb2.SessionRequest], deadline: float, timeout_s: float):
@@ -147,7 +159,9 @@ class FramedSession(OrderedSession):
                 raise PoolUnavailable(f"answer {resp.seq} arrived before {seq}")
 
     def _fail(self) -> None:
-        self.alive = False
+        self._mark_ended()
+        if getattr(self, "_wake_lock", None) is not None:  # attached: a watcher runs
+            self._wake_watcher()
         with contextlib.suppress(OSError):
             self._sock.close()
 

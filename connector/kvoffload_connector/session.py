@@ -28,7 +28,14 @@ class OrderedSession:
     def __init__(self) -> None:
         self._turn = threading.Lock()  # the exchange in flight owns the session
         self._seq = itertools.count(1)
-        self.alive = True
+        self.alive = True  # read on every call: a plain attribute; `ended` mirrors it for waiters
+        # Set once no call can succeed (hang-up, deadline, close): the client's keeper sleeps
+        # on it while attached instead of waking on a timer in the engine process.
+        self.ended = threading.Event()
+
+    def _mark_ended(self) -> None:
+        self.alive = False
+        self.ended.set()
 
     # -- what a transport provides ------------------------------------------------------
     def _send(self, requests: list[pool_pb2.SessionRequest], deadline: float, timeout_s: float):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from kvoffload_connector.client import Backoff, PoolClient, PoolUnavailable
@@ -156,6 +157,38 @@ def test_the_keeper_reattaches_an_idle_client_within_a_second(sidecar, framed):
     assert c.registration.generation == reg.generation
     assert c.lookup([keys(1, 2)]) == [2]  # the adopted blocks
     c.close()
+
+
+def _wakes(thread: threading.Thread) -> int:
+    """How often `thread` has gone to sleep and been woken (the kernel's count for it)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_an_attached_idle_client_does_not_wake_the_engine(sidecar, framed):
+    """An idle engine's client threads sleep until something happens: every timer wake takes
+    the engine process's GIL, which a prefill's launch thread then has to hand over. The
+    keeper waits on the session's end (a sidecar kill wakes it at once, the test above) and
+    the framed watcher on its socket, with no timer; `close()` still ends both at once."""
+    c = PoolClient(sidecar.socket, "test/w", framed=framed, keep_attached=True)
+    c.register(SPEC, 1, 8192)
+    mine = {"kvoffload-keep-attached", "kvoffload-framed-watch"}
+    threads = [t for t in threading.enumerate() if t.name in mine and t.is_alive()]
+    assert {t.name for t in threads} == (mine if framed else {"kvoffload-keep-attached"})
+    time.sleep(0.2)
+    before = {t.name: _wakes(t) for t in threads}
+    time.sleep(1.5)  # the old keeper woke 7 times in this, the old watcher 3 times
+    after = {t.name: _wakes(t) for t in threads}
+    assert all(after[n] - before[n] <= 1 for n in before), (before, after)
+    assert c.connected
+    t0 = time.monotonic()
+    c.close()
+    for t in threads:
+        t.join(timeout=2)
+    assert not any(t.is_alive() for t in threads), "a client thread outlived close()"
+    assert time.monotonic() - t0 < 1.0
 
 
 @pytest.mark.process
