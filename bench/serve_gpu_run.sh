@@ -5,9 +5,13 @@
 #   bash bench/serve_gpu_run.sh [BUDGET_S] [serve_sweep.py flags...]   (repository root; carry .gpu)
 #   BENCH=serve_paired.py bash bench/serve_gpu_run.sh [BUDGET_S] [serve_paired.py flags...]
 #
-# `vllm serve` and `vllm bench serve` need a few packages the GPU image lacks (uvicorn, uvloop,
-# aiohttp, ...): .gpu/whl2 holds their wheels (`pip download` of the names in SERVE_MODULES below for
-# cp312 manylinux) and only the missing ones are installed, into /tmp/site.
+# `vllm serve` and `vllm bench serve` need a few packages the GPU image lacks: .gpu/whl2 holds their
+# wheels and only the missing ones are installed, into /tmp/site. The image of 2026-11-29 lacks
+# seven (~1.6 MB; with the vLLM carry and .gpu/whl the tree then stays under the 64 MiB limit):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .gpu/whl2 uvicorn \
+#     httptools prometheus_fastapi_instrumentator model_hosting_container_standards watchfiles \
+#     jmespath supervisor
 set -uo pipefail
 budget=${1:-540}
 shift || true

@@ -182,10 +182,20 @@ def plan_points(a: argparse.Namespace) -> list[Point]:
 # -- the server --------------------------------------------------------------------------------
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed to another server of this process: two quick bind(0)s
+    can return the same port, and a server whose port another one took answers the health
+    check with the other's (a CI run measured a kvo server's rounds on a noop server)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 def vllm_cli(*args: str) -> list[str]:

@@ -85,9 +85,12 @@ class FramedSession(OrderedSession):
             os.close(self._wake_r)
 
     def _wake_watcher(self) -> None:
-        """Close the pipe's write end (once): the watcher's poll() returns."""
+        """A byte down the pipe, then close its write end (once): the watcher's poll()
+        returns (the byte wakes it even where a forked child still holds the write end)."""
         with self._wake_lock:
             if self._wake_w >= 0:
+                with contextlib.suppress(OSError):
+                    os.write(self._wake_w, b"x")
                 os.close(self._wake_w)
                 self._wake_w = -1
 
