@@ -57,7 +57,7 @@ class FramedSession(OrderedSession):
             raise PoolUnavailable(f"attach refused: {reply.error.message}")
         self._closed = threading.Event()
         # The watcher sleeps in poll() with no timeout (a timer would take the engine's GIL
-        # a few times a second for nothing); closing this pipe's write end wakes it.
+        # a few times a second for nothing); `_wake_watcher` wakes it through this pipe.
         self._wake_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         threading.Thread(target=self._watch, name="kvoffload-framed-watch", daemon=True).start()
