@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -212,6 +213,17 @@ def test_a_dead_sidecar_is_noticed_without_a_call(sidecar, framed):
     c.close()
 
 
+def _freeze(pid: int) -> None:
+    """SIGSTOP `pid` and wait until the kernel shows it stopped: the signal is delivered
+    asynchronously, and a sidecar still running for a moment answers the next call (a CI run
+    saw a lookup answered after the signal was sent)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
 @pytest.mark.process
 @pytest.mark.timeout(60)
 def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sidecar, framed):
@@ -228,7 +240,7 @@ def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sideca
     res = c.reserve_store(keys(1))
     c.commit_store(reg.namespace_id, res.store_id, 0)
     time.sleep(1.3)  # no call for over a second: the watchdog sleeps until the next one
-    sidecar.proc.send_signal(signal.SIGSTOP)  # alive but silent (a stuck process)
+    _freeze(sidecar.proc.pid)  # alive but silent (a stuck process)
     try:
         t0 = time.monotonic()
         with pytest.raises(PoolUnavailable, match="no answer within 300 ms"):
