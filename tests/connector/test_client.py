@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -190,6 +191,26 @@ def test_an_attached_idle_client_does_not_wake_the_engine(sidecar, framed):
         t.join(timeout=2)
     assert not any(t.is_alive() for t in threads), "a client thread outlived close()"
     assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.process
+@pytest.mark.timeout(60)
+def test_close_ends_the_framed_watcher_while_a_forked_child_lives(sidecar):
+    """vLLM forks its workers after the scheduler's client exists: the child inherits the
+    watcher's wake pipe, so closing the write end alone never wakes the parent's watcher;
+    the byte down the pipe does."""
+    c = PoolClient(sidecar.socket, "test/s", framed=True)
+    c.register(SPEC, 1, 8192)
+    watcher = next(t for t in threading.enumerate() if t.name == "kvoffload-framed-watch")
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    child.start()
+    try:
+        c.close()
+        watcher.join(timeout=2)
+        assert not watcher.is_alive(), "the framed watcher outlived close() beside a forked child"
+    finally:
+        child.kill()
+        child.join()
 
 
 @pytest.mark.process
