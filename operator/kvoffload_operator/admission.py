@@ -1,7 +1,10 @@
 """One admission request for a pod: the webhook's logic without kopf (kopf calls `admit_pod`).
 
 Never blocks pod creation: any exception in the injector admits the pod unchanged except for
-``kvoffload.io/skip-reason: error`` and an admission warning, and is counted.
+``kvoffload.io/skip-reason: error`` and an admission warning, and is counted. Before an injected
+pod is answered, `inject.verify` checks it (structure, and the flag's delivery re-parsed as the
+shell reads it); a pod that fails, or a check that raises, is admitted unchanged except for
+``kvoffload.io/skip-reason: verification-failed``, with the failing check in the warning.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject import RenderDefaults, SkipReason, inject_pod
+from kvoffload_operator.inject.verify import VERIFICATION_FAILED, intent_of, verify
 from kvoffload_operator.metrics import OperatorMetrics
 from kvoffload_operator.policy import Policy
 
@@ -41,6 +45,15 @@ def admit_pod(
         decision = result.decision
         if decision.inject:
             admission = Admission(result.pod, "injected", "none")
+            problem = _verification_problem(pod, result.pod, decision)
+            if problem is not None:
+                log.warning("kvoffload: rendering failed verification (%s); not injected", problem)
+                admission = Admission(
+                    skipped(pod, VERIFICATION_FAILED),
+                    "skipped",
+                    VERIFICATION_FAILED,
+                    (f"kvoffload: not injected ({VERIFICATION_FAILED}): {problem}",),
+                )
         else:
             assert decision.reason is not None
             warns = (
@@ -51,12 +64,8 @@ def admit_pod(
             admission = Admission(result.pod, "skipped", decision.reason.value, warns)
     except Exception as exc:  # the webhook must never block pod creation
         log.exception("kvoffload: injection failed; admitting the pod unchanged")
-        out = copy.deepcopy(dict(pod))
-        out.setdefault("metadata", {}).setdefault("annotations", {})[ann.SKIP_REASON] = (
-            SkipReason.ERROR.value
-        )
         admission = Admission(
-            out,
+            skipped(pod, SkipReason.ERROR.value),
             "error",
             SkipReason.ERROR.value,
             (f"kvoffload: injection failed, pod admitted unchanged: {exc}",),
@@ -73,3 +82,22 @@ def admit_pod(
         admission.reason,
     )
     return admission
+
+
+def skipped(pod: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    """``pod`` unchanged but for ``kvoffload.io/skip-reason: <reason>``."""
+    out = copy.deepcopy(dict(pod))
+    out.setdefault("metadata", {}).setdefault("annotations", {})[ann.SKIP_REASON] = reason
+    return out
+
+
+def _verification_problem(
+    pod: Mapping[str, Any], mutated: Mapping[str, Any], decision: Any
+) -> str | None:
+    """Why the injected ``mutated`` must not be answered, or None when it passes."""
+    try:
+        verdict = verify(pod, mutated, intent_of(decision))
+    except Exception as exc:  # a checker bug must not block the pod, nor let it through
+        log.exception("kvoffload: verification raised")
+        return f"the check raised {type(exc).__name__}: {exc}"
+    return None if verdict.ok else verdict.summary()

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from kvoffload_operator.inject import RenderDefaults
+from kvoffload_operator.manifest_checks import check_documents
 from kvoffload_operator.manifests import inject_documents
 from kvoffload_operator.policy import KIND, PolicyError, policies_from_documents
 from kvoffload_operator.version import VERSION
@@ -46,6 +47,13 @@ def main_inject(argv: Sequence[str]) -> int:
     parser.add_argument("-o", "--output", help="write here instead of stdout")
     parser.add_argument("--sidecar-image", default=RenderDefaults().sidecar_image)
     parser.add_argument("--connector-image", default=RenderDefaults().connector_image)
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run each injected vLLM command line (its shell, eval, ConfigMap scripts) "
+        "against a stand-in engine and check it receives --kv-transfer-config once, as the "
+        "policy's JSON; exit 1 when a template fails (nothing from the manifest runs for real)",
+    )
     args = parser.parse_args(list(argv))
     try:
         policy_docs = [d for p in args.policy for d in yaml.safe_load_all(_read(p))]
@@ -64,12 +72,16 @@ def main_inject(argv: Sequence[str]) -> int:
     out_docs, notes = inject_documents(docs, policies, defaults)
     for note in notes:
         print(f"kvoffload inject: {note.where}: {note.text}", file=sys.stderr)
+    # the webhook's checks on every injected template (with --verify, also the stand-in run)
+    out_docs, checks = check_documents(docs, out_docs, policies, execute=args.verify)
+    for check in checks:
+        print(f"kvoffload inject: {check.where}: {check.text}", file=sys.stderr)
     text = dump_documents(out_docs)
     if args.output:
         Path(args.output).write_text(text)
     else:
         sys.stdout.write(text)
-    return 0
+    return 1 if args.verify and any(c.failed for c in checks) else 0
 
 
 def dump_documents(docs: Sequence[Any]) -> str:
