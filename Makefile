@@ -19,7 +19,7 @@ MIN_FREE_GIB ?= 7
 # deleting a clone frees it instead of growing /tmp run after run.
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/torchinductor
 
-.PHONY: help venv protos protos-check test test-fast test-gpu test-cluster demo lint fmt \
+.PHONY: help venv protos protos-check test model-check test-fast test-gpu test-cluster demo lint fmt \
         imports bench chart-test crds-sync images clean
 
 help:
@@ -63,6 +63,9 @@ test: $(STAMP) $(NATIVE) ## unit + process + CPU vLLM tests (what CI runs)
 
 test-fast: $(STAMP) $(NATIVE) ## unit + process tests only
 	$(PY) -m pytest -m "not gpu and not cluster and not vllm and not slow" $(PYTEST_ARGS)
+
+model-check: $(STAMP) $(NATIVE) ## the slot protocol's model checker, deep profile (minutes)
+	KVO_MODEL_DEPTH=deep $(PY) -m pytest tests/model $(PYTEST_ARGS)
 
 test-gpu: $(STAMP) $(NATIVE) ## GPU tests (skip cleanly without a GPU)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
