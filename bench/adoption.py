@@ -1,6 +1,6 @@
 """What re-adopting the pool costs a restarted sidecar, per GiB of pool and per million blocks.
 
-Two measurements (issue 18: serving again in under 1 s after the process starts, for a 64 GiB
+Two measurements (the aim: serving again in under 1 s after the process starts, for a 64 GiB
 pool; the cost must grow with blocks, not bytes):
 
 - `inproc` (default): a `Pool` fills N committed blocks into a pool of S bytes, then a second
@@ -13,7 +13,7 @@ pool; the cost must grow with blocks, not bytes):
   adopted, and the first lookup that hits. Needs the pool's bytes in memory (the GPU host for
   64 GiB).
 
-    python bench/adoption.py [--mode inproc|process] [--sizes-gib 1,8,64,256]
+    python -m bench adoption [--mode inproc|process] [--sizes-gib 1,8,64,256]
         [--blocks 10000,100000,1000000] [--reps 3] [--dir DIR] [--out JSON]
 
 Every row fills half the pool: slot bytes = pool bytes / (2 x blocks).
@@ -257,7 +257,7 @@ def main() -> int:
     ap.add_argument("--blocks", default="10000,100000,1000000")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None)
-    ap.add_argument("--out", default="bench/results/adoption.json")
+    ap.add_argument("--out", default="bench/out/adoption.json")
     args = ap.parse_args()
     rows = run_inproc(args) if args.mode == "inproc" else run_process(args)
     report(f"pool adoption ({args.mode})", rows, args.out, extra={"args": vars(args)})

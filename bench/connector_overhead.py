@@ -8,7 +8,7 @@ is timed in the process that runs it (scheduler hooks in EngineCore, worker hook
 worker); each process dumps its totals to a JSON file. Step time = wall time of the run /
 steps with scheduled tokens. The same workload without the connector gives the baseline.
 
-    python bench/connector_overhead.py [--out bench/results/connector_overhead.json]
+    python -m bench connector_overhead [--out bench/out/connector_overhead.json]
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def engine_run(args: argparse.Namespace) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(HERE / "results" / "connector_overhead.json"))
+    ap.add_argument("--out", default=str(HERE / "out" / "connector_overhead.json"))
     ap.add_argument(
         "--model",
         default=str(

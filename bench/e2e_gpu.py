@@ -1,4 +1,4 @@
-"""End to end on the GPU: a real vLLM engine with kvoffload, beside vLLM's own offloading (issue 6).
+"""End to end on the GPU: a real vLLM engine with kvoffload, beside vLLM's own offloading.
 
 One engine per (model, configuration), each in its own child process (clean GPU and host memory,
 a crash costs one configuration), all against one real `kvoffload sidecar`. Configurations:
@@ -27,14 +27,10 @@ Sections (each child runs the ones asked for, in this order, within its deadline
                first_token_latency: arrival to first token, queueing included).
     decode     B new 1,024-token prompts at once, 256 generated tokens each, nothing to hit:
                output tokens/s, inter-token latency and TTFT: the 0%-hit cost.
-    hotpath    where the engine's main thread spends a step: cProfile over 8 GPU-prefix hits
-               of one prompt (the first --sizes), then over one short 0%-hit decode batch; the
-               top functions by own time and by cumulative time (profiled calls run slower:
-               compare configurations, not absolute times).
 
-    python bench/e2e_gpu.py --model bench/e2e_models/llama3-8b \
-        --configs none,offloading,simple,kvo-eager,kvo-lazy --sections ttft,multiturn,decode \
-        [--socket PATH | --pool-gib 40] [--budget-s 540] [--out bench/results/e2e_gpu.json]
+    python -m bench e2e_gpu --model bench/e2e_models/llama3-8b \
+        --configs none,offloading,simple,kvo-layer --sections ttft,multiturn,decode \
+        [--socket PATH | --pool-gib 40] [--budget-s 540] [--out bench/out/e2e_gpu.json]
 
 Writes the JSON after every finished section (a timeout leaves what was measured) and prints
 the tables last. A request without progress for --stall-s is a hang: the child saves the
@@ -66,9 +62,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PCIE_GBPS = 52.0  # measured H2D ceiling on the H100 host (DESIGN.md; 52.5 in bench/transfer.py)
-TARGET_SLACK = 1.1  # issue 6: pool hit within 1.1 x (GPU-hit time + KV bytes / 52 GB/s)
+TARGET_SLACK = 1.1  # target: pool hit within 1.1 x (GPU-hit time + KV bytes / 52 GB/s)
 CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy", "kvo-layer")
-SECTIONS = ("ttft", "multiturn", "decode", "hotpath")
+SECTIONS = ("ttft", "multiturn", "decode")
 CHILD_START_S = 60.0  # import + engine start + warm-up: do not start a child with less left
 
 
@@ -138,7 +134,7 @@ def model_shape(model_dir: Path) -> ModelShape:
 
 
 def pool_hit_target_ms(gpu_hit_ms: float, kv_bytes: int, gbps: float = PCIE_GBPS) -> float:
-    """Issue 6's bound: 1.1 x (GPU-hit time + the bytes at the PCIe ceiling)."""
+    """The pool-hit target: 1.1 x (GPU-hit time + the bytes at the PCIe ceiling)."""
     return TARGET_SLACK * (gpu_hit_ms + kv_bytes / (gbps * 1e9) * 1e3)
 
 
@@ -274,7 +270,6 @@ class Child:
         }
         self.llm: Any = None
         self.busy: tuple[float, int, int] | None = None  # (since, tokens, prompts) in generate()
-        self.profile: Any = None  # e2e_profile.StepProfile with --profile
 
     # plumbing
     def save(self) -> None:
@@ -307,8 +302,6 @@ class Child:
 
         a = self.args
         kv = kv_transfer_config(a.config, a.socket, int(a.cpu_gib * (1 << 30)), a.kvo_chunk)
-        if a.profile:
-            self.start_profile(kv)
         t0 = time.time()
         self.llm = LLM(
             model=a.model,
@@ -330,8 +323,6 @@ class Child:
         import vllm
 
         core = getattr(self.llm.llm_engine.engine_core, "engine_core", None)  # in-process only
-        if self.profile is not None and core is not None:
-            self.result["profile_engine"] = self.profile.patch_engine(core)
         kcc = getattr(getattr(core, "scheduler", None), "kv_cache_config", None)
         groups = [
             f"{type(g.kv_cache_spec).__name__}x{len(g.layer_names)}"
@@ -354,32 +345,6 @@ class Child:
             "multiprocessing": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1"),
         }
         self.save()
-
-    def start_profile(self, kv: dict[str, Any] | None) -> None:
-        """--profile: time the connector's own hooks (class-level, before the engine exists)."""
-        sys.path.insert(0, str(ROOT / "bench"))
-        from e2e_profile import StepProfile
-
-        self.profile = StepProfile()
-        cls = None
-        if kv is not None:
-            try:
-                from vllm.config import KVTransferConfig
-                from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-                cls = KVConnectorFactory.get_connector_class(KVTransferConfig(**kv))
-            except Exception as e:  # noqa: BLE001 - profiling is an aid
-                self.result["profile_error"] = f"{type(e).__name__}: {e}"
-        self.result["profile_hooks"] = self.profile.patch_connector(cls) if cls else []
-
-    def phase(self, name: str, before: dict[str, Any] | None) -> dict[str, Any] | None:
-        """With --profile: store the delta since `before` under profile[name]; new snapshot."""
-        if self.profile is None:
-            return None
-        after = self.profile.snapshot()
-        if before is not None:
-            self.result.setdefault("profile", {})[name] = self.profile.since(before, after)
-        return after
 
     def params(self, max_tokens: int) -> Any:
         from vllm import SamplingParams
@@ -568,24 +533,19 @@ class Child:
                 if self.left() < a.reserve_s + later + 2 * (size / rate + a.settle_s):
                     self.log(f"ttft: out of time at {size} rep {i}")
                     break
-                snap = self.phase("", None)
                 cold = self.timed(p)
-                snap = self.phase(f"ttft/{size}/cold/{i}", snap)
                 add(size, "cold", cold)
                 rate = max(1000.0, size / max(cold.wall_ms / 1e3, 1e-3))
                 add(size, "gpu_hit", self.timed(p))
-                self.phase(f"ttft/{size}/gpu_hit/{i}", snap)
                 done[size] = i + 1
             self.save()
         sec["flush"] = self.flush("ttft")
         self.save()
         for size in a.sizes:
-            snap = self.phase("", None)
-            for i, p in enumerate(prompts[size][: done.get(size, 0)]):
+            for p in prompts[size][: done.get(size, 0)]:
                 if self.left() < a.reserve_s:
                     break
                 add(size, "pool_hit", self.timed(p))
-                snap = self.phase(f"ttft/{size}/pool_hit/{i}", snap)
         sec["complete"] = all(done.get(s) == a.reps for s in a.sizes)
         self.save()
 
@@ -611,9 +571,7 @@ class Child:
                 system + history[c] + self.prompt(a.mt_turn, "mt", c, turn)
                 for c in range(a.mt_convs)
             ]
-            snap = self.phase("", None)
             outs, wall = self.generate(batch, a.mt_reply)
-            self.phase(f"multiturn/{turn}", snap)
             ttfts = [1e3 * o.metrics.first_token_latency for o in outs if o.metrics is not None]
             for c, o in enumerate(outs):
                 history[c] = batch[c][len(system) :] + list(o.outputs[0].token_ids)
@@ -648,9 +606,7 @@ class Child:
                 break
             batch = [self.prompt(a.dec_prompt, "dec", rep, i) for i in range(a.dec_batch)]
             time.sleep(a.settle_s)
-            snap = self.phase("", None)
             outs, wall = self.generate(batch, a.dec_tokens)
-            self.phase(f"decode/{rep}", snap)
             itl, ttft = [], []
             for o in outs:
                 m = o.metrics
@@ -672,34 +628,6 @@ class Child:
             )
             self.save()
 
-    def section_hotpath(self) -> None:
-        import cProfile
-
-        a = self.args
-        sec: dict[str, Any] = {}
-        self.result["sections"]["hotpath"] = sec
-        prompt = self.prompt(a.sizes[0], "hotpath")
-        self.generate([prompt], 1)  # cold: computed (and, with kvoffload eager, stored)
-        time.sleep(1.0)  # its copies settle: the hits below measure the hit path alone
-        prof, walls = cProfile.Profile(), []
-        for _ in range(8):
-            time.sleep(a.settle_s)
-            prof.enable()
-            _, wall = self.generate([prompt], 1)
-            prof.disable()
-            walls.append(round(1e3 * wall, 2))
-        sec["gpu_hit"] = {"prompt_tokens": len(prompt), "wall_ms": walls, **profile_top(prof)}
-        self.save()
-        batch = [self.prompt(a.dec_prompt, "hot-dec", i) for i in range(a.dec_batch)]
-        time.sleep(a.settle_s)
-        prof = cProfile.Profile()
-        prof.enable()
-        outs, wall = self.generate(batch, 64)
-        prof.disable()
-        steps = max(len(o.outputs[0].token_ids) for o in outs)
-        sec["decode"] = {"batch": len(batch), "steps": steps, "wall_s": wall, **profile_top(prof)}
-        self.save()
-
     def run(self) -> int:
         try:
             self.log("starting engine")
@@ -719,32 +647,6 @@ class Child:
             return self.failed(e)
         finally:
             self.save()
-
-
-def profile_top(prof: Any, n: int = 40) -> dict[str, Any]:
-    """The n functions with most own time and most cumulative time, in ms (path tails only)."""
-    import pstats
-
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    rows = []
-    for (path, line, func), (_cc, calls, own, cum, _callers) in stats.items():
-        where = "/".join(Path(path).parts[-2:]) if path != "~" else "C"
-        rows.append([f"{where}:{line}:{func}", calls, round(1e3 * own, 2), round(1e3 * cum, 2)])
-    total = sum(r[2] for r in rows)
-    by_own = sorted(rows, key=lambda r: -r[2])[:n]
-    by_cum = sorted(rows, key=lambda r: -r[3])[:n]
-    # the connector's own functions and any gRPC wait, with who called them (where a step's
-    # time goes when a connector is loaded)
-    ours: list[list[Any]] = []
-    for (path, line, func), (_cc, calls, own, cum, callers) in stats.items():
-        if not any(k in path for k in ("kvoffload", "grpc", "kv_connector")):
-            continue
-        where = "/".join(Path(path).parts[-2:])
-        top = sorted(callers.items(), key=lambda kv: -kv[1][3])[:3]
-        by = [f"{Path(c[0]).name}:{c[1]}:{c[2]} {1e3 * v[3]:.1f}ms" for c, v in top]
-        ours.append([f"{where}:{line}:{func}", calls, round(1e3 * own, 2), round(1e3 * cum, 2), by])
-    ours.sort(key=lambda r: -r[3])
-    return {"total_ms": round(total, 1), "by_own": by_own, "by_cum": by_cum, "connector": ours[:n]}
 
 
 # -- the parent: sidecar, one child per configuration, tables --------------------------------------
@@ -792,7 +694,7 @@ def child_argv(
         "dec_tokens",
         "dec_reps",
     )
-    flags = ("profile", "cuda_graphs")
+    flags = ("cuda_graphs",)
     argv = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -1138,7 +1040,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sizes", default="2000,10000,32000", type=ints, help="TTFT prompt lengths")
     p.add_argument("--reps", type=int, default=4, help="prompts per size (medians of these)")
-    p.add_argument("--out", default=str(ROOT / "bench/results/e2e_gpu.json"))
+    p.add_argument("--out", default=str(ROOT / "bench/out/e2e_gpu.json"))
     p.add_argument("--log", default="", help="engines' output (default: OUT with .log)")
     p.add_argument("--budget-s", type=float, default=540, help="wall budget of the whole run")
     p.add_argument(
@@ -1197,11 +1099,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dec-prompt", type=int, default=1024)
     p.add_argument("--dec-tokens", type=int, default=256)
     p.add_argument("--dec-reps", type=int, default=2)
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="time connector hooks, engine steps, CPU per thread, per phase (bench/e2e_profile.py)",
-    )
     p.add_argument("--merge", nargs="+", default=[], help="merge these reports into --out")
     # child-only
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

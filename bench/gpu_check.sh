@@ -4,7 +4,7 @@
 #   bash bench/gpu_check.sh [env|tests|bench|all] [extra args for bench/transfer.py]
 #   bash bench/gpu_check.sh rpc [extra args for bench/sidecar_rpc.py]   # the sidecar's RPC
 #     round trips on the GPU host (absolute times count there); carry .gpu/whl (grpcio 1.85.1,
-#     protobuf 7.36.2 for the stubs, grpcio-health-checking), installed into /tmp/site first.
+#     protobuf 7.36.2 for the stubs, grpcio-health-checking; bench/gpu_setup.sh), installed into /tmp/site first.
 #   bash bench/gpu_check.sh engine [pytest args]   # the real-engine tests on vLLM 0.26 from the
 #     carry (carry .gpu): default tests/connector/test_vllm_engine.py and test_free_order.py,
 #     which see what the CPU build cannot (async scheduling, CUDA copies); engine.txt

@@ -6,7 +6,9 @@
 # the generated stubs need; grpc_health is not in the image), puts this checkout's packages on
 # PYTHONPATH and, with `vllm`, unpacks vLLM 0.26 from .gpu/vllm026-h100-carry.tar.xz into /tmp/vsite
 # (once per machine) with the engine in-process. Sets `native` (the image's own protobuf/grpcio)
-# and `need_wheels` (yes/no) for the wrapper's env line. Exits 3 (carry) or 4 (wheels) on failure.
+# and `need_wheels` (yes/no) for the wrapper's env line. Exits 3 when .gpu/ lacks what the run needs
+# (bench/gpu_setup.sh builds it) or 4 when the wheels do not install.
+bash bench/gpu_setup.sh --check "${1:-rpc}" || exit 3
 native=$(python3 -c 'import google.protobuf as p, grpc; print("protobuf", p.__version__, "grpcio", grpc.__version__)' 2>&1 | tail -1)
 need_wheels=no
 mkdir -p /tmp/site

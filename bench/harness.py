@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "bootstrap_median_ci",
     "machine",
     "percentile",
     "read_result",
@@ -62,7 +63,7 @@ def read_result(path: Path) -> Any:
 
 
 def result_stem(path: Path) -> str:
-    """`s24p20` for `s24p20.json` and for `s24p20.json.xz`."""
+    """`h200_01` for `h200_01.json` and for `h200_01.json.xz`."""
     name = path.name.removesuffix(".xz")
     return name.removesuffix(".json") if name.endswith(".json") else Path(name).stem
 

@@ -12,7 +12,7 @@ warm-up and reports calls/s and block ops/s:
 The pool file is sparse (PoolSettings.prefault=False, a bench/test-only knob) with 64-byte slots,
 so 1M slots cost 64 MiB of address space and no memory.
 
-    python bench/index_ops.py [--slots 1048576] [--batch 1,64] [--policy lru,arc] [--out PATH]
+    python -m bench index_ops [--slots 1048576] [--batch 1,64] [--policy lru,arc] [--out PATH]
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="1,64", help="keys per call, comma separated")
     parser.add_argument("--policy", default="lru,arc", help="eviction policies to run")
     parser.add_argument("--seconds", type=float, default=1.0, help="measuring time per row")
-    parser.add_argument("--out", default="bench/results/index_ops.json", help="JSON output path")
+    parser.add_argument("--out", default="bench/out/index_ops.json", help="JSON output path")
     args = parser.parse_args(argv)
     if args.slots < 1024:
         parser.error("--slots must be at least 1024")

@@ -5,7 +5,7 @@ Pure path: every golden pod template of tests/operator/testdata through `inject_
 HTTPS path: the operator (kopf + our handlers) in-process against the kmock API emulator, one
 AdmissionReview v1 at a time over TLS from a client in another thread, N requests.
 
-    python bench/inject_latency.py [--requests 300] [--out bench/results/inject_latency.json]
+    python -m bench inject_latency [--requests 300] [--out bench/out/inject_latency.json]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--out", default=str(ROOT / "bench/results/inject_latency.json"))
+    parser.add_argument("--out", default=str(ROOT / "bench/out/inject_latency.json"))
     args = parser.parse_args()
     pure = bench_pure(args.rounds)
     https = asyncio.run(bench_https(args.requests))

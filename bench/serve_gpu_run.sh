@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
-# The serving sweep (bench/serve_sweep.py) on the GPU machine, one call: vLLM 0.26 from the carry,
-# `vllm serve` per configuration, `vllm bench serve` and bench/serve_chat.py as the clients.
+# The serving benchmarks on the GPU machine, one call: vLLM 0.26 from the carry, `vllm serve` per
+# configuration, `vllm bench serve` and bench/serve_chat.py as the clients.
 #
-#   bash bench/serve_gpu_run.sh [BUDGET_S] [serve_sweep.py flags...]   (repository root; carry .gpu)
-#   BENCH=serve_paired.py bash bench/serve_gpu_run.sh [BUDGET_S] [serve_paired.py flags...]
+#   bash bench/serve_gpu_run.sh [BUDGET_S] [serve_sweep flags...]   (repository root; carry .gpu)
+#   BENCH=serve_paired.py bash bench/serve_gpu_run.sh [BUDGET_S] [serve_paired flags...]
 #
 # `vllm serve` and `vllm bench serve` need a few packages the GPU image lacks: .gpu/whl2 holds their
-# wheels and only the missing ones are installed, into /tmp/site. The image of 2026-11-29 lacks
-# seven (~1.6 MB; with the vLLM carry and .gpu/whl the tree then stays under the 64 MiB limit):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .gpu/whl2 uvicorn \
-#     httptools prometheus_fastapi_instrumentator model_hosting_container_standards watchfiles \
-#     jmespath supervisor
+# wheels (bash bench/gpu_setup.sh) and only the missing ones are installed, into /tmp/site.
 set -uo pipefail
 budget=${1:-540}
 shift || true
 OUT=${OUT:-out/serve}
 mkdir -p "$OUT"
+bash bench/gpu_setup.sh --check serve || exit 3
 source bench/gpu_env.sh vllm
 python3 - <<'PY' || exit 5
 import importlib.util, pathlib, subprocess, sys
@@ -40,26 +36,6 @@ PY
 { lscpu; nvidia-smi topo -m; } >> "$OUT/env.txt" 2>&1
 bash bench/build_native.sh >> "$OUT/env.txt" 2>&1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# GPU 0's clocks, power, use and temperature every 200 ms, as `EPOCH_S, values...` (serve_paired.py
-# GPU_STATE_FIELDS; `serve_paired.py modes FILE --gpu-state gpu_state.csv` joins them by time)
-to_epoch='import datetime, sys
-for line in sys.stdin:
-    stamp, _, rest = line.partition(",")
-    try:
-        t = datetime.datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
-    except ValueError:
-        continue
-    print(f"{t:.3f}, {rest.strip()}", flush=True)'
-nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
-  --format=csv,noheader,nounits -lms 200 2>/dev/null | python3 -u -c "$to_epoch" > "$OUT/gpu_state.csv" &
-sampler=$!
-# each vCPU's busy/interrupt/steal shares every 200 ms (bench/cpu_sampler.py; `modes
-# --engine-trace T --cpu-state cpu_state.jsonl` reads the prefill's own vCPU), and the interrupt
-# counters per vCPU before and after
-cat /proc/interrupts > "$OUT/interrupts_start.txt" 2>/dev/null
-python3 bench/cpu_sampler.py "$OUT/cpu_state.jsonl" &
-cpu_sampler=$!
-trap 'kill $sampler $cpu_sampler 2>/dev/null' EXIT
 timeout $((budget + 30)) python3 "bench/${BENCH:-serve_sweep.py}" --budget-s "$budget" --out "$OUT/sweep.json" "$@" 2>&1 \
   | grep -v '^INFO\|^DEBUG\|^(APIServer\|^(EngineCore' | tail -120
 rc=${PIPESTATUS[0]}
@@ -72,6 +48,5 @@ for f in "$OUT"/sweep/server.*.log "$OUT"/sweep/client.*.log; do
   rm -f "$f"
 done
 rm -rf "$OUT/sweep/model"
-cat /proc/interrupts > "$OUT/interrupts_end.txt" 2>/dev/null
 echo "== sweep rc $rc"
 exit "$rc"

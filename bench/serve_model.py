@@ -1,4 +1,4 @@
-"""A model folder `vllm serve` can serve with dummy weights and no download (issue 20).
+"""A model folder `vllm serve` can serve with dummy weights and no download.
 
 `vllm serve` tokenizes text, so the model needs a tokenizer, and the GPU machine cannot fetch one.
 This builds a word-level one with the `tokenizers` library: token id i is the word `w{i}`, words are
@@ -8,7 +8,7 @@ re-encode them) exact, and lets the chat client count tokens as words. The last 
 Llama-3 special tokens (`<|begin_of_text|>` ...), and a minimal Llama-3-style chat template joins
 the messages, so /v1/chat/completions works too.
 
-    python bench/serve_model.py --config bench/e2e_models/llama3-8b/config.json --out /tmp/served
+    python -m bench serve_model --config bench/e2e_models/llama3-8b/config.json --out /tmp/served
 """
 
 from __future__ import annotations

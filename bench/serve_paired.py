@@ -5,19 +5,17 @@ Every configuration's server (serve_sweep's `Server`, each kvoffload one with it
 runs at once on the one GPU, each with its share of GPU memory and the same GPU KV cache. The
 client sends one request at a time, never two at once: a round sends one fresh random prompt
 (0% hits on either tier) to each server, in an order that rotates every round, then the next
-round. Why: on the shared GPU VM the host's speed drifts by 10-20% over minutes (a CPU canary
-beside sequential per-configuration runs moved with their TTFTs), which is larger than the
-1% being judged. Rounds seconds apart see the same machine, so each round's TTFT ratio to the
-baseline is a fair pair; the report gives the median ratio with a bootstrap 95% interval.
+round. Why: on a shared GPU VM the host's speed drifts by 10-20% over minutes, which is
+larger than the 1% being judged. Rounds seconds apart see the same machine, so each round's
+TTFT ratio to the baseline is a fair pair; the report gives the median ratio with a bootstrap
+95% interval.
 
-    python bench/serve_paired.py --configs none,kvo-eager --rounds 300 --out X.json
-    (any serve_sweep.py engine flag works; --gpu-mem-util is split between the servers)
-    python bench/serve_paired.py merge bench/results/serve_paired/s*.json* --pair kvo-eager/none
-    python bench/serve_paired.py modes bench/results/serve_paired/s28p2*.json
-    python bench/serve_paired.py modes P.json --gpu-state gpu_state.csv --engine-trace TRACE_DIR \
-        --cpu-state cpu_state.jsonl
+    python -m bench serve_paired --configs none,kvo-eager --rounds 300 --out X.json
+    (any serve_sweep engine flag works; --gpu-mem-util is split between the servers)
+    python -m bench serve_paired merge bench/out/serve_paired/*.json* --pair kvo-eager/none
+    python -m bench serve_paired modes bench/out/serve_paired/call1.json.xz
 
-A server's small offset for the whole call follows its start order (sessions 22-25), so a call can
+A server's small offset for the whole call follows its start order, so a call can
 start two servers of each configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`):
 the pooled ratio (geometric mean of each configuration's servers, round by round) is then
 balanced for the start order within the call, and `none#2` against `none` measures the offset.
@@ -31,7 +29,6 @@ nothing) in ~10 s instead of 64 paired rounds (~80 s of a call's measuring time)
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import math
 import random
@@ -46,8 +43,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_sampler import read_samples, share_at, siblings_in  # noqa: E402
-from engine_trace import DUMP_PERIOD_S, load_events, request_phases  # noqa: E402
 from harness import (  # noqa: E402
     bootstrap_median_ci,
     machine,
@@ -57,11 +52,8 @@ from harness import (  # noqa: E402
     rotations,
     table,
 )
-from pinning import server_cpu_groups, tree_cpus  # noqa: E402
 from serve_model import build_model_dir  # noqa: E402
 from serve_sweep import SERVED_NAME, Server, build_parser, config_of  # noqa: E402
-from thread_cpu import activity, python_thread_names, snapshot  # noqa: E402
-from thread_cpu import table as thread_table  # noqa: E402
 
 
 def random_prompt(rng: random.Random, tokens: int, vocab: int) -> list[int]:
@@ -242,8 +234,8 @@ def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) 
     call's bootstrap interval, from its rounds, is narrower than the spread between calls: the
     verdict takes each call's median as one sample and gives their median and range.
 
-    The offset also follows the start order (session 22: the server started first read 0.7%
-    slower than its call's mean over six calls), so the row says which of the pair started
+    The offset also follows the start order (the server started first has read ~0.7% slower
+    than its call's mean), so the row says which of the pair started
     first in each call, and gives the geometric mean with its standard error: over calls that
     cover every start order equally, the start order cancels out of the mean. Calls rarely
     do, so `by_order` gives the geometric mean of the calls where each of the pair started
@@ -282,7 +274,7 @@ def modes_across_calls(
     ratio of their fast-mode medians; over calls, the mean slow-share difference with its
     standard error and the geometric mean of the fast-mode ratios. Why: a call's median ratio
     mixes what a configuration costs within a mode with how often its requests fell in the
-    slow one (sessions 29-32), and the two have different causes."""
+    slow one, and the two have different causes."""
     per_call: dict[str, dict[str, Any]] = {}
     for name, rep in reports.items():
         samples = rep.get("samples", {})
@@ -357,7 +349,7 @@ def call_names(files: list[Path]) -> dict[str, Path]:
 
 def mode_split(samples: dict[str, list[dict]]) -> dict[str, Any]:
     """TTFT on the GPU VM comes in two modes ~9 ms apart, shared by the servers of a round and
-    lasting several rounds (session 28): a median ratio then moves with each server's share of
+    lasting several rounds: a median ratio then moves with each server's share of
     slow-mode requests as much as with its time in either mode. The cut is the midpoint of the
     pooled 20th and 80th percentiles; per server: its slow share and each mode's median; per
     round: how many servers were slow, beside the counts expected if each were slow on its own
@@ -394,71 +386,11 @@ def mode_split(samples: dict[str, list[dict]]) -> dict[str, Any]:
     }
 
 
-GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "utilization.gpu", "temperature.gpu")
-
-
-def read_gpu_state(path: Path) -> list[tuple[float, dict[str, float]]]:
-    """`serve_gpu_run.sh`'s sampler: lines `EPOCH_S, v1, v2, ...` in GPU_STATE_FIELDS order
-    (nvidia-smi's `--format=csv,noheader,nounits`), sorted by time; unreadable lines skipped."""
-    rows = []
-    for line in path.read_text().splitlines():
-        parts = [x.strip() for x in line.split(",")]
-        try:
-            t = float(parts[0])
-            values = dict(zip(GPU_STATE_FIELDS, map(float, parts[1:]), strict=True))
-        except ValueError:  # a header, "[N/A]", a line cut short by the kill
-            continue
-        rows.append((t, values))
-    return sorted(rows, key=lambda r: r[0])
-
-
-def gpu_state_by_mode(
-    samples: dict[str, list[dict]], cut_s: float, state: list[tuple[float, dict[str, float]]]
-) -> list[dict[str, Any]]:
-    """Per mode, the median of each GPU field at the last sample taken before each request was
-    sent (requests without a `sent` time, or sent before the first sample, are left out)."""
-    times = [t for t, _ in state]
-    by_mode: dict[str, list[dict[str, float]]] = {"fast": [], "slow": []}
-    n = min(len(v) for v in samples.values())  # whole rounds, as mode_split counts them
-    for v in samples.values():
-        for x in v[:n]:
-            i = bisect.bisect_right(times, x.get("sent", -1.0)) - 1
-            if i >= 0:
-                by_mode["slow" if x["ttft_s"] > cut_s else "fast"].append(state[i][1])
-    return [
-        {
-            "mode": mode,
-            "requests": len(rows),
-            **{
-                f: statistics.median(r[f] for r in rows) if rows else None for f in GPU_STATE_FIELDS
-            },
-        }
-        for mode, rows in by_mode.items()
-    ]
-
-
-def _median_ms(values: list[float | None]) -> float | None:
-    known = [x for x in values if x is not None]
-    return round(statistics.median(known), 2) if known else None
-
-
 def modes_main(argv: list[str]) -> int:
-    """`serve_paired.py modes FILES... [--gpu-state CSV]`: each call's two TTFT modes
-    (`mode_split`), and with one call's GPU samples the GPU's state in each mode."""
+    """`serve_paired modes FILES...`: each call's two TTFT modes (`mode_split`)."""
     p = argparse.ArgumentParser(prog="serve_paired.py modes", description=mode_split.__doc__)
     p.add_argument("files", nargs="+", type=Path)
-    p.add_argument("--gpu-state", type=Path, help="the call's gpu_state.csv (one call only)")
-    p.add_argument(
-        "--engine-trace", type=Path, help="the call's --engine-trace DIR (one call only)"
-    )
-    p.add_argument(
-        "--cpu-state", type=Path, help="the call's cpu_state.jsonl (with --engine-trace)"
-    )
     a = p.parse_args(argv)
-    if (a.gpu_state or a.engine_trace) and len(a.files) != 1:
-        p.error("--gpu-state/--engine-trace: give one call's file")
-    if a.cpu_state and not a.engine_trace:
-        p.error("--cpu-state: needs --engine-trace (the trace says which vCPU ran a prefill)")
     for name, f in call_names(a.files).items():
         samples = read_result(f)["samples"]
         modes = mode_split(samples)
@@ -466,91 +398,7 @@ def modes_main(argv: list[str]) -> int:
         print(table(modes["rows"]))
         print(f"slow servers per round: {modes['slow_servers_per_round']}")
         print(f"if each were slow alone: {modes['if_independent']}")
-        if a.gpu_state:
-            state = read_gpu_state(a.gpu_state)
-            print(table(gpu_state_by_mode(samples, modes["cut_ms"] / 1e3, state)))
-        if a.engine_trace:
-            cpus = read_samples(a.cpu_state) if a.cpu_state else None
-            siblings = siblings_in(a.cpu_state) if a.cpu_state else None
-            rows = phases_by_mode(samples, modes["cut_ms"] / 1e3, a.engine_trace, cpus, siblings)
-            print(table(rows))
     return 0
-
-
-PHASES = ("to_schedule_ms", "schedule_ms", "execute_ms", "execute_gpu_ms", "after_ms")
-
-
-def phases_by_mode(
-    samples: dict[str, list[dict]],
-    cut_s: float,
-    trace_root: Path,
-    cpu_samples: list[tuple[float, dict[str, list[float]]]] | None = None,
-    siblings: dict[str, list[int]] | None = None,
-) -> list[dict[str, Any]]:
-    """Per traced server (`--engine-trace ROOT` wrote ROOT/LABEL/trace-*.jsonl) and mode, the
-    median of each phase of the time to first token (engine_trace.request_phases) and the
-    share of prefills launched while another engine thread ran (`beside_share`); with
-    `cpu_samples` (cpu_sampler.py), also the busy, interrupt and steal shares of the vCPU the
-    prefill was launched from, over the sample window that holds the request's send, with the
-    busiest of its hyperthread siblings (`siblings`, cpu_sampler.siblings_in) and the mean
-    over all vCPUs."""
-    n = min(len(v) for v in samples.values())
-    rows = []
-    for label, v in samples.items():
-        files = sorted((trace_root / label).glob("trace-*.jsonl"))
-        if not files:
-            continue
-        events = [e for f in files for e in load_events(f)]
-        phases = request_phases(events, v[:n])
-        for mode in ("fast", "slow"):
-            pairs = [
-                (x, p)
-                for x, p in zip(v[:n], phases, strict=True)
-                if p is not None and (x["ttft_s"] > cut_s) == (mode == "slow")
-            ]
-            got = [p for _, p in pairs]
-            beside = [p["beside"] for p in got if p.get("beside") is not None]
-            row = {
-                "config": label,
-                "mode": mode,
-                "requests": len(got),
-                **{k: _median_ms([p[k] for p in got]) for k in PHASES},
-                # share of prefills launched while another thread of the engine ran
-                "beside_share": round(sum(b > 0 for b in beside) / len(beside), 3)
-                if beside
-                else None,
-            }
-            if cpu_samples is not None:
-                placed = [
-                    (x["sent"], int(p["cpu"]))
-                    for x, p in pairs
-                    if p["cpu"] is not None and p["cpu"] >= 0  # vCPU 0 counts
-                ]
-                at = [share_at(cpu_samples, t, cpu) for t, cpu in placed]
-                for i, name in enumerate(("cpu_busy_pct", "cpu_irq_pct", "cpu_steal_pct")):
-                    row[name] = _median_ms([a[i] if a else None for a in at])
-                around = [_busy_around(cpu_samples, t, cpu, siblings or {}) for t, cpu in placed]
-                row["sibling_busy_pct"] = _median_ms([s for s, _ in around])
-                row["all_busy_pct"] = _median_ms([m for _, m in around])
-            rows.append(row)
-    return rows
-
-
-def _busy_around(
-    cpu_samples: list[tuple[float, dict[str, list[float]]]],
-    t: float,
-    cpu: int,
-    siblings: dict[str, list[int]],
-) -> tuple[float | None, float | None]:
-    """At time t: the busiest hyperthread sibling of `cpu` (None without one) and the mean
-    busy share over all vCPUs (None outside the samples)."""
-    near = [share_at(cpu_samples, t, c) for c in siblings.get(str(cpu), [])]
-    sib = max((s[0] for s in near if s), default=None)
-    i = bisect.bisect_left([s[0] for s in cpu_samples], t)
-    if share_at(cpu_samples, t, cpu) is None or i >= len(cpu_samples):
-        return sib, None
-    busy = [v[0] for v in cpu_samples[i][1].values()]
-    return sib, round(sum(busy) / len(busy), 1) if busy else None
 
 
 def merge_main(argv: list[str]) -> int:
@@ -620,10 +468,6 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.gpu_mem_util_total:
         a.gpu_mem_util = round(a.gpu_mem_util_total / len(a.configs), 3)
     servers = [Server(a, c, model_dir, work) for c in a.configs]
-    if a.pin_cpus:
-        siblings = json.loads(a.cpu_siblings.read_text())["siblings"] if a.cpu_siblings else None
-        for s, cpus in zip(servers, server_cpu_groups(len(servers), siblings), strict=True):
-            s.cpus = cpus
     report: dict[str, Any] = {
         "benchmark": "serve_paired",
         "machine": machine(),
@@ -635,17 +479,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         for s in servers:  # one at a time: each profiles GPU memory with the others settled
             s.start()
-            report["servers"][s.config] = {
-                "start_s": round(s.start_s, 1),
-                "argv": s.argv(),
-                "cpus": sorted(s.cpus) if s.cpus else None,
-                # read back: every thread of vllm serve's processes and of the sidecar
-                "cpus_seen": sorted(
-                    tree_cpus(s.proc.pid) | (tree_cpus(s.sidecar.proc.pid) if s.sidecar else set())
-                )
-                if s.proc is not None
-                else None,
-            }
+            report["servers"][s.config] = {"start_s": round(s.start_s, 1), "argv": s.argv()}
             print(f"   {s.config}: started in {s.start_s:.0f} s", flush=True)
         burst = warmup_burst(servers, rng, a, vocab)
         for label, done in burst.items():
@@ -659,33 +493,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         # the slow starts come out of the rounds, not past --budget-s (a caller's timeout)
         t_end = min(time.monotonic() + a.measure_s, t_start + a.budget_s)
         orders = rotations(servers, a.warmup_rounds + a.rounds)
-        threads_at: dict[str, tuple[float, dict]] = {}
         for i, order in enumerate(orders):
             if time.monotonic() > t_end:
                 print(f"   out of time after {i} rounds", flush=True)
                 break
-            if i == a.warmup_rounds:  # what each server's threads do over the measured rounds
-                threads_at = {
-                    s.config: (time.monotonic(), snapshot(server_pids(s))) for s in servers
-                }
             for s in order:
                 prompt = random_prompt(rng, a.prompt_tokens, vocab)
-                sent = round(time.time(), 3)  # wall clock: joins `modes --gpu-state` samples
+                sent = round(time.time(), 3)
                 r = timed_request(s.url, prompt, a.output_tokens, a.request_timeout_s)
                 if i >= a.warmup_rounds:
                     samples[s.config].append({"round": i, "sent": sent, **r})
                 time.sleep(a.gap_s)
-        threads_end = {s.config: (time.monotonic(), snapshot(server_pids(s))) for s in servers}
         for s in servers:
             report["servers"][s.config]["sidecar_stats"] = s.sidecar_stats()
-            if s.config in threads_at:
-                (t0, before), (t1, after) = threads_at[s.config], threads_end[s.config]
-                names = python_thread_names(sorted({t.pid for t in after.values()}))
-                threads = activity(before, after, t1 - t0, names)
-                report["servers"][s.config]["threads"] = threads
-                print(thread_table(f"   {s.config} threads", threads), flush=True)
-        if a.engine_trace:  # the engines write their last events before they stop
-            time.sleep(DUMP_PERIOD_S + 0.5)
     finally:
         for s in servers:
             s.stop()
@@ -707,16 +527,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def server_pids(s: Server) -> list[int]:
-    """The roots of a server's process trees: `vllm serve` and its sidecar."""
-    return [p.pid for p in (s.proc, s.sidecar.proc if s.sidecar else None) if p is not None]
-
-
 def build_paired_parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.description = __doc__.split("\n\n")[0]
-    # not beside the sweeps: serve_report.py reads every file in bench/results/serve
-    p.set_defaults(out=str(Path(__file__).resolve().parent / "results/serve_paired/paired.json"))
+    p.set_defaults(out=str(Path(__file__).resolve().parent / "out/serve_paired/paired.json"))
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--warmup-rounds", type=int, default=10)
     p.add_argument(
@@ -737,16 +551,6 @@ def build_paired_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="split this share of GPU memory between the servers (else each gets --gpu-mem-util)",
-    )
-    p.add_argument(
-        "--pin-cpus",
-        action="store_true",
-        help="each server and its sidecar on whole cores of its own (pinning.py), in start order",
-    )
-    p.add_argument(
-        "--cpu-siblings",
-        type=Path,
-        help="with --pin-cpus: the cores from sibling_probe.py's JSON, not from sysfs",
     )
     return p
 

@@ -1,6 +1,6 @@
 """Merge the JSON of several `bench/serve_sweep.py` calls into one report: tables, verdicts, plots.
 
-    python bench/serve_report.py bench/results/serve/a1.json a2.json b1.json \\
+    python -m bench serve_report bench/out/serve/a1.json a2.json b1.json \\
         --md docs/serve_sweep.md --plots docs/img/serve [--json merged.json]
 
 Rows merge by (workload, rate, config) across calls (rows whose client failed are left out and
@@ -29,7 +29,7 @@ req/s, lower TTFT p50/p99), at one point; the least favourable of the two is rep
 0% hits (random@*): each kvo-* configuration against `none`, the ratio kvo/none of request
 throughput and of TTFT p50. The TTFT ratio's interval is a bootstrap (each call resampled, the
 median over calls of the per-call medians, per resample); without per-request lists, and for
-throughput, the interval is lo_kvo/hi_none .. hi_kvo/lo_none over calls. The issue's target is
+throughput, the interval is lo_kvo/hi_none .. hi_kvo/lo_none over calls. The target is
 1%: throughput ratio >= 0.99 and TTFT ratio <= 1.01. "meets" when the whole interval is on the
 good side, "misses" when it is wholly on the bad side, "undecided" when it straddles the bound,
 and "1 call (point meets|misses)" when there is no interval.
@@ -64,7 +64,7 @@ KNOWN_CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy")
 RIVALS = ("offloading", "simple")
 WORKLOAD_ORDER = ("random", "prefix", "chat")
 RESAMPLES = 1000
-TARGET = 0.01  # the issue: within 1% of no offloading at 0% hits
+TARGET = 0.01  # within 1% of no offloading at 0% hits
 
 
 @dataclass(frozen=True)
@@ -487,7 +487,7 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def command_line(args: dict[str, Any]) -> str:
     """The serve_sweep command a call ran, rebuilt from its `args` (every flag, as parsed)."""
-    parts = ["python", "bench/serve_sweep.py"]
+    parts = ["python", "-m", "bench", "serve_sweep"]
     for k, v in args.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
@@ -885,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.plots:
         rep.plots = plot(rep, Path(a.plots))
     command = " ".join(
-        shlex.quote(x) for x in ["python", "bench/serve_report.py", *(argv or sys.argv[1:])]
+        shlex.quote(x) for x in ["python", "-m", "bench", "serve_report", *(argv or sys.argv[1:])]
     )
     text = markdown(rep, md_path, command)
     md_path.parent.mkdir(parents=True, exist_ok=True)

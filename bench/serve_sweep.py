@@ -1,4 +1,4 @@
-"""Real serving under load (issue 20): `vllm serve` per configuration, vLLM's clients, a rate sweep.
+"""Real serving under load: `vllm serve` per configuration, vLLM's clients, a rate sweep.
 
 For each configuration (in the order given: rotate it between calls) this starts vLLM's
 OpenAI-compatible server (`vllm serve`, dummy weights, the served model folder of
@@ -22,7 +22,7 @@ Configurations (the same GPU KV cache, `--num-gpu-blocks-override`, and the same
     kvo-eager   kvoffload as shipped (eager stores, layered loads) on a fresh sidecar
     kvo-lazy    kvoffload with lazy stores (only blocks about to leave the GPU)
     noop        a connector that does nothing (bench/noop_connector.py): vLLM's own cost of
-                having any connector, a diagnostic
+                having any connector
 
 `+key=value` after a kvo name overrides a connector key (kvo-eager+store_ctas=4); `+pool_gib=N`
 sets that server's sidecar pool size instead of --cpu-gib. `#N` after a
@@ -32,8 +32,8 @@ client's), and from the server's /metrics before and after the point: GPU prefix
 host-tier (external) hit rate, preemptions. The JSON is rewritten after every point; tables are
 printed last. `bench/serve_report.py` merges calls (spread) and draws the plots.
 
-    python bench/serve_sweep.py --configs none,offloading,simple,kvo-eager,kvo-lazy \
-        --rates 2,4,8,16,32 --out bench/results/serve/call1.json
+    python -m bench serve_sweep --configs none,offloading,simple,kvo-eager,kvo-lazy \
+        --rates 2,4,8,16,32 --out bench/out/serve/call1.json
 `bench/serve_gpu_run.sh` is the GPU-machine wrapper.
 """
 
@@ -58,7 +58,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_gpu import kv_transfer_config as e2e_kv_transfer_config  # noqa: E402
 from harness import machine, table  # noqa: E402
-from pinning import pin_tasks  # noqa: E402
 from serve_model import build_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,21 +113,14 @@ def config_of(label: str) -> str:
     return label.split("#", 1)[0]
 
 
-def kv_transfer_config(
-    config: str, socket_path: str, cpu_bytes: int, traced: bool = False
-) -> dict[str, Any] | None:
-    """The `--kv-transfer-config` of one configuration (traced: the connector module is
-    bench/engine_trace.py, kvoffload's connector with the engine loop's timeline recorded)."""
+def kv_transfer_config(config: str, socket_path: str, cpu_bytes: int) -> dict[str, Any] | None:
+    """The `--kv-transfer-config` of one configuration."""
     base, *overrides = config.split("+")
-    if any(o.startswith("ablate=") for o in overrides):
-        if not traced or not base.startswith("kvo"):
-            raise ValueError(f"{config}: +ablate= needs a kvo configuration and --engine-trace")
-        overrides = [o for o in overrides if not o.startswith("ablate=")]
     overrides = [o for o in overrides if not o.startswith("pool_gib=")]  # the sidecar's, not ours
     if base == "noop":
         return {
             "kv_connector": "NoopConnector",
-            "kv_connector_module_path": "engine_trace" if traced else "noop_connector",
+            "kv_connector_module_path": "noop_connector",
             "kv_role": "kv_both",
         }
     if base in ("none", "offloading", "simple"):  # as the end-to-end bench configures them
@@ -136,9 +128,7 @@ def kv_transfer_config(
     if base in ("kvo-eager", "kvo-lazy"):
         return {
             "kv_connector": "KVOffloadConnector",
-            "kv_connector_module_path": "engine_trace"
-            if traced
-            else "kvoffload_connector.connector",
+            "kv_connector_module_path": "kvoffload_connector.connector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "socket": socket_path,
@@ -151,15 +141,9 @@ def kv_transfer_config(
 
 def pool_gib(config: str, default: float) -> float:
     """A kvo configuration's sidecar pool size: `+pool_gib=N` overrides --cpu-gib for that
-    server alone (the pool a server maps is part of its state between requests; a diagnostic
-    compares sizes side by side)."""
+    server alone (the pool a server maps is part of its state between requests)."""
     given = [o.split("=", 1)[1] for o in config.split("+")[1:] if o.startswith("pool_gib=")]
     return float(given[-1]) if given else default
-
-
-def ablation(config: str) -> str:
-    """The `+ablate=NAME` of a traced kvo configuration (engine_trace.ablate), or ''."""
-    return next((o.split("=", 1)[1] for o in config.split("+")[1:] if o.startswith("ablate=")), "")
 
 
 def plan_points(a: argparse.Namespace) -> list[Point]:
@@ -188,7 +172,7 @@ _PORTS_GIVEN: set[int] = set()
 def free_port() -> int:
     """A port free now and not handed to another server of this process: two quick bind(0)s
     can return the same port, and a server whose port another one took answers the health
-    check with the other's (a CI run measured a kvo server's rounds on a noop server)."""
+    check with the other's."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -214,7 +198,6 @@ class Server:
         self.sidecar: Any = None
         self.proc: subprocess.Popen | None = None
         self.start_s = float("nan")
-        self.cpus: set[int] | None = None  # pinning.py: this server's own cores, else any
 
     def argv(self) -> list[str]:
         a = self.a
@@ -222,7 +205,6 @@ class Server:
             config_of(self.config),
             self.sidecar.socket if self.sidecar else "",
             int(a.cpu_gib * (1 << 30)),
-            traced=bool(a.engine_trace),
         )
         argv = vllm_cli(
             "serve",
@@ -277,19 +259,10 @@ class Server:
                 log_path=self.log_path.with_suffix(".sidecar.log"),
             )
             self.sidecar.start(timeout_s=120)
-            if self.cpus and self.sidecar.proc is not None:
-                pin_tasks(self.sidecar.proc.pid, self.cpus)
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core apart
         env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
-        if self.a.engine_trace and self.config.startswith(("kvo", "noop")):
-            trace_dir = Path(self.a.engine_trace) / self.config
-            trace_dir.mkdir(parents=True, exist_ok=True)  # a bad path fails here, not in vLLM
-            env["KVO_ENGINE_TRACE_DIR"] = str(trace_dir)
-            env["KVO_ABLATE"] = ablation(config_of(self.config))
-            if self.config.startswith("noop"):
-                env["KVO_TRACED_CONNECTOR"] = "noop"
-        if "KVO_ENGINE_TRACE_DIR" in env or config_of(self.config) == "noop":  # bench/ modules
+        if config_of(self.config) == "noop":  # bench/noop_connector.py
             env["PYTHONPATH"] = os.pathsep.join(
                 p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
             )
@@ -297,15 +270,8 @@ class Server:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.argv())}\n".encode())
             log.flush()
-            cpus = self.cpus
             self.proc = subprocess.Popen(
-                self.argv(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                # before exec: every process and thread vLLM starts inherits the cores
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
         deadline = t0 + self.a.start_timeout_s
         while time.monotonic() < deadline:
@@ -663,8 +629,8 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
 def warm_up(a: argparse.Namespace, server: Server, work: Path) -> dict[str, Any]:
     """A short burst of random prompts, not reported, before a configuration's first point:
     every configuration meets its first measured request warm (allocator, first-touched host
-    memory, lazily built kernels). In session 14 the configuration that ran first after the
-    machine started was the slowest of its calls in 3 of 4 calls."""
+    memory, lazily built kernels). Without it the configuration that runs first after the
+    machine starts tends to be the slowest of its call."""
     point = Point("random", math.inf, a.warmup_requests, 999)
     t0 = time.monotonic()
     row = run_point(a, server, point, work, timeout_s=a.point_timeout_s)
@@ -743,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=str(ROOT / "bench/e2e_models/llama3-8b"), help="config.json's folder"
     )
     p.add_argument("--configs", default=",".join(CONFIGS), type=configs_arg)
-    p.add_argument("--out", default=str(ROOT / "bench/results/serve/sweep.json"))
+    p.add_argument("--out", default=str(ROOT / "bench/out/serve/sweep.json"))
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting work after this")
     p.add_argument("--start-timeout-s", type=float, default=240.0)
     p.add_argument("--point-timeout-s", type=float, default=90.0, help="+ 3x a point's length")
@@ -764,12 +730,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-graph-batch", type=int, default=128, help="largest decode graph")
     p.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` arg")
-    p.add_argument(
-        "--engine-trace",
-        default="",
-        help="DIR: kvo and noop configurations record the engine loop's timeline there "
-        "(engine_trace.py)",
-    )
     # workloads
     p.add_argument("--rates", type=floats, default=floats("2,4,8,16,32"))
     p.add_argument("--random-rates", type=floats, default=floats("2"))
@@ -829,8 +789,6 @@ def _replica_ok(label: str) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    if not a.engine_trace and any(ablation(c) for c in a.configs):
-        parser.error("--configs: +ablate= needs --engine-trace (the ablation lives there)")
     report = sweep(a)
     failed = [c for c, s in report["servers"].items() if s.get("status") != "ok"]
     return 1 if failed else 0

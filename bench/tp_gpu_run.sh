@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 20's TP=2 check on the two-GPU machine (nvidia-h200-x2 / nvidia-h100-x2), one call:
+# The tensor-parallel check on the two-GPU machine (nvidia-h200-x2 / nvidia-h100-x2), one call:
 # bench/tp_check.py on vLLM 0.26 from the carry, Llama-3-8B shape (dummy weights, bf16, eager),
 # a pool hit against a GPU hit (tokens bit for bit), each rank's pool slice corrupted in turn
 # (the output must change), an engine without kvoffload last when the budget allows.

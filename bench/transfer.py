@@ -7,9 +7,9 @@ at once, beside one large cudaMemcpyAsync (the ceiling) and a per-page cudaMemcp
 scattered at random. Then the load of a 10,000-token Llama-3-8B-shaped prompt (32 layers, 8 KV
 heads, head 128, bf16, block 16: 625 blocks, 1.22 GiB) into scattered GPU blocks.
 
-    PYTHONPATH=connector python3 bench/transfer.py [--gib 1] [--reps 5] [--out FILE]
+    python -m bench transfer [--gib 1] [--reps 5] [--out FILE]
 
-Prints a table and writes JSON (default bench/results/transfer.json).
+Prints a table and writes JSON (default bench/out/transfer.json).
 """
 
 from __future__ import annotations
@@ -535,7 +535,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="bytes per timed transfer, GiB")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pages", default="16K,32K,64K,256K,2M")
-    ap.add_argument("--out", default="bench/results/transfer.json")
+    ap.add_argument("--out", default="bench/out/transfer.json")
     ap.add_argument("--explore", action="store_true", help="also try engine variants")
     ap.add_argument(
         "--edge-sweep",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine call for issue 18: unpack the vLLM 0.26 carry, run bench/warm_start.py (which owns
+# The warm-start benchmark on the GPU machine, one call: unpack the vLLM 0.26 carry, run bench/warm_start.py (which owns
 # the real `kvoffload sidecar`: it SIGKILLs and restarts it for the --sidecar-restart scenario), leave
 # JSON, logs and the table in $OUT.
 #
@@ -13,7 +13,7 @@
 # kill -9 + restart scenario after round 1, default 1), CONFIGS (default kvo-layer,none,offloading),
 # WARM_EXTRA (more bench/warm_start.py flags, e.g. --cuda-graphs), MODEL (a folder of
 # bench/e2e_models, default llama3-8b).
-# Prepare once (as for bench/e2e_gpu_run.sh): .gpu/vllm026-h100-carry.tar.xz, wheels in .gpu/whl.
+# Needs .gpu/ (bash bench/gpu_setup.sh builds it).
 set -uo pipefail
 budget=${1:-540}
 OUT=${OUT:-out/warm}

@@ -14,19 +14,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_trace import load_events, request_phases  # noqa: E402
 from harness import bootstrap_median_ci  # noqa: E402
 from serve_paired import (  # noqa: E402
     across_calls,
-    gpu_state_by_mode,
     main,
     mode_split,
     modes_across_calls,
     paired_between,
     paired_summary,
-    phases_by_mode,
     pooled_summary,
-    read_gpu_state,
 )
 from serve_sweep import configs_arg  # noqa: E402
 
@@ -145,8 +141,6 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         "4",
         "--gap-s",
         "0",
-        "--engine-trace",  # the do-nothing baseline is traced alike (engine_trace.py)
-        str(tmp_path / "tr"),
         "--out",
         str(out),
     ]
@@ -161,7 +155,7 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
         assert [s["round"] for s in samples] == list(range(1, 7))  # warm-up round left out
         # 4 tokens streamed; the first arrives before the last
         assert all(s["chunks"] >= 4 and 0 < s["ttft_s"] <= s["e2e_s"] for s in samples)
-        sent = [s["sent"] for s in samples]  # wall clock at send, for `modes --gpu-state`
+        sent = [s["sent"] for s in samples]  # wall clock at send
         assert sent == sorted(sent) and abs(sent[-1] - time.time()) < 900
     assert kvo["ratio_ci95"][0] <= kvo["ratio_p50"] <= kvo["ratio_ci95"][1]
     # eager stored each random prompt's full chunk, and nothing hit
@@ -175,24 +169,6 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
     # the second noop server ran the do-nothing connector too, and pools with the first
     assert report["servers"]["noop#2"]["sidecar_stats"] is None
     assert "NoopConnector" in " ".join(report["servers"]["noop#2"]["argv"])
-    # every server's engine traced its loop, the do-nothing baseline's too: each request's
-    # prefill step is found after it was sent, and ends before its first token arrives
-    for config in ("noop", "kvo-eager", "noop#2"):
-        files = (tmp_path / "tr" / config).glob("trace-*.jsonl")
-        events = [e for f in files for e in load_events(f)]
-        samples = report["samples"][config]
-        phases = request_phases(events, samples)
-        assert all(p is not None and p["to_schedule_ms"] >= 0 <= p["after_ms"] for p in phases)
-        assert all(
-            0 <= p["schedule_ms"] < 1e3 * s["ttft_s"] for p, s in zip(phases, samples, strict=True)
-        )
-    # what each server's threads did over the measured rounds: the engines worked, and the
-    # kvoffload server's tree holds one more process than a noop server's (its sidecar)
-    threads = {c: report["servers"][c]["threads"] for c in ("noop", "kvo-eager", "noop#2")}
-    for t in threads.values():
-        assert t["seconds"] > 0 and t["cpu_ms_per_s"] > 0 and t["wakes_per_s"] > 0
-        assert t["top"] and all(r["wakes_per_s"] >= 0 for r in t["top"])
-    assert len(threads["kvo-eager"]["processes"]) == len(threads["noop"]["processes"]) + 1
     pooled, offset = report["pooled"]
     assert (pooled["config"], pooled["against"]) == ("kvo-eager (x1)", "noop (x2)")
     assert (offset["config"], offset["against"], offset["n"]) == ("noop#2", "noop", 6)
@@ -231,90 +207,6 @@ def test_mode_split_counts_each_servers_slow_share_and_the_rounds_they_share(
     assert main(["modes", str(path)]) == 0
     out = capsys.readouterr().out
     assert "slow servers per round: {0: 5, 1: 2, 2: 3}" in out and "kvo" in out
-
-
-def test_gpu_state_joins_each_request_to_the_sample_before_it_was_sent(tmp_path: Path) -> None:
-    """The sampler's CSV (epoch, then GPU_STATE_FIELDS); a request takes the last sample
-    taken before it was sent: here the slow requests went out while the SM clock was low."""
-    csv = tmp_path / "gpu_state.csv"
-    csv.write_text(
-        "100.0, 1980, 2619, 300.5, 40, 45\n"
-        "101.0, 1200, 2619, 150.0, 10, 44\n"
-        "[N/A], 0, 0, 0, 0, 0\n"  # unreadable lines are skipped
-        "102.0, 1980, 2619, 310.0, 45, 45\n"
-    )
-    state = read_gpu_state(csv)
-    assert [t for t, _ in state] == [100.0, 101.0, 102.0]
-    assert state[1][1]["clocks.sm"] == 1200.0 and state[1][1]["power.draw"] == 150.0
-    samples = {
-        "none": [
-            {"sent": 100.5, "ttft_s": 0.031},
-            {"sent": 101.2, "ttft_s": 0.041},
-            {"sent": 99.0, "ttft_s": 0.030},  # before the first sample: left out
-        ],
-        "kvo": [
-            {"sent": 101.5, "ttft_s": 0.042},
-            {"sent": 102.5, "ttft_s": 0.032},
-            {"ttft_s": 0.033},  # no send time (an older call): left out
-        ],
-    }
-    fast, slow = gpu_state_by_mode(samples, 0.036, state)
-    assert (fast["mode"], fast["requests"], fast["clocks.sm"]) == ("fast", 2, 1980.0)
-    assert (slow["mode"], slow["requests"], slow["clocks.sm"]) == ("slow", 2, 1200.0)
-
-
-def test_modes_place_each_traced_servers_slow_requests_in_the_engines_phases(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """kvo's engine trace (its clock 1,000 s behind the epoch): the slow request's extra 10 ms
-    is in its prefill's GPU span, and the modes table says so; `none` has no trace, no rows."""
-    events = [["clock", 1, 0.0, 1000.0]]
-    for sent, gpu_ms in ((10.0, 25.0), (11.0, 35.0), (12.0, 25.0)):
-        events += [
-            ["schedule:1024", 1, sent + 0.004, sent + 0.005],
-            ["execute_model", 1, sent + 0.005, sent + 0.027],
-            ["execute_gpu", 1, sent + 0.005, sent + 0.005 + gpu_ms / 1e3],
-        ]
-        if gpu_ms > 30:  # only the slow request's step says where it ran
-            events.append(["execute_on:3:3", 1, sent + 0.005, sent + 0.005])
-    (tmp_path / "tr" / "kvo").mkdir(parents=True)
-    (tmp_path / "tr" / "kvo" / "trace-7.jsonl").write_text(
-        "".join(json.dumps(e) + "\n" for e in events)
-    )
-    samples = {
-        "none": [{"round": i, "ttft_s": t} for i, t in enumerate((0.030, 0.030, 0.031))],
-        "kvo": [
-            {"round": i, "sent": 1010.0 + i, "ttft_s": t}
-            for i, t in enumerate((0.040, 0.050, 0.041))
-        ],
-    }
-    fast, slow = phases_by_mode(samples, 0.045, tmp_path / "tr")
-    assert "cpu_irq_pct" not in fast  # no CPU samples given
-    # with the sampler's windows: the slow request's prefill ran from vCPU 3 while it took
-    # interrupts (events without an `execute_on` have no vCPU: left out of these columns)
-    cpus = [
-        (1010.5, {"3": [40.0, 2.0, 0.0], "11": [0.0, 0.0, 0.0]}),
-        (1011.5, {"3": [60.0, 30.0, 1.0], "11": [90.0, 0.0, 0.0]}),
-        (1012.5, {"3": [40.0, 2.0, 0.0], "11": [0.0, 0.0, 0.0]}),
-    ]
-    with_cpu = phases_by_mode(samples, 0.045, tmp_path / "tr", cpus)
-    assert [r["cpu_irq_pct"] for r in with_cpu] == [None, 30.0]
-    assert with_cpu[1]["cpu_busy_pct"] == 60.0 and with_cpu[1]["cpu_steal_pct"] == 1.0
-    assert with_cpu[1]["sibling_busy_pct"] is None  # no topology given
-    assert with_cpu[1]["all_busy_pct"] == 75.0  # vCPUs 3 and 11 over that window
-    # vCPU 11 is 3's hyperthread sibling, and was busy while the slow prefill ran
-    paired = phases_by_mode(samples, 0.045, tmp_path / "tr", cpus, {"3": [11], "11": [3]})
-    assert paired[1]["sibling_busy_pct"] == 90.0
-    assert (fast["config"], fast["mode"], fast["requests"]) == ("kvo", "fast", 2)
-    assert (slow["mode"], slow["requests"]) == ("slow", 1)
-    assert (fast["execute_gpu_ms"], slow["execute_gpu_ms"]) == (25.0, 35.0)
-    assert fast["to_schedule_ms"] == slow["to_schedule_ms"] == 4.0
-    path = tmp_path / "call.json"
-    path.write_text(json.dumps({"samples": samples}))
-    assert main(["modes", str(path), "--engine-trace", str(tmp_path / "tr")]) == 0
-    assert "execute_gpu_ms" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # one call's trace joins one call's requests only
-        main(["modes", str(path), str(path), "--engine-trace", str(tmp_path / "tr")])
 
 
 def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, capsys) -> None:

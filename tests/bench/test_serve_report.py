@@ -2,7 +2,7 @@
 
 Synthetic calls are written with serve_sweep.py's JSON schema (machine, args, servers, rows with
 the client's summary, per-request ttfts_ms/tpots_ms and the counters' rates); the committed
-calls of the H100 sweep (bench/results/serve/*.json) go through the same command.
+calls of an H100 sweep (tests/bench/data/serve/*.json.xz) go through the same command.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "serve_report.py"
-RESULTS = ROOT / "bench" / "results" / "serve"
+RESULTS = ROOT / "tests" / "bench" / "data" / "serve"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -305,7 +305,7 @@ def test_report_writes_markdown_json_and_small_pngs(tmp_path, capsys):
     positions = [table.index(f"| {c} | 2 |") for c in found]
     assert positions == sorted(positions)
     assert f"| {extra} | **" in text  # a kvo variant gets verdicts too
-    assert "python bench/serve_sweep.py --configs kvo-lazy,none," in text
+    assert "python -m bench serve_sweep --configs kvo-lazy,none," in text
     assert "2026-11-26 04:00 – 2026-11-27 04:00 UTC" in text
     assert "0% hits: kvo vs no offloading" in text
     assert "| simple: cut: no status (the call ended first) |" in text
@@ -335,15 +335,15 @@ def test_unreadable_input_fails_with_a_clear_message(tmp_path):
 
 
 def test_committed_h100_calls(tmp_path):
-    files = sorted(RESULTS.glob("*.json"))
-    a1, a2, b1 = (RESULTS / f"{n}.json" for n in ("a1", "a2", "b1"))
+    files = sorted(RESULTS.glob("*.json.xz"))
+    a1, a2, b1 = (RESULTS / f"{n}.json.xz" for n in ("a1", "a2", "b1"))
     assert {a1, a2, b1} <= set(files)
     rep = sr.build([a1, a2, b1])
     # prefix@32 ran in a1 and a2 for the vLLM connectors, in a2 only for kvo
     vals = [
         r["request_throughput"]
         for p in (a1, a2)
-        for r in json.loads(p.read_text())["rows"]
+        for r in sr.read_result(p)["rows"]
         if (r["point"], r["config"]) == ("prefix@32", "offloading")
     ]
     off = rep.points["prefix@32"]["offloading"].stats["request_throughput"]
@@ -365,12 +365,12 @@ def test_committed_h100_calls(tmp_path):
     text = md.read_text()
     assert "NVIDIA H100 80GB HBM3" in text and "vLLM 0.26.0" in text
     for p in files:
-        data = json.loads(p.read_text())
-        assert f"# {p.stem}\npython bench/serve_sweep.py --model" in text
+        data, stem = sr.read_result(p), sr.result_stem(p)
+        assert f"# {stem}\npython -m bench serve_sweep --model" in text
         for r in data["rows"]:
             if sr.usable(r):
                 assert f"## {r['point']}\n" in text
             else:
-                assert f"{p.stem}: {r['config']} {r['point']} rc {r['rc']}" in text
+                assert f"{stem}: {r['config']} {r['point']} rc {r['rc']}" in text
     for png in (tmp_path / "p").glob("*.png"):
         assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size < 150_000

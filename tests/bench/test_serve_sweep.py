@@ -8,10 +8,10 @@ kvoffload server must serve hits from the host tier while the one without a conn
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,8 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine_trace import load_events  # noqa: E402
 from serve_model import build_model_dir, build_tokenizer  # noqa: E402
+from serve_sweep import configs_arg, kv_transfer_config, pool_gib  # noqa: E402
 
 
 def test_the_served_tokenizer_round_trips_every_id_as_one_word(tmp_path: Path) -> None:
@@ -94,12 +94,9 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
         "256",
         "--budget-s",
         "420",
-        "--engine-trace",
-        str(tmp_path / "trace"),
         "--out",
         str(out),
     ]
-    started_epoch = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, check=False)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -139,18 +136,25 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
     assert rows[(GATED, "prefix@8")]["counters"][skipped] > 0
     assert rows[("kvo-eager", "prefix@8")]["counters"][skipped] == 0
     assert rows[(GATED, "prefix@8")]["host_cached_share"] > 0
-    # --engine-trace: each kvo server's engine core recorded its loop and the connector's hooks
-    # (bench/engine_trace.py); the configuration without a connector loads nothing of it
-    for config in ("kvo-eager", GATED):
-        events = [
-            e for f in (tmp_path / "trace" / config).glob("trace-*.jsonl") for e in load_events(f)
-        ]
-        labels = {e[0].split(":")[0] for e in events}
-        assert {"schedule", "kvo.build_connector_meta", "kvo.get_num_new_matched_tokens"} <= labels
-        assert "keeper" in labels  # the keep-attached threads' turns (5 a second per client)
-        assert all(e[3] >= e[2] for e in events if e[0] != "clock")
-        # one anchor per traced process maps its perf_counter onto the client's epoch stamps
-        for f in (tmp_path / "trace" / config).glob("trace-*.jsonl"):
-            (clock,) = [e for e in load_events(f) if e[0] == "clock"]
-            assert started_epoch < clock[3] < time.time()
-    assert not (tmp_path / "trace" / "none").exists()
+
+
+def test_pool_gib_sizes_one_kvo_servers_sidecar_and_stays_out_of_the_connector_keys() -> None:
+    assert pool_gib("kvo-eager+pool_gib=1.5", 24.0) == 1.5
+    assert pool_gib("kvo-eager", 24.0) == 24.0
+    kv = kv_transfer_config("kvo-eager+pool_gib=1+store_threshold=2", "/s.sock", 1 << 30)
+    assert kv["kv_connector_module_path"] == "kvoffload_connector.connector"
+    assert kv["kv_connector_extra_config"] == {
+        "socket": "/s.sock",
+        "mode": "eager",
+        "store_threshold": "2",
+    }
+    assert kv_transfer_config("none", "", 1 << 30) is None
+    noop = kv_transfer_config("noop", "", 1 << 30)
+    assert (noop["kv_connector_module_path"], noop["kv_connector"]) == (
+        "noop_connector",
+        "NoopConnector",
+    )
+    assert configs_arg("none,kvo-eager+pool_gib=1,kvo-eager")[1] == "kvo-eager+pool_gib=1"
+    for bad in ("kvo-eager+pool_gib=0", "kvo-eager+pool_gib=x", "none+pool_gib=1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="pool_gib"):
+            configs_arg(bad)

@@ -1,4 +1,4 @@
-"""bench/tp_check.py's verdicts, fed the H200 x2 run's own record (bench/results/tp/).
+"""bench/tp_check.py's verdicts, fed an H200 x2 run's own record (tests/bench/data/).
 
 That run (vLLM 0.26, TP=2, eager) passed every substantive check but said NO: it required the
 connector's hit tokens from Prometheus, which vLLM 0.26's offline engine never updates for a
@@ -22,7 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "tp_check.py"
-GPU_RUN = ROOT / "bench" / "results" / "tp" / "tp_check_h200x2.json"
+GPU_RUN = ROOT / "tests" / "bench" / "data" / "tp_check_h200x2.json"
 
 
 def _load() -> Any:

@@ -1,0 +1,60 @@
+"""One entry point for every benchmark: `python -m bench NAME [args]`; `python -m bench` lists them.
+
+Each NAME is a script beside this file, run as its own `__main__` with its own flags (`python -m
+bench NAME --help`). The GPU-machine wrappers (`bench/*_gpu_run.sh`) call the same scripts there;
+bench/README.md says which machine each benchmark needs and how long it takes.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# name -> the question it answers (bench/README.md has the commands, machines and minutes)
+BENCHMARKS = {
+    "sidecar_rpc": "what a lookup or reservation round trip to the sidecar costs",
+    "index_ops": "how many block operations a second the pool's index does",
+    "connector_overhead": "what the connector's hooks cost an engine step at 0% hits",
+    "inject_latency": "how long the webhook takes to admit a pod",
+    "adoption": "how fast a restarted sidecar adopts its pool",
+    "transfer": "how close GPU <-> pool copies come to the PCIe ceiling",
+    "e2e_gpu": "TTFT of a pool hit and multi-turn throughput beside vLLM's connectors (offline)",
+    "serve_sweep": "throughput and TTFT of `vllm serve` under load, per configuration",
+    "serve_paired": "what kvoffload costs at 0% hits and light load, paired against vLLM alone",
+    "serve_report": "the merged serving report over calls: tables, verdicts, plots",
+    "serve_chat": "a multi-turn chat client against a running vLLM server",
+    "tp_check": "tensor parallel: same tokens from a pool hit, every rank loading",
+    "warm_start": "the first long request after a vLLM restart",
+    "fault_drill": "SIGKILLing the sidecar under load: no failed request, no wrong token",
+}
+
+
+def usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    lines = [f"  {name:<{width}}  {what}" for name, what in BENCHMARKS.items()]
+    return "usage: python -m bench NAME [args]   (NAME --help for its flags)\n\n" + "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(usage())
+        return 0
+    name, *rest = argv
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    script = HERE / f"{name}.py"
+    sys.argv = [str(script), *rest]
+    sys.path.insert(0, str(HERE))  # the scripts import each other and harness.py by name
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
