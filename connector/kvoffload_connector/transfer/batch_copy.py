@@ -91,8 +91,8 @@ class BatchCopy:
 
     @classmethod
     def load(cls, device: int, prefer_overlap: bool = False) -> BatchCopy | None:
-        """``prefer_overlap``: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE (bench/overlap.py
-        measures layered copies with it; the engine's large runs do not set it)."""
+        """``prefer_overlap``: CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE (for copies beside a
+        forward; the engine's large runs do not set it)."""
         try:
             lib = ctypes.CDLL("libcuda.so.1")
         except OSError:
