@@ -191,6 +191,50 @@ class ActiveConnector:
     def build_connector_worker_meta(self) -> Any:
         return self._worker.report() if self._worker is not None else None
 
+    # -- after a hook raised: hand back what vLLM counts on --------------------------------
+    def abandon_scheduler(self) -> tuple[int, ...]:
+        """Give vLLM back every block reference of ours (`_let_go`); the copies already handed
+        to the workers are the fence they finish before their next forward. Best effort: a
+        scheduler that cannot tell keeps its references (vLLM's cache is that much smaller)."""
+        sched, fence = self._scheduler, ()
+        try:
+            sched._let_go()
+            fence = tuple(sorted(sched._fence))
+        except Exception:  # noqa: BLE001
+            log.warning("kvoffload: could not give back the pool's block references",
+                        exc_info=True)  # fmt: skip
+        try:
+            sched.shutdown()
+        except Exception:  # noqa: BLE001
+            log.debug("kvoffload: scheduler shutdown after a fault", exc_info=True)
+        return fence
+
+    def abandon_worker(self, debts: Any) -> None:
+        """Stop the worker (its copies in flight finish first, so nothing writes into blocks
+        vLLM recomputes) and move into `debts` every outcome vLLM or the scheduler still waits
+        for: loads not yet reported fail (vLLM recomputes them), stores not yet done fail."""
+        w = self._worker
+        debts.known |= set(w._jobs) | set(w._done) | set(w._failed)
+        try:
+            w.shutdown()
+        except Exception:  # noqa: BLE001
+            log.warning("kvoffload: worker shutdown after a fault", exc_info=True)
+        debts.known |= set(w._jobs) | set(w._done) | set(w._failed)
+        debts.done.update(w._done)
+        for job_id, n in w._failed.items():
+            debts.failed[job_id] = debts.failed.get(job_id, 0) + n
+        for job_id, (kind, req_id, _, _) in list(w._jobs.items()):
+            if kind in ("load", "layered"):
+                blocks = w._load_blocks.get(job_id, [])
+                debts.fail_load(job_id, req_id, blocks, kind == "layered")
+            else:
+                debts.failed[job_id] = debts.failed.get(job_id, 0) + 1
+        # finished but not yet reported (the copies ended before shutdown returned)
+        debts.finished_recving |= w._recving
+        debts.failed_recving |= w._failed_recving
+        debts.failed_blocks |= w._failed_blocks
+        debts.layered_blocks |= w._failed_layered_blocks | self._load_error_blocks
+
     # -- both -----------------------------------------------------------------------------
     def stats(self) -> Any:
         """Counters since the last call; None (no object built) in the common step where

@@ -157,6 +157,49 @@ def uniform_query_tokens(vllm_config: Any) -> int:
     return 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec else 1
 
 
+def engine_id(vllm_config: Any) -> str:
+    """The engine's id (`kv_transfer_config.engine_id`: one per engine, shared by its ranks,
+    new at each start unless set)."""
+    return str(getattr(vllm_config.kv_transfer_config, "engine_id", None) or "engine")
+
+
+def publishable_block_hashes(request: Any) -> int:
+    """How many of a request's block hashes name KV that may be stored. vLLM lines with
+    EAGLE/MTP prefix-cache hashing that publish a block only once its draft KV is materialized
+    say so in `Request.num_publishable_block_hashes` (a count of the leading `block_hashes`);
+    a vLLM without it (0.26-0.33.0) publishes every hash it computed: 0.33.0's EAGLE hashing
+    (`get_request_block_hasher(..., num_hash_lookahead_tokens)`) emits a block's hash only
+    once the lookahead tokens its draft KV depends on exist."""
+    n = len(request.block_hashes)
+    publishable = getattr(request, "num_publishable_block_hashes", None)
+    if isinstance(publishable, int) and not isinstance(publishable, bool):
+        return max(0, min(n, publishable))
+    return n
+
+
+def lora_hashes_name_the_adapter(kv_cache_utils: Any = None) -> bool:
+    """Whether vLLM's block hashes carry a LoRA adapter's path, not only its name (0.32+:
+    `_gen_lora_extra_hash_keys` returns ("lora", name, path); 0.26 the name only). Where they
+    do not, one name re-pointed at another adapter would share keys: LoRA requests are then
+    left to vLLM (no pool lookup, no store). False where it cannot be told."""
+    if kv_cache_utils is None:
+        try:
+            import vllm.v1.core.kv_cache_utils as kv_cache_utils
+        except Exception:  # noqa: BLE001
+            return False
+    gen = getattr(kv_cache_utils, "_gen_lora_extra_hash_keys", None)
+    if not callable(gen):
+        return False
+    probe = type("LoRAProbe", (), {"lora_name": "kvoffload-probe-name",
+                                   "lora_path": "/kvoffload/probe/path", "lora_int_id": 1,
+                                   "path": "/kvoffload/probe/path"})()  # fmt: skip
+    try:
+        keys = gen(type("RequestProbe", (), {"lora_request": probe})())
+    except Exception:  # noqa: BLE001
+        return False
+    return "/kvoffload/probe/path" in repr(keys)
+
+
 def worker_rank() -> int:
     """This worker's global rank (index of its pool region)."""
     try:

@@ -24,8 +24,29 @@ log = logging.getLogger("kvoffload_connector.connector")
 # payload which cannot import leaves vLLM serving without the pool.
 FAIL_IMPORT_ENV = "KVOFFLOAD_TEST_FAIL_IMPORT"
 
+# Tests only: "<hook>" makes the facade's first call of that vLLM hook raise; "<hook>:owed" its
+# first call while a load promised to vLLM is not yet handed to the workers. Proves that a hook
+# that raises leaves vLLM serving the same tokens.
+FAULT_ENV = "KVOFFLOAD_TEST_FAULT"
+_FAULT = os.environ.get(FAULT_ENV, "")
+
 _said: set[str] = set()
 _lock = threading.Lock()
+
+
+class InjectedFault(RuntimeError):
+    """The exception `FAULT_ENV` injects."""
+
+
+def check_test_fault(hook: str, owed: bool = False) -> None:
+    """Raise `InjectedFault` where `FAULT_ENV` asks for it (once per process)."""
+    global _FAULT
+    if not _FAULT:
+        return
+    name, _, when = _FAULT.partition(":")
+    if name == hook and (when != "owed" or owed):
+        _FAULT = ""
+        raise InjectedFault(f"{FAULT_ENV}={name}{':' + when if when else ''}")
 
 
 def deps_dir() -> Path:
@@ -53,13 +74,14 @@ def check_test_import_failures() -> None:
         raise ImportError(f"No module named {names[0]!r} ({FAIL_IMPORT_ENV})")
 
 
-def say_disabled(reason: str) -> bool:
-    """Log why the pool is not used, once per process. True when this call logged it."""
+def say_disabled(reason: str, exc: BaseException | None = None) -> bool:
+    """Log why the pool is not used, once per process (with `exc`'s traceback: a hook that
+    raised is a bug to report). True when this call logged it."""
     with _lock:
         if "disabled" in _said:
             return False
         _said.add("disabled")
-    log.warning("kvoffload: serving without the pool: %s", reason)
+    log.warning("kvoffload: serving without the pool: %s", reason, exc_info=exc)
     return True
 
 

@@ -141,13 +141,16 @@ def build_spec(
     group_specs: Sequence[str],
     pp_rank: int = 0,
     pp_size: int = 1,
+    identity: Mapping[str, str] | None = None,
 ) -> SpecFields:
     """The namespace spec of one engine: anything that changes the bytes goes in.
 
     `group_specs` describes each KV group (kind, window, heads, head size) so two
     models that only differ in their attention layout never share a namespace.
+    `identity` names the weights (`identity.model_identity`: path, revisions, quantization,
+    config hash, tokenizer, weight files); `model` is then only the label stats show.
     """
-    extra = {"kv_groups": ";".join(group_specs)}
+    extra = {**(identity or {}), "kv_groups": ";".join(group_specs)}
     if pp_size > 1:
         extra["pp"] = f"{pp_rank}/{pp_size}"
     return SpecFields(

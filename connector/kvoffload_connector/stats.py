@@ -36,6 +36,7 @@ COUNTERS = (
     "failed_loads",
     "failed_stores",
     "pool_file_lost",  # the pool file shrank under a worker's mapping: it dropped the view
+    "hook_faults",  # a connector hook raised: that process serves without the pool
 )
 
 
@@ -82,6 +83,7 @@ class ConnectorStats(KVConnectorStats):
             "refresh_waits": int(d.get("refresh_waits", 0)),
             "failed_loads": int(d.get("failed_loads", 0)),
             "cache_resets": int(d.get("cache_resets", 0)),
+            "hook_faults": int(d.get("hook_faults", 0)),
         }
 
     def is_empty(self) -> bool:
@@ -137,6 +139,10 @@ class PromMetrics(KVConnectorPromMetrics):
         "pool_file_lost": (
             "kvoffload_connector_pool_file_lost_total",
             "Times a worker found the pool file shrunk under its mapping and dropped it",
+        ),
+        "hook_faults": (
+            "kvoffload_connector_hook_faults_total",
+            "Connector hooks that raised: each time, that process dropped the pool and served on",
         ),
     }
 

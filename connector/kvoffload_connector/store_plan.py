@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvoffload_connector import compat
 from kvoffload_connector.config import ConnectorConfig
 from kvoffload_connector.events import announce_blob
 from kvoffload_connector.first_token import FirstTokenWatch
@@ -183,7 +184,9 @@ class StorePlanner:
         computed = req.num_computed_tokens + n_sched
         if not self.cfg.store_decode:
             computed = min(computed, req.num_prompt_tokens)
-        return min(computed // self.chunk_tokens, len(req.block_hashes) // self.chunk_blocks)
+        # only blocks vLLM publishes (EAGLE/MTP: their draft KV is written, compat)
+        publishable = compat.publishable_block_hashes(req)
+        return min(computed // self.chunk_tokens, publishable // self.chunk_blocks)
 
     # -- deferred planning: nothing on a request's path to its first token ---------------
     def _may_defer(self, st: ReqState, step: int) -> bool:
@@ -345,7 +348,7 @@ class StorePlanner:
         """Lazy mode: note the finished request's full chunks, stored when near eviction."""
         st = self._reqs.get(request.request_id)
         start = st.stored_chunks if st is not None else 0
-        n_full = len(request.block_hashes) // self.chunk_blocks
+        n_full = compat.publishable_block_hashes(request) // self.chunk_blocks
         pool = self.block_pool
         for g in range(min(self.num_groups, len(block_ids))):
             for c in range(start, n_full):

@@ -34,6 +34,7 @@ import torch
 from kvoffload_connector import compat
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RegisterResult, RpcThread
 from kvoffload_connector.config import ConnectorConfig
+from kvoffload_connector.identity import model_identity
 from kvoffload_connector.keys import build_spec
 from kvoffload_connector.layout import CanonicalLayout, canonicalize
 from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, Registration, WorkerReport
@@ -116,7 +117,9 @@ class OffloadWorker:
         )
         mc = self.vllm_config.model_config
         self.spec = build_spec(
+            # the served name is the label stats show; the weights' identity is what matches
             model=str(getattr(mc, "served_model_name", None) or mc.model),
+            identity=model_identity(self.vllm_config, compat.engine_id(self.vllm_config)),
             dtype=compat.kv_dtype(self.vllm_config),
             kv_layout=self.layout.tag,
             block_size=self.block_size,

@@ -47,7 +47,7 @@ class NamespaceSpec:
     so a proto map or a dict can be passed and equal specs compare (and hash) equal.
     """
 
-    model: str  # model name or path as vLLM sees it
+    model: str  # the served model name: a label for stats (the weights are named in `extra`)
     dtype: str  # KV-cache dtype, e.g. "bfloat16"
     kv_layout: str  # canonical layout tag, e.g. "LBHNC/packed-kv"
     block_size: int  # tokens per GPU block
@@ -55,7 +55,10 @@ class NamespaceSpec:
     tp_size: int  # tensor-parallel size == ranks writing one slot
     hash_algo: str  # vLLM prefix-caching hash, e.g. "sha256"
     key_size: int  # bytes per packed key
-    extra: tuple[tuple[str, str], ...] = ()  # anything else that changes the bytes, sorted pairs
+    # anything else that changes the bytes, sorted pairs: the KV groups, the pipeline stage and
+    # the weights' identity (`model.*`: path, revisions, quantization, config hash, tokenizer,
+    # weight files; the connector's identity.py), all in the namespace id
+    extra: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         extra: object = self.extra

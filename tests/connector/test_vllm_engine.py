@@ -721,3 +721,47 @@ def test_kv_events_announce_the_host_tier_in_vllms_own_format(tmp_path):
     again = fresh["events"]
     assert {tuple(e["hashes"]) for e in again["stored"].get("CPU", [])} == now
     assert not again["removed"].get("CPU")
+
+
+# -- a namespace names the weights; a hook that raises costs recompute only ---------------------
+
+
+def test_same_path_and_served_name_with_other_weights_hits_nothing_stored_before(sidecar, tmp_path):
+    """A model folder whose config changed under the same path (the rotary base: other K
+    values for the same tokens), served under the same name, gets a namespace of its own: none
+    of the first engine's chunks is loaded into the second, which stores and hits its own."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(MODELS / "tiny-llama", model)
+    first = _run("reset", str(model), sidecar, tmp_path / "a.json", "--seed", "21")
+    assert all(o["cached"] > 0 for o in first["second"]), first["log"]
+    config = json.loads((model / "config.json").read_text())
+    config["rope_theta"] = 500000.0
+    (model / "config.json").write_text(json.dumps(config))
+    other = _run("reset", str(model), sidecar, tmp_path / "b.json", "--seed", "21")
+    assert all(o["cached"] == 0 for o in other["first"]), other["log"]
+    assert all(o["cached"] > 0 for o in other["second"]), other["log"]
+    _assert_same_outputs(other["first"], other["second"])
+
+
+def test_a_hook_that_raises_with_a_load_promised_serves_the_same_tokens(sidecar, tmp_path):
+    """`build_connector_meta` raises in the step after vLLM was told of pool hits: the
+    scheduler drops its pool, the promised loads fail on the worker and vLLM recomputes them;
+    the tokens are those of the first pass, said once with the traceback, in the status
+    file."""
+    r = _run(
+        "reset",
+        "tiny-llama",
+        sidecar,
+        tmp_path / "fault.json",
+        "--seed",
+        "22",
+        env_extra={"KVOFFLOAD_TEST_FAULT": "build_connector_meta:owed"},
+    )
+    _assert_same_outputs(r["first"], r["second"])
+    said = [line for line in r["disabled_lines"] if "build_connector_meta raised" in line]
+    assert len(said) == 1 and "InjectedFault" in said[0], r["log"]
+    status = _status_files(sidecar)["connector-status-scheduler-0.json"]
+    assert status["state"] == "disabled" and status["fault"] == "build_connector_meta"
+    assert _status_files(sidecar)["connector-status-worker-0.json"]["state"] == "active"
