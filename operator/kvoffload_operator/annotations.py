@@ -12,6 +12,9 @@ Keys users may set on pods (or pod templates):
   the label).
 - ``POOL_SIZE``: per-pod pool size override (a quantity, e.g. ``"32Gi"``).
 - ``VLLM_CONTAINER``: the vLLM container's name when detection would guess wrong.
+- ``INJECT_VIA``: ``args`` | ``env`` | ``auto``: how the connector config reaches a vLLM that the
+  injector cannot see start (a script file, an unknown image entrypoint, a ``--config`` file):
+  appended to args, or as env ``KVOFFLOAD_KV_TRANSFER_CONFIG`` (docs/INJECTION.md).
 
 Key on workload pod templates (written by the operator): ``POLICY_HASH`` (rollouts).
 Key on namespaces: ``NAMESPACE_INJECTION: "enabled"`` opts the namespace in (chart webhook).
@@ -31,5 +34,6 @@ INJECTED_LABEL = PREFIX + "injected"
 INJECT = PREFIX + "inject"
 POOL_SIZE = PREFIX + "pool-size"
 VLLM_CONTAINER = PREFIX + "vllm-container"
+INJECT_VIA = PREFIX + "inject-via"
 
 NAMESPACE_INJECTION = PREFIX + "injection"

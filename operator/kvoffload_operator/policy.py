@@ -59,6 +59,16 @@ class SecurityProfile(str, Enum):
     PRIVILEGED = "privileged"
 
 
+class InjectVia(str, Enum):
+    """How the connector config reaches vLLM: ``auto`` where detection says (args, or into the
+    ``sh -c`` script); ``args``: appended to the container's args (its script passes ``"$@"``
+    to vllm); ``env``: as ``KVOFFLOAD_KV_TRANSFER_CONFIG`` (its script passes that on)."""
+
+    AUTO = "auto"
+    ARGS = "args"
+    ENV = "env"
+
+
 class Delivery(str, Enum):
     PREINSTALLED = "preinstalled"
     INIT_CONTAINER = "initContainer"
@@ -111,6 +121,7 @@ class Policy:
     sidecar: SidecarSpec = SidecarSpec()
     connector: ConnectorSpec = ConnectorSpec()
     vllm_container: str | None = None
+    inject_via: InjectVia = InjectVia.AUTO  # spec.vllmContainer.injectVia
     rollout_enabled: bool = True
     priority: int = 0
     tenants: tuple[TenantSpec, ...] = ()  # per-tenant quotas of the pool (tenants.py)
@@ -182,6 +193,8 @@ def policy_hash(policy: Policy) -> str:
     }
     if policy.tenants:  # only when set: hashes of policies without tenants stay as they were
         relevant["tenants"] = [t.to_json() for t in policy.tenants]
+    if policy.inject_via is not InjectVia.AUTO:  # likewise
+        relevant["injectVia"] = policy.inject_via.value
     blob = json.dumps(relevant, sort_keys=True, separators=(",", ":"), default=_enum_value)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -291,6 +304,7 @@ def pool_from_spec(raw: Mapping[str, Any]) -> PoolSpec:
 
 
 _OFFLOAD_KEYS = ("mode", "chunkSize", "loadMode")
+_VLLM_KEYS = ("name", "injectVia")
 
 
 def _offload(raw: Mapping[str, Any]) -> OffloadSpec:
@@ -395,8 +409,13 @@ def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
         connector=_connector(
             _map(spec.get("connector"), "spec.connector", ("delivery", "image", "extraConfig"))
         ),
-        vllm_container=_map(spec.get("vllmContainer"), "spec.vllmContainer", ("name",)).get("name")
+        vllm_container=_map(spec.get("vllmContainer"), "spec.vllmContainer", _VLLM_KEYS).get("name")
         or None,
+        inject_via=_enum(
+            InjectVia,
+            _map(spec.get("vllmContainer"), "spec.vllmContainer").get("injectVia", "auto"),
+            "spec.vllmContainer.injectVia",
+        ),
         rollout_enabled=bool(
             _map(spec.get("rollout"), "spec.rollout", ("enabled",)).get("enabled", True)
         ),

@@ -43,7 +43,10 @@ VLLM = {"name": "engine", "image": "img", "command": ["vllm", "serve", "m"]}
         ({"args": ["vllm", "serve", "m"]}, True),
         ({"image": "docker.io/vllm/vllm-openai:v0.11.0", "args": ["--model", "m"]}, True),
         ({"image": "vllm/vllm-openai", "command": ["python", "app.py"]}, False),
-        ({"name": "vllm", "image": "custom"}, True),
+        ({"name": "vllm", "image": "custom"}, False),  # a name is no proof: opaque entrypoint
+        ({"name": "vllm", "image": "custom", "command": ["/scripts/start.sh"]}, False),
+        ({"command": ["vllm", "run-batch", "-i", "x", "-o", "y"]}, True),
+        ({"command": ["argoexec", "emissary", "--", "vllm", "serve", "m"]}, True),
         ({"command": ["bash", "-c", "vllm serve m"]}, True),
         ({"command": ["bash", "-c", "vllm serve a & vllm serve b"]}, False),
         ({"command": ["python", "-m", "http.server"]}, False),
@@ -78,6 +81,24 @@ def test_shell_wrapper_forms() -> None:
         ),
         (pod({**VLLM, "args": ["--kv_transfer_config={}"]}), SkipReason.HAS_KV_TRANSFER_CONFIG),
         (pod({**VLLM, "args": ["--kv-transfer-config", "{}"]}), SkipReason.HAS_KV_TRANSFER_CONFIG),
+        (
+            pod({**VLLM, "env": [{"name": "LMCACHE_LOCAL_CPU", "value": "True"}]}),
+            SkipReason.OTHER_KV_CACHE,
+        ),
+        (pod({**VLLM, "args": ["--config", "/etc/v.yaml"]}), SkipReason.CONFIG_FILE),
+        (
+            pod({"name": "vllm", "image": "i", "command": ["/start.sh"]}),
+            SkipReason.OPAQUE_ENTRYPOINT,
+        ),
+        (
+            pod({"name": "k", "image": "kserve/huggingfaceserver", "args": ["--model_id=m"]}),
+            SkipReason.BACKEND_AUTO,
+        ),
+        (
+            pod(VLLM, {"name": "p", "image": "ghcr.io/kvoffload/kvoffload:0.1.0"}),
+            SkipReason.HAND_WIRED,
+        ),
+        (pod(VLLM, annotations={ann.INJECT_VIA: "stdin"}), SkipReason.INVALID_OVERRIDE),
     ],
 )
 def test_skip_reasons(the_pod: dict[str, Any], reason: SkipReason) -> None:

@@ -1,23 +1,32 @@
-"""Whether to inject a pod, and why not (pure).
+"""Whether to inject a pod, and why not (pure). Every reason is in docs/INJECTION.md.
 
 Precedence (first match wins; every step reads only the pod and the policies):
 1. opted out: label or annotation ``kvoffload.io/inject: "false"``            → OPTED_OUT
 2. no policy of the namespace selects the pod's labels                          → NO_MATCHING_POLICY
 3. already injected (status annotation or our sidecar present): by the winning
    policy → ALREADY_INJECTED (no change); by another → CONFLICTING_POLICIES
-4. ``hostNetwork: true`` (the sidecar's ports would bind on the node)           → HOST_NETWORK
-5. a per-pod ``kvoffload.io/pool-size`` that the policy rules reject           → INVALID_OVERRIDE
-6. the vLLM container: named (pod annotation, else ``spec.vllmContainer.name``) or detected
-   (see `engine`: ``vllm serve``, ``vllm bench throughput|latency``, ``python -m
-   vllm.entrypoints...``, a ``sh -c`` script with one engine invocation, an image's entrypoint);
-   missing                                                                       → NO_VLLM_CONTAINER
-   a client only (``vllm bench serve``)                                          → NO_ENGINE
-   a shell script with several engine invocations (ambiguous)                    → SHELL_WRAPPER
-7. it already configures a KV connector (``--kv-transfer-config`` in args, shell text or env)
+4. kvoffload wired by hand (its sidecar, mounts under /kvoffload, KVOffloadConnector) → HAND_WIRED
+5. ``hostNetwork: true`` (the sidecar's ports would bind on the node)           → HOST_NETWORK
+6. a per-pod ``kvoffload.io/pool-size`` the policy rules reject, or an unknown
+   ``kvoffload.io/inject-via``                                                    → INVALID_OVERRIDE
+7. the engine spans pods (LeaderWorkerSet size > 1, Ray cluster nodes)          → MULTI_NODE
+8. the vLLM container: named (pod annotation, else ``spec.vllmContainer.name``) or detected
+   (see `engine`: ``vllm serve|run-batch``, ``vllm bench throughput|latency``, ``python -m
+   vllm.entrypoints...``, huggingfaceserver ``--backend vllm``, a ``sh -c`` script with one
+   engine invocation, a vLLM image's entrypoint); missing                        → NO_VLLM_CONTAINER
+9. it already configures a KV connector (``--kv-transfer-config`` in args, shell text or env)
                                                                         → HAS_KV_TRANSFER_CONFIG
-   or vLLM's own offloading (``--kv-offloading-size|backend``, VLLM_USE_SIMPLE_KV_OFFLOAD)
+   vLLM's own offloading (``--kv-offloading-size|backend``, VLLM_USE_SIMPLE_KV_OFFLOAD)
                                                                         → HAS_KV_OFFLOADING
-8. the engine spans pods (LeaderWorkerSet size > 1, Ray cluster nodes)  → MULTI_NODE
+   another stack's KV cache by env (LMCache, AIBrix, Dynamo KVBM, NIXL…) → OTHER_KV_CACHE
+   its ranks span pods (launcher flags)                                  → MULTI_NODE
+10. what runs cannot be seen — unless ``inject-via`` (annotation, else
+   ``spec.vllmContainer.injectVia``) says how the config gets there:
+   a client only (``vllm bench serve``, huggingfaceserver's HF backend; no override) → NO_ENGINE
+   a script with several engines, or none recognised                    → SHELL_WRAPPER
+   a script file, a ConfigMap script, an unknown image entrypoint       → OPAQUE_ENTRYPOINT
+   ``--config FILE`` not in the spec (it may set the connector)          → CONFIG_FILE
+   huggingfaceserver ``--backend auto`` (vLLM or not is chosen at start) → BACKEND_AUTO
 Otherwise inject with the winner (see `selection` for how overlaps resolve).
 """
 
@@ -32,15 +41,18 @@ from typing import Any
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject.engine import (
     NOT_VLLM,
+    Edit,
+    EnvEdit,
     Problem,
-    ShellEdit,
     Site,
+    config_file,
     conflicts,
     engine_site,
+    hand_wired,
     multi_node,
     shell_script,
 )
-from kvoffload_operator.policy import Policy, PolicyError, pool_from_spec
+from kvoffload_operator.policy import InjectVia, Policy, PolicyError, pool_from_spec
 from kvoffload_operator.selection import select_policy
 
 SIDECAR_NAME = "kvoffload-sidecar"
@@ -55,11 +67,16 @@ class SkipReason(str, Enum):
     CONFLICTING_POLICIES = "conflicting-policies"
     HOST_NETWORK = "host-network"
     INVALID_OVERRIDE = "invalid-override"
+    HAND_WIRED = "hand-wired"
     NO_VLLM_CONTAINER = "no-vllm-container"
     SHELL_WRAPPER = "shell-wrapper"
+    OPAQUE_ENTRYPOINT = "opaque-entrypoint"
+    CONFIG_FILE = "config-file"
+    BACKEND_AUTO = "backend-auto"
     NO_ENGINE = "no-engine"
     HAS_KV_TRANSFER_CONFIG = "has-kv-transfer-config"
     HAS_KV_OFFLOADING = "has-kv-offloading"
+    OTHER_KV_CACHE = "other-kv-cache"
     MULTI_NODE = "multi-node"
     ERROR = "error"  # the injector itself failed; the pod is admitted unchanged
 
@@ -78,7 +95,7 @@ class Decision:
     pool_bytes: int | None = None  # after a per-pod override
     losers: tuple[Policy, ...] = ()
     message: str = ""
-    edit: ShellEdit | None = None  # where the flag goes in a shell script; None: append to args
+    edit: Edit = None  # where the flag goes: a shell script, env; None: appended to args
 
     @staticmethod
     def skip(
@@ -122,18 +139,9 @@ def injected_by(pod: Mapping[str, Any]) -> str | None:
     return "" if SIDECAR_NAME in names else None
 
 
-_PROBLEM_REASON = {
-    Problem.NO_ENGINE: "NO_ENGINE",
-    Problem.SHELL_WRAPPER: "SHELL_WRAPPER",
-    Problem.HAS_KV_TRANSFER_CONFIG: "HAS_KV_TRANSFER_CONFIG",
-    Problem.HAS_KV_OFFLOADING: "HAS_KV_OFFLOADING",
-    Problem.MULTI_NODE: "MULTI_NODE",
-}
-
-
 def _skip_of(site: Site) -> tuple[SkipReason, str]:
     assert site.problem is not None
-    return SkipReason[_PROBLEM_REASON[site.problem]], site.message
+    return SkipReason(site.problem.value), site.message
 
 
 def _skip_decision(site: Site, policy: Policy, losers: tuple[Policy, ...]) -> Decision:
@@ -141,37 +149,60 @@ def _skip_decision(site: Site, policy: Policy, losers: tuple[Policy, ...]) -> De
     return Decision.skip(reason, policy, message, losers)
 
 
+def _volume_kinds(pod: Mapping[str, Any]) -> dict[str, str]:
+    """Volume name → what it is, for messages (``ConfigMap 'vllm-scripts'``)."""
+    out = {}
+    for v in (pod.get("spec") or {}).get("volumes") or []:
+        for key, kind in (("configMap", "ConfigMap"), ("secret", "Secret")):
+            if isinstance(v.get(key), Mapping):
+                ref = v[key].get("name") or v[key].get("secretName") or ""
+                out[str(v.get("name"))] = f"{kind} {ref!r}"
+    return out
+
+
+def _named(pod: Mapping[str, Any], policy: Policy) -> str | None:
+    meta = pod.get("metadata") or {}
+    return (meta.get("annotations") or {}).get(ann.VLLM_CONTAINER) or policy.vllm_container
+
+
 def _find_vllm(
     pod: Mapping[str, Any], policy: Policy
-) -> tuple[Mapping[str, Any] | None, Site, SkipReason | None, str]:
-    meta = pod.get("metadata") or {}
+) -> tuple[Mapping[str, Any] | None, Site, str]:
+    """(the vLLM container, its site, why none) — the container is also returned when its
+    site is a problem (it looks like vLLM's), so its conflicts and overrides can be read."""
     containers = (pod.get("spec") or {}).get("containers") or []
-    wanted = (meta.get("annotations") or {}).get(ann.VLLM_CONTAINER) or policy.vllm_container
+    volumes = _volume_kinds(pod)
+    wanted = _named(pod, policy)
     if wanted:
         found = [c for c in containers if c.get("name") == wanted]
         if not found:
-            return None, NOT_VLLM, SkipReason.NO_VLLM_CONTAINER, f"no container named {wanted!r}"
-        site = engine_site(found[0], named=True)
-        if not site.engine:
-            return None, site, *_skip_of(site)
-        return found[0], site, None, ""
-    sites = [(c, engine_site(c)) for c in containers]
+            return None, NOT_VLLM, f"no container named {wanted!r}"
+        return found[0], engine_site(found[0], named=True, volumes=volumes), ""
+    sites = [(c, engine_site(c, volumes=volumes)) for c in containers]
     for container, site in sites:
         if site.engine:
-            return container, site, None, ""
-    for _, site in sites:
+            return container, site, ""
+    for container, site in sites:
         if site.problem is not None:
-            return None, site, *_skip_of(site)
+            return container, site, ""
     return (
         None,
         NOT_VLLM,
-        SkipReason.NO_VLLM_CONTAINER,
-        (
-            "no container runs `vllm serve`, `vllm bench throughput|latency` or "
-            "`python -m vllm.entrypoints...`; set spec.vllmContainer.name or the "
-            "kvoffload.io/vllm-container annotation"
-        ),
+        "no container runs `vllm serve|run-batch`, `vllm bench throughput|latency` or "
+        "`python -m vllm.entrypoints...`; set spec.vllmContainer.name or the "
+        "kvoffload.io/vllm-container annotation",
     )
+
+
+def _inject_via(meta: Mapping[str, Any], policy: Policy) -> InjectVia | str:
+    """The override (annotation over policy), or the bad annotation value as a string."""
+    raw = (meta.get("annotations") or {}).get(ann.INJECT_VIA)
+    if raw is None:
+        return policy.inject_via
+    try:
+        return InjectVia(str(raw).strip().lower())
+    except ValueError:
+        return str(raw)
 
 
 def decide(
@@ -200,6 +231,12 @@ def decide(
             "selects it now; recreate the pod to re-inject",
             losers,
         )
+    named = _named(pod, policy)
+    wired = hand_wired(
+        pod, next((c for c in spec.get("containers") or [] if c.get("name") == named), None)
+    )
+    if wired is not None:
+        return _skip_decision(wired, policy, losers)
     if spec.get("hostNetwork"):
         return Decision.skip(
             SkipReason.HOST_NETWORK,
@@ -221,23 +258,43 @@ def decide(
                 f"{ann.POOL_SIZE}: {exc}".replace("spec.pool.size: ", ""),
                 losers,
             )
+    via = _inject_via(meta, policy)
+    if not isinstance(via, InjectVia):
+        allowed = ", ".join(v.value for v in InjectVia)
+        return Decision.skip(
+            SkipReason.INVALID_OVERRIDE,
+            policy,
+            f"{ann.INJECT_VIA}: {via!r} is not one of: {allowed}",
+            losers,
+        )
     spans_pods = multi_node(pod, {}, group_size)  # whatever its containers run
     if spans_pods is not None:
         return _skip_decision(spans_pods, policy, losers)
-    container, site, reason, message = _find_vllm(pod, policy)
+    container, site, message = _find_vllm(pod, policy)
     if container is None:
-        assert reason is not None
-        return Decision.skip(reason, policy, message, losers)
+        return Decision.skip(SkipReason.NO_VLLM_CONTAINER, policy, message, losers)
+    if site.problem is Problem.NO_ENGINE:
+        return _skip_decision(site, policy, losers)  # a client: nothing to configure
     problem = conflicts(container) or multi_node(pod, container, group_size)
-    if problem is not None:
+    if problem is None and site.engine:
+        problem = config_file(container)
+    if problem is None and not site.engine:
+        problem = site
+    edit: Edit = site.edit
+    if via is not InjectVia.AUTO:
+        if problem is not None and not (problem.problem and problem.problem.overridable):
+            return _skip_decision(problem, policy, losers)
+        edit = EnvEdit() if via is InjectVia.ENV else None
+    elif problem is not None:
         return _skip_decision(problem, policy, losers)
+    how = f" (inject-via {via.value})" if via is not InjectVia.AUTO else ""
     return Decision(
         True,
         None,
         policy,
         container=str(container.get("name")),
         pool_bytes=pool_bytes,
-        edit=site.edit,
+        edit=edit,
         losers=losers,
-        message=f"injected by policy {policy.name!r}",
+        message=f"injected by policy {policy.name!r}{how}",
     )

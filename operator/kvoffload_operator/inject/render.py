@@ -27,7 +27,7 @@ from typing import Any
 
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
-from kvoffload_operator.inject.engine import ShellEdit, insert_flag
+from kvoffload_operator.inject.engine import Edit, EnvEdit, insert_flag
 from kvoffload_operator.inject.qos import (
     GUARANTEED_INSTALLER_CPU,
     GUARANTEED_SIDECAR_CPU,
@@ -218,10 +218,11 @@ def _volumes(policy: Policy, pool_bytes: int) -> list[dict[str, Any]]:
     return vols
 
 
-def _patch_vllm(container: dict[str, Any], policy: Policy, edit: ShellEdit | None) -> list[str]:
+def _patch_vllm(container: dict[str, Any], policy: Policy, edit: Edit) -> list[str]:
     """Mutate the vLLM container in place; returns the env names it added or changed."""
     config = json.dumps(kv_transfer_config(policy), sort_keys=True, separators=(",", ":"))
     insert_flag(container, edit, "--kv-transfer-config", config)
+    touched = [edit.name] if isinstance(edit, EnvEdit) else []  # `inject-via: env`
     mounts = container.setdefault("volumeMounts", [])
     mounts += [
         {"name": POOL_VOLUME, "mountPath": POOL_DIR},
@@ -229,7 +230,6 @@ def _patch_vllm(container: dict[str, Any], policy: Policy, edit: ShellEdit | Non
     ]
     env = container.setdefault("env", [])
     names = {e.get("name"): e for e in env}
-    touched = []
     # an envFrom source may set it, and this webhook cannot read ConfigMaps or Secrets: an env
     # entry would override the user's seed (a KV-aware router hashes with the same one). Left
     # alone, the connector notes it where the seed then turns out to be per process.
