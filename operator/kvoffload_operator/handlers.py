@@ -22,8 +22,9 @@ from typing import Any
 
 import kopf
 
-from kvoffload_operator import certs
+from kvoffload_operator import hashseed, webhook_tls
 from kvoffload_operator.admission import admit_pod
+from kvoffload_operator.guardrails import NOT_ALLOWED
 from kvoffload_operator.inject import decide
 from kvoffload_operator.k8s import ApiError
 from kvoffload_operator.policy import (
@@ -49,6 +50,7 @@ from kvoffload_operator.webhook import PodWebhookServer
 from kvoffload_operator.workloads import ROLLOUT_KINDS, hash_patch, template_hash
 
 POLICIES = (API_GROUP, API_VERSION, PLURAL)
+CERT_FILE_CHECK_S = 60.0
 
 
 def _now() -> str:
@@ -81,7 +83,13 @@ def _refresh_status(
 ) -> None:
     api = memo.api
     enabled = memo.config.injection_enabled(api.namespace_labels(policy.namespace))
-    pods = api.list_pods(policy.namespace, policy.selector.to_query())
+    try:
+        pods = api.list_pods(policy.namespace, policy.selector.to_query())
+        visible = True
+    except ApiError as exc:  # no RoleBinding in this namespace (the chart's rbac.namespaces)
+        if exc.status != 403:
+            raise
+        pods, visible = [], False
     mine = injected_pods(policy, pods)
     reports = _ask_sidecars(mine, memo)
     new = build_status(
@@ -92,6 +100,7 @@ def _refresh_status(
         now=_now(),
         previous=status,
         reports=reports,
+        pods_visible=visible,
     )
     sent = memo.setdefault("sent_status", {})
     key = (policy.namespace, policy.name)
@@ -146,13 +155,28 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     async def startup(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: Any) -> None:
         configure(settings, config)
         if config.webhook_port:
-            cert, key = await asyncio.to_thread(_webhook_certificate, config, memo, logger)
+            if config.self_signed_certs:
+                served = await asyncio.to_thread(webhook_tls.ensure, memo.api, config)
+                cert, key = served.cert, served.key
+                memo.cert_refresher = asyncio.create_task(
+                    webhook_tls.refresh_forever(memo.api, config, served)
+                )
+            else:
+                cert, key = config.cert_dir / "tls.crt", config.cert_dir / "tls.key"
             settings.admission.server = PodWebhookServer(
                 addr=config.webhook_addr,
                 port=config.webhook_port,
                 certfile=str(cert),
                 pkeyfile=str(key),
+                # a renewed pair (ours, another replica's, cert-manager's) is served this soon
+                file_check_interval=CERT_FILE_CHECK_S,
             )
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(memo: Any, **_: Any) -> None:
+        task = memo.get("cert_refresher")
+        if task is not None:
+            task.cancel()
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -165,11 +189,17 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         if body.get("metadata", {}).get("deletionTimestamp"):
             return {}  # being deleted: new pods must not get it while kopf releases it
         try:
-            return {namespace: policy_from_resource(body)}
+            policy = policy_from_resource(body)
         except PolicyError as exc:
             logger.warning("kvoffload: policy ignored by the webhook: %s", exc)
             return {}
+        refused = guardrails.message(policy)
+        if refused:  # got in before the validating webhook (or past it): never injected
+            logger.warning("kvoffload: policy ignored by the webhook: %s", refused)
+            return {}
+        return {namespace: policy}
 
+    guardrails = config.guardrails()
     if config.webhook_port:  # --webhook-port=0: a controller without a webhook server
         _register_webhook(registry, config)
 
@@ -185,15 +215,23 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
         logger: Any,
         **_: Any,
     ) -> None:
+        generation = body["metadata"].get("generation", 1)
         try:
             policy = policy_from_resource(body)
         except PolicyError as exc:
-            patch.status.update(
-                invalid_status(body["metadata"].get("generation", 1), str(exc), _now(), status)
-            )
+            patch.status.update(invalid_status(generation, str(exc), _now(), status))
             memo.metrics.reconciles.labels(result="invalid").inc()
             return
+        refused = guardrails.message(policy)
+        if refused:
+            patch.status.update(
+                invalid_status(generation, refused, _now(), status, reason=NOT_ALLOWED)
+            )
+            memo.metrics.reconciles.labels(result="invalid").inc()
+            logger.warning("kvoffload: policy not allowed, never injected: %s", refused)
+            return
         try:
+            _ensure_seed(policy, body["metadata"].get("uid"), memo, logger)
             _apply(policy, memo, policy_index, status, patch, logger)
         except ApiError as exc:  # retried by kopf; counted here
             memo.metrics.reconciles.labels(result="error").inc()
@@ -205,7 +243,13 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     ) -> None:
         api = memo.api
         enabled = config.injection_enabled(api.namespace_labels(policy.namespace))
-        if policy.rollout_enabled and enabled:
+        if policy.rollout_enabled and enabled and not config.rollouts:
+            logger.info(
+                "kvoffload: policy asks for rollouts; the operator runs without --rollouts "
+                "(helm value operator.rollouts.enabled), so workloads roll when their owners "
+                "restart them"
+            )
+        if policy.rollout_enabled and enabled and config.rollouts:
             peers = _namespace_policies(policy_index, policy.namespace, policy)
             for obj in plan_rollouts(policy, api.list_workloads(policy.namespace), peers):
                 meta = obj["metadata"]
@@ -229,7 +273,25 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
             policy = policy_from_resource(body)
         except PolicyError:
             return  # reconcile() already reported it
+        if guardrails.problems(policy):
+            return  # likewise
         _refresh_status(policy, memo, policy_index, status, patch)
+
+    if config.webhook_port:
+
+        @kopf.on.validate(
+            *POLICIES, id="validate-policies", operations={"CREATE", "UPDATE"}, registry=registry
+        )
+        def validate_policies(body: Any, **_: Any) -> None:
+            """Refuse at apply what the cluster admin does not allow (`guardrails`), and what the
+            CRD's schema would refuse (the same checks, for a CRD applied without them)."""
+            try:
+                policy = policy_from_resource(body)
+            except PolicyError as exc:
+                raise kopf.AdmissionError(f"kvoffload: {exc}", code=422) from None
+            refused = guardrails.message(policy)
+            if refused:
+                raise kopf.AdmissionError(f"kvoffload: policy not allowed: {refused}", code=403)
 
 
 def _register_webhook(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
@@ -241,7 +303,11 @@ def _register_webhook(registry: kopf.OperatorRegistry, config: OperatorConfig) -
         try:
             pod = dict(body)
             namespace = (pod.get("metadata") or {}).get("namespace") or ""
-            policies = _namespace_policies(policy_index, namespace)
+            # a policy selects pods of its own namespace only (the index is keyed by it; the
+            # filter keeps that true whatever the index holds)
+            policies = [
+                p for p in _namespace_policies(policy_index, namespace) if p.namespace == namespace
+            ]
         except Exception as exc:
             warnings.append(f"kvoffload: injection failed, pod admitted unchanged: {exc}")
             return
@@ -257,28 +323,37 @@ def _register_webhook(registry: kopf.OperatorRegistry, config: OperatorConfig) -
             patch.fns.append(replace)
 
 
-def _webhook_certificate(config: OperatorConfig, memo: Any, logger: Any) -> tuple[Any, Any]:
-    """(cert, key) paths: the mounted pair, or the self-signed one (made or reused)."""
-    if not config.self_signed_certs:
-        return config.cert_dir / "tls.crt", config.cert_dir / "tls.key"
-    api = memo.api
-    names = certs.service_dns_names(config.service, config.pod_namespace)
-    stored = api.read_secret(config.pod_namespace, config.cert_secret) or {}
-    if (
-        stored.get("tls.crt")
-        and stored.get("tls.key")
-        and stored.get("ca.crt")
-        and certs.still_valid(stored["tls.crt"], names)
-    ):
-        bundle = certs.CertBundle(stored["ca.crt"], stored["tls.crt"], stored["tls.key"])
-        logger.info("kvoffload: reusing the webhook certificate in secret %s", config.cert_secret)
-    else:
-        bundle = certs.generate(names)
-        api.write_secret(
-            config.pod_namespace,
-            config.cert_secret,
-            {"tls.crt": bundle.cert_pem, "tls.key": bundle.key_pem, "ca.crt": bundle.ca_pem},
+def _ensure_seed(policy: Policy, uid: str | None, memo: Any, logger: Any) -> None:
+    """The policy's hash-seed Secret (`hashseed`), created once; kept as it is when it exists
+    (pods already started with it). Without the right to create it here (no RoleBinding in this
+    namespace) the pods' optional reference stays empty: logged once, ``Limited`` on status."""
+    created: set[tuple[str, str]] = memo.setdefault("seeds", set())
+    key = (policy.namespace, policy.name)
+    if key in created:
+        return
+    try:
+        memo.api.create_secret(
+            policy.namespace,
+            hashseed.secret_name(policy.name),
+            {hashseed.KEY: hashseed.new_seed()},
+            labels={hashseed.LABEL: policy.name[:63]},
+            # deleted with its policy (whose pods then get no new injection anyway)
+            owner={
+                "apiVersion": f"{API_GROUP}/{API_VERSION}",
+                "kind": "KVOffloadPolicy",
+                "name": policy.name,
+                "uid": uid,
+            }
+            if uid
+            else None,
         )
-        logger.info("kvoffload: generated a webhook certificate for %s", names[2])
-    api.patch_webhook_ca(config.webhook_config, bundle.ca_pem)
-    return bundle.write(config.cert_dir)
+    except ApiError as exc:
+        if exc.status != 403:
+            raise
+        logger.warning(
+            "kvoffload: cannot create the hash-seed secret %s in namespace %s (not in the chart's "
+            "rbac.namespaces?): its pods run with per-process seeds (hits last one engine's life)",
+            hashseed.secret_name(policy.name),
+            policy.namespace,
+        )
+    created.add(key)

@@ -105,31 +105,100 @@ class KubeApi:
         data = _json(resp).get("data") or {}
         return {k: base64.b64decode(v) for k, v in data.items()}
 
-    def write_secret(self, namespace: str, name: str, data: Mapping[str, bytes]) -> None:
-        """Create the TLS secret, or overwrite its data when it exists (the chart may own it)."""
-        encoded = {k: base64.b64encode(v).decode() for k, v in data.items()}
+    def read_secret_versioned(
+        self, namespace: str, name: str
+    ) -> tuple[dict[str, bytes], str] | None:
+        """(data, resourceVersion) of a Secret; None when it does not exist."""
+        try:
+            resp = self.core.read_namespaced_secret(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        obj = _json(resp)
+        data = obj.get("data") or {}
+        version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        return {k: base64.b64decode(v) for k, v in data.items()}, version
+
+    def create_secret(
+        self,
+        namespace: str,
+        name: str,
+        data: Mapping[str, bytes],
+        *,
+        type_: str = "Opaque",
+        labels: Mapping[str, str] | None = None,
+        owner: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Create a Secret; False when one of that name exists (409: someone else won)."""
+        meta: dict[str, Any] = {"name": name, "namespace": namespace}
+        if labels:
+            meta["labels"] = dict(labels)
+        if owner:
+            meta["ownerReferences"] = [dict(owner)]
         body = {
             "apiVersion": "v1",
             "kind": "Secret",
-            "type": "kubernetes.io/tls",
-            "metadata": {"name": name, "namespace": namespace},
-            "data": encoded,
+            "type": type_,
+            "metadata": meta,
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
         }
         try:
             self.core.create_namespaced_secret(
                 namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
             )
         except ApiException as exc:
-            if exc.status != 409:
-                raise
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    def replace_secret_data(
+        self, namespace: str, name: str, data: Mapping[str, bytes], resource_version: str
+    ) -> bool:
+        """Replace a Secret's data if it is still at ``resource_version``; False on 409 (another
+        writer got there first: re-read)."""
+        body = {
+            "metadata": {"resourceVersion": resource_version},
+            "data": {k: base64.b64encode(v).decode() for k, v in data.items()},
+        }
+        try:
             self.core.patch_namespaced_secret(
                 name,
                 namespace,
-                {"data": encoded},
+                body,
                 _content_type=MERGE_PATCH,
                 _preload_content=False,
                 _request_timeout=REQUEST_TIMEOUT,
             )
+        except ApiException as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    def webhook_owner(self, config_name: str) -> dict[str, Any] | None:
+        """An ownerReference to the chart's MutatingWebhookConfiguration (uninstall deletes it,
+        and the garbage collector then the Secrets that name it); None when unreadable."""
+        try:
+            resp = self.admission.read_mutating_webhook_configuration(
+                config_name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status in (403, 404):
+                return None
+            raise
+        meta = _json(resp).get("metadata") or {}
+        if not meta.get("uid"):
+            return None
+        return {
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "MutatingWebhookConfiguration",
+            "name": config_name,
+            "uid": meta["uid"],
+        }
 
     def post_pod_event(
         self,
@@ -167,26 +236,36 @@ class KubeApi:
             namespace, body, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
         )
 
-    def patch_webhook_ca(self, config_name: str, ca_pem: bytes) -> None:
-        """Set ``caBundle`` on every webhook of the MutatingWebhookConfiguration."""
-        resp = self.admission.read_mutating_webhook_configuration(
-            config_name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+    def patch_webhook_ca(
+        self, config_name: str, ca_pem: bytes, *, validating: bool = False
+    ) -> None:
+        """Set ``caBundle`` on every webhook of the Mutating- (or Validating-) WebhookConfiguration
+        (only where it differs: replicas patching the same CA write nothing)."""
+        read, patch_fn = (
+            (
+                self.admission.read_validating_webhook_configuration,
+                self.admission.patch_validating_webhook_configuration,
+            )
+            if validating
+            else (
+                self.admission.read_mutating_webhook_configuration,
+                self.admission.patch_mutating_webhook_configuration,
+            )
         )
+        resp = read(config_name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
         webhooks = _json(resp).get("webhooks") or []
         bundle = base64.b64encode(ca_pem).decode()
-        patch = [
-            {
-                "op": "replace" if "caBundle" in (w.get("clientConfig") or {}) else "add",
-                "path": f"/webhooks/{i}/clientConfig/caBundle",
-                "value": bundle,
-            }
-            for i, w in enumerate(webhooks)
+        # strategic merge: webhooks merge by name, so only caBundle changes
+        changed = [
+            {"name": w.get("name"), "clientConfig": {"caBundle": bundle}}
+            for w in webhooks
+            if (w.get("clientConfig") or {}).get("caBundle") != bundle
         ]
-        if patch:
-            self.admission.patch_mutating_webhook_configuration(
+        if changed:
+            patch_fn(
                 config_name,
-                patch,
-                _content_type="application/json-patch+json",
+                {"webhooks": changed},
+                _content_type="application/strategic-merge-patch+json",
                 _preload_content=False,
                 _request_timeout=REQUEST_TIMEOUT,
             )

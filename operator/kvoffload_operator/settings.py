@@ -25,6 +25,7 @@ from typing import Any
 
 import kopf
 
+from kvoffload_operator.guardrails import Guardrails
 from kvoffload_operator.inject import RenderDefaults
 from kvoffload_operator.version import VERSION
 
@@ -88,6 +89,26 @@ class OperatorConfig:
     watch_timeout: int = 300
     """Server-side watch timeout (s): watches are re-established at least this often, so a
     silently dead connection cannot stall the operator (kopf's default is no timeout)."""
+    rollouts: bool = False
+    """Let policies with ``rollout.enabled`` roll the Deployments/StatefulSets they inject (a
+    pod-template patch: code execution in that namespace). Off: the operator never writes a
+    workload; the chart then grants no workload verb (helm value operator.rollouts.enabled)."""
+    allowed_images: str = ""
+    """Comma-separated images a policy may name (`guardrails`): repositories, ``prefix/``,
+    ``repo@sha256:…`` or ``*``; the repositories of ``--sidecar-image``/``--connector-image``
+    are always allowed."""
+    allow_privileged: bool = False
+    """Allow policies with ``spec.sidecar.securityProfile: privileged``."""
+    allowed_capabilities: str = ""
+    """Comma-separated ``spec.sidecar.extraCapabilities`` policies may add (e.g. IPC_LOCK)."""
+    policy_webhook_config: str = ""
+    """ValidatingWebhookConfiguration (shipped by the chart) whose caBundle is patched with the
+    self-signed CA; empty: none."""
+    cert_check_interval: float = 3600.0
+    """Seconds between re-reads of the self-signed pair: a pair renewed by another replica, or
+    due for renewal, is served without a restart."""
+    cert_renew_days: int = 30
+    """Renew the self-signed serving certificate this many days before it expires."""
 
     def injection_enabled(self, labels: dict[str, str] | None) -> bool:
         """Whether a namespace with ``labels`` (None: unreadable) reaches the webhook."""
@@ -95,6 +116,15 @@ class OperatorConfig:
             return True
         key, _, value = self.injection_label.partition("=")
         return labels is not None and labels.get(key) == value
+
+    def guardrails(self) -> Guardrails:
+        """What the admin lets policies ask for (`guardrails`)."""
+        return Guardrails.of(
+            self.allowed_images,
+            self.allow_privileged,
+            self.allowed_capabilities,
+            defaults=(self.sidecar_image, self.connector_image),
+        )
 
     def render_defaults(self) -> RenderDefaults:
         return RenderDefaults(self.sidecar_image, self.connector_image, VERSION)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload_operator import annotations as ann
+from kvoffload_operator.hashseed import weak_hash_algo
 from kvoffload_operator.inject.decide import SIDECAR_NAME
 from kvoffload_operator.inject.render import INSTALLER_NAME
 from kvoffload_operator.policy import Policy
@@ -399,9 +400,12 @@ def build_status(
     now: str,
     previous: Mapping[str, Any] | None = None,
     reports: Sequence[SidecarReport] = (),
+    pods_visible: bool = True,
 ) -> dict[str, Any]:
     """The ``status`` of ``policy`` given the pods of its namespace (any; filtered here) and
-    what their sidecars said over Stats (``reports``; none when not asked)."""
+    what their sidecars said over Stats (``reports``; none when not asked). ``pods_visible``
+    False: the operator may not list pods there, so the counts are unknown (0) and the
+    ``PodsVisible`` condition says so."""
     matched = [
         p
         for p in pods
@@ -467,6 +471,39 @@ def build_status(
     degraded_pods, degraded_reasons = degraded_counts(problems)
     noted = noted_pods(mine, reports)
     conditions = set_condition(conditions, "Limited", *_limited(noted), gen, now)
+    conditions = _optional_condition(
+        conditions,
+        "PodsVisible",
+        None
+        if pods_visible
+        else (
+            "NoPodAccess",
+            f"the operator may not list pods in namespace {policy.namespace!r}: pod counts and "
+            "sidecar health are unknown, and no hash-seed Secret is created there (add the "
+            "namespace to the chart's rbac.namespaces)",
+        ),
+        gen,
+        now,
+        status="False",
+    )
+    weak = [(p, algo) for p in mine if (algo := weak_hash_algo_of(p)) is not None]
+    conditions = _optional_condition(
+        conditions,
+        "WeakPrefixHash",
+        (
+            "NonCryptographicHash",
+            f"{len(weak)} injected pods hash prefixes with {weak[0][1]} and share the policy's "
+            "seed (and the pool keeps blocks across restarts): whoever learns the seed can craft "
+            "colliding prompts that read or poison cached KV; use sha256 (vLLM's default): "
+            + ", ".join(
+                str((p.get("metadata") or {}).get("name")) for p, _ in weak[:MAX_NAMED_PODS]
+            ),
+        )
+        if weak
+        else None,
+        gen,
+        now,
+    )
     return {
         "observedGeneration": gen,
         "skipped": skipped_counts(matched),
@@ -483,15 +520,49 @@ def build_status(
     }
 
 
+def _optional_condition(
+    conditions: Sequence[Condition],
+    type_: str,
+    problem: tuple[str, str] | None,
+    generation: int,
+    now: str,
+    status: str = "True",
+) -> list[Condition]:
+    """A condition present only while its problem is: set with ``status`` when ``problem``
+    (reason, message) is given, dropped otherwise."""
+    if problem is None:
+        return [c for c in conditions if c.get("type") != type_]
+    return set_condition(conditions, type_, status, *problem, generation, now)
+
+
+def weak_hash_algo_of(pod: Mapping[str, Any]) -> str | None:
+    """The non-cryptographic prefix-cache hash an injected pod's vLLM container asks for."""
+    try:
+        name = json.loads(((pod.get("metadata") or {}).get("annotations") or {})[ann.STATUS])[
+            "vllmContainer"
+        ]
+    except (KeyError, ValueError, TypeError):
+        return None
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        if c.get("name") == name:
+            return weak_hash_algo(c)
+    return None
+
+
 def invalid_status(
-    generation: int, message: str, now: str, previous: Mapping[str, Any] | None = None
+    generation: int,
+    message: str,
+    now: str,
+    previous: Mapping[str, Any] | None = None,
+    reason: str = "InvalidSpec",
 ) -> dict[str, Any]:
-    """Status of a policy the operator cannot parse (the API server normally prevents this)."""
+    """Status of a policy the operator cannot parse (the API server normally prevents this) or
+    that the cluster admin does not allow (``reason`` NotAllowed): never injected."""
     conditions = set_condition(
         list((previous or {}).get("conditions") or []),
         "Ready",
         "False",
-        "InvalidSpec",
+        reason,
         message,
         generation,
         now,

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvoffload_sidecar import filemode
 from kvoffload_sidecar.config import (
     ConfigError,
     EarlySettings,
@@ -66,6 +67,7 @@ def main_sidecar(argv: Sequence[str]) -> int:
         return _refuse(early, exc, checking=False)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
+    filemode.set_mode(config.file_mode)  # before anything creates a socket or the pool file
     try:
         warnings = check_environment(config)
     except ConfigError as exc:
@@ -97,6 +99,7 @@ def _refuse(early: EarlySettings, exc: ConfigError, *, checking: bool) -> int:
         print(f"kvoffload sidecar: error: {exc}", file=sys.stderr)
         return 2
     configure_logging(early.log_level)
+    filemode.set_mode(early.file_mode)
     from kvoffload_sidecar.degraded import Endpoints, from_config_error, run_degraded
 
     endpoints = Endpoints(early.socket, early.listen, early.metrics_listen)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+from kvoffload_sidecar.filemode import DEFAULT_MODE, parse_mode
 from kvoffload_sidecar.keymap import native_enabled
 from kvoffload_sidecar.tenants import TenantsConfig, parse_tenants
 from kvoffload_sidecar.units import format_bytes, parse_size
@@ -93,6 +94,9 @@ class SidecarConfig:
     """Degraded for a reason that can go away: seconds between attempts to build the pool."""
     tenants: TenantsConfig | None = None
     """Per-tenant quotas of each namespace's slots, by vLLM cache_salt (tenants.py); None: off."""
+    file_mode: int = DEFAULT_MODE
+    """Mode of the sockets and the pool file (`filemode`): 0600 (this user only) by default;
+    the injector passes 0666 inside pods, where the emptyDirs are private to the pod."""
 
     @property
     def reap_interval_s(self) -> float:
@@ -135,6 +139,11 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("--socket", "Unix socket path for the KVPool gRPC service", required=True),
     _Flag("--listen", "HOST:PORT for gRPC health + Stats over TCP (optional)"),
     _Flag("--metrics-listen", "HOST:PORT for Prometheus /metrics over HTTP (optional)"),
+    _Flag(
+        "--file-mode",
+        "octal mode of the sockets and the pool file (default 0600: this user only; 0660 shares "
+        "with the group, 0666 with every user, as in a pod whose vLLM runs as another uid)",
+    ),
     _Flag("--eviction", "eviction policy: lru (default) or arc"),
     _Flag("--hugepages", "the pool dir is a hugetlbfs mount", is_switch=True),
     _Flag("--numa-node", "NUMA node to bind the pool to (optional)"),
@@ -238,6 +247,8 @@ def _parse_host_port(text: str) -> str:
     port = int(port_text)
     if not 0 <= port <= 65535:
         raise ValueError(f"port {port} is out of range 0..65535")
+    if ":" in host and not host.startswith("["):  # a bare IPv6 address, e.g. $(POD_IP)
+        return f"[{host}]:{port}"
     return text
 
 
@@ -290,6 +301,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "socket": lambda text: Path(text),
     "listen": _parse_host_port,
     "metrics_listen": _parse_host_port,
+    "file_mode": parse_mode,
     "eviction": _parse_choice(EVICTION_POLICIES),
     "hugepages": _parse_bool,
     "framed_sessions": _parse_bool,
@@ -501,13 +513,21 @@ class EarlySettings:
     listen: str | None = None
     metrics_listen: str | None = None
     log_level: str = "INFO"
+    file_mode: int = DEFAULT_MODE
 
 
 def early_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> EarlySettings:
     """The few settings read leniently before validation; an unusable one takes its default."""
     env = os.environ if environ is None else environ
     parser = _Parser(add_help=False)
-    wanted = ("--on-pool-error", "--socket", "--listen", "--metrics-listen", "--log-level")
+    wanted = (
+        "--on-pool-error",
+        "--socket",
+        "--listen",
+        "--metrics-listen",
+        "--log-level",
+        "--file-mode",
+    )
     for name in wanted:
         parser.add_argument(name)
     try:
@@ -532,4 +552,5 @@ def early_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
         listen=value("listen", _parse_host_port),
         metrics_listen=value("metrics_listen", _parse_host_port),
         log_level=value("log_level", _PARSERS["log_level"]) or "INFO",
+        file_mode=value("file_mode", parse_mode) or DEFAULT_MODE,
     )

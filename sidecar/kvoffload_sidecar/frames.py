@@ -35,6 +35,7 @@ from pathlib import Path
 
 from kvoffload.v1 import pool_pb2 as pb
 
+from kvoffload_sidecar import filemode
 from kvoffload_sidecar.config import FRAMED_SUFFIX, remove_stale_socket
 from kvoffload_sidecar.sessions import SessionHost
 
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("<I")
 _BACKLOG = 64
-SOCKET_MODE = 0o666  # every uid of the pod; the run dir is pod-private
 DEFAULT_MAX_SESSIONS = 64
 _RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED (no grpc import here)
 _REFUSE_SEND_TIMEOUT_S = 0.2
@@ -120,7 +120,7 @@ class FramedSessions:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(str(self.path))
-            os.chmod(self.path, SOCKET_MODE)  # before listen: no client sees it 0755
+            os.chmod(self.path, filemode.file_mode())  # before listen: no client sees it wider
             listener.listen(_BACKLOG)
         except OSError:
             listener.close()

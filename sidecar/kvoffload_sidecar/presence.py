@@ -24,13 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
+from kvoffload_sidecar import filemode
+
 MAGIC = b"KVOPRES1"
 VERSION = 1
 HEADER = struct.Struct("<8sIII")
 HEADER_BYTES = 64
 ACTIVE_OFFSET = 16
 DEFAULT_BITS = 20
-FILE_MODE = 0o644  # the connector (any uid of the pod) only reads it
 
 
 class PresenceMap:
@@ -46,9 +47,9 @@ class PresenceMap:
         # a fresh file renamed into place: a reader never maps a half-written header, and a
         # connector of the previous instance keeps its own (frozen) file until it registers again
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, filemode.read_mode())
         try:
-            os.fchmod(fd, FILE_MODE)
+            os.fchmod(fd, filemode.read_mode())
             os.ftruncate(fd, HEADER_BYTES + 2 * self.size)
             self._mm = mmap.mmap(fd, HEADER_BYTES + 2 * self.size)
         finally:

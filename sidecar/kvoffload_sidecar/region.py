@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvoffload_sidecar import filemode
+
 __all__ = [
     "ALIGN_BYTES",
     "HUGE_PAGE_BYTES",
@@ -50,6 +52,25 @@ _PROGRESS_EVERY_S = 2.0
 _MPOL_BIND = 2
 _SYSCALL_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 _NUMA_ROOT = Path("/sys/devices/system/node")
+_CAP_IPC_LOCK = 14
+
+
+def can_lock(size: int) -> tuple[bool, str]:
+    """Whether mlock of ``size`` more bytes may succeed here, and why (or why not): with
+    CAP_IPC_LOCK the limit does not apply; without it RLIMIT_MEMLOCK must cover the pool."""
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> _CAP_IPC_LOCK & 1:
+            return True, "CAP_IPC_LOCK"
+    except (OSError, ValueError):
+        pass
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or soft >= size:
+        return True, "RLIMIT_MEMLOCK"
+    return False, f"no CAP_IPC_LOCK and RLIMIT_MEMLOCK {soft} bytes < pool {size} bytes"
 
 
 def align_up(n: int, a: int) -> int:
@@ -156,6 +177,8 @@ class Region:
         self.reused = False  # open() took over a file left by a sidecar that is gone
         self.started_at = 0.0
         self.finished_at: float | None = None
+        self.locked = False  # mlock'ed after pre-fault (`lock_pages`)
+        self.lock_seconds: float | None = None
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -213,7 +236,9 @@ class Region:
                 os.close(fd)
         if self._mm is None:
             self._check_room(0)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            fd = os.open(
+                self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, filemode.file_mode()
+            )
             try:
                 self._map(fd)
             except BaseException:
@@ -233,7 +258,7 @@ class Region:
     def _map(self, fd: int) -> None:
         """Size the file to the pool and map it shared (the fd may be closed afterwards)."""
         with contextlib.suppress(PermissionError):  # a reused file of another owner
-            os.fchmod(fd, 0o666)  # the vLLM container may run as another user of the pod
+            os.fchmod(fd, filemode.file_mode())  # 0666 in pods: vLLM may run as another uid
         if os.fstat(fd).st_size != self.size:
             os.ftruncate(fd, self.size)
         self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -454,6 +479,8 @@ class Region:
         finally:
             if self._gate is not None:
                 self._gate._finish()
+        if self._done_bytes >= self.size and not self._stop.is_set():
+            self.lock_pages()
         if self._done_bytes >= self.size:
             self.finished_at = time.monotonic()
             took = max(self.finished_at - self.started_at, 1e-9)
@@ -502,6 +529,38 @@ class Region:
         page = self.page_bytes
         n = -(-length // page)
         mm[start : start + n * page : page] = bytes(n)
+
+    def lock_pages(self) -> bool:
+        """mlock the whole mapping once every page is allocated, where allowed (`can_lock`), so
+        the pool is never swapped out on a node with swap (a swapped-in block costs a disk read
+        where a pool hit should cost a memcpy). Without it the kernel may swap idle pool pages;
+        ranges a CUDA worker registered (cudaHostRegister) are pinned by that anyway."""
+        mm = self._mm
+        if mm is None or self.locked:
+            return self.locked
+        allowed, why = can_lock(self.size)
+        if not allowed:
+            log.info("pool pages not locked (%s): they may be swapped on a node with swap", why)
+            return False
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            address = ctypes.addressof(view)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+            start = time.perf_counter()
+            rc = libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(self.size))
+            took = time.perf_counter() - start
+        finally:
+            del view  # release the buffer export, or the mmap could not be closed
+        if rc != 0:
+            err = ctypes.get_errno()
+            log.warning("pool pages not locked: mlock failed (%s)", os.strerror(err))
+            return False
+        self.locked, self.lock_seconds = True, took
+        log.info(
+            "pool pages locked in memory (%s): %.2f GiB in %.3f s", why, self.size / 2**30, took
+        )
+        return True
 
     def _bind_numa(self) -> None:
         """Bind this thread's allocations (the first touch of every page) to `numa_node`."""

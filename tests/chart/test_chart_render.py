@@ -155,19 +155,22 @@ def test_self_signed_mode_leaves_ca_bundle_to_the_operator(render):
     assert "cert-manager.io/inject-ca-from" not in mwc["metadata"].get("annotations", {})
 
 
-def test_self_signed_mode_names_the_chart_secret_and_webhook_config(render):
-    (mwc,) = render(show_only=WEBHOOK)
-    (secret,) = render(show_only="templates/webhook-secret.yaml")
+def test_self_signed_mode_names_the_secret_its_role_reaches_and_both_webhook_configs(render):
+    objs = render()
     args = flags(operator_container(render))
-    assert (args["--cert-secret"], args["--webhook-config"]) == (
-        secret["metadata"]["name"],
-        mwc["metadata"]["name"],
+    role = one(objs, "Role")
+    assert rules_of(role)[("", "secrets#named")]["resourceNames"] == [args["--cert-secret"]]
+    assert args["--webhook-config"] == one(objs, "MutatingWebhookConfiguration")["metadata"]["name"]
+    assert (
+        args["--policy-webhook-config"]
+        == one(objs, "ValidatingWebhookConfiguration")["metadata"]["name"]
     )
 
 
-def test_self_signed_secret_is_created_empty_so_upgrades_keep_the_operators_data(render):
-    (secret,) = render(show_only="templates/webhook-secret.yaml")
-    assert "data" not in secret and "stringData" not in secret
+def test_the_chart_ships_no_webhook_secret_the_first_operator_creates_it(render):
+    # replicas agree on one pair by creating the Secret (the API server accepts one create);
+    # a chart-made empty Secret would leave them to race on filling it
+    assert "Secret" not in {o["kind"] for o in render()}
 
 
 def test_self_signed_mode_passes_the_switch(render):
@@ -247,87 +250,157 @@ def rules_of(obj: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
     }
 
 
-WORKLOAD_RULES = {
+POLICY_RULES = {
     ("kvoffload.io", "kvoffloadpolicies"): ["get", "list", "patch", "watch"],
     ("kvoffload.io", "kvoffloadpolicies/status"): ["get", "patch", "update"],
-    ("", "pods"): ["get", "list", "watch"],
-    ("apps", "deployments"): ["get", "list", "patch", "watch"],
-    ("apps", "statefulsets"): ["get", "list", "patch", "watch"],
-    ("leaderworkerset.x-k8s.io", "leaderworkersets"): ["get", "list", "watch"],
     ("", "events"): ["create", "patch"],
+}
+NAMESPACE_RULES = {
+    ("", "pods"): ["get", "list", "watch"],
+    ("", "events"): ["create", "patch"],
+    ("", "secrets"): ["create"],
+}
+ROLLOUT_RULES = {
+    ("apps", "deployments"): ["get", "list", "patch"],
+    ("apps", "statefulsets"): ["get", "list", "patch"],
 }
 CLUSTER_READS = {
     ("", "namespaces"): ["get", "list", "watch"],
     ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
 }
+WEBHOOK_CA = {
+    ("admissionregistration.k8s.io", "mutatingwebhookconfigurations#named"): ["get", "patch"],
+    ("admissionregistration.k8s.io", "validatingwebhookconfigurations#named"): ["get", "patch"],
+}
+WORKLOAD_RESOURCES = {("", "pods"), ("apps", "deployments"), ("apps", "statefulsets")}
 
 
 def verbs(obj: dict[str, Any]) -> dict[tuple[str, str], list[str]]:
     return {k: v["verbs"] for k, v in rules_of(obj).items()}
 
 
+def cluster_wide_rules(objs: list[dict[str, Any]]) -> dict[tuple[str, str], list[str]]:
+    """What the ClusterRoleBindings grant: the rules of every ClusterRole one of them binds."""
+    bound = {o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"}
+    out: dict[tuple[str, str], list[str]] = {}
+    for o in objs:
+        if o["kind"] == "ClusterRole" and o["metadata"]["name"] in bound:
+            for key, v in verbs(o).items():
+                out[key] = sorted(set(out.get(key, [])) | set(v))
+    return out
+
+
+def namespace_role(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    bound = {o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"}
+    (role,) = [o for o in objs if o["kind"] == "ClusterRole" and o["metadata"]["name"] not in bound]
+    return role
+
+
+def rolebindings_to(objs: list[dict[str, Any]], role: dict[str, Any]) -> list[str]:
+    return sorted(
+        o["metadata"]["namespace"]
+        for o in objs
+        if o["kind"] == "RoleBinding" and o["roleRef"]["name"] == role["metadata"]["name"]
+    )
+
+
+def test_default_install_grants_no_workload_verb_cluster_wide(render):
+    objs = render(show_only=RBAC)
+    granted = cluster_wide_rules(objs)
+    assert not WORKLOAD_RESOURCES & set(granted), granted
+    # and with nothing listed in rbac.namespaces, no binding grants them anywhere
+    assert rolebindings_to(objs, namespace_role(objs)) == []
+    assert not [o for o in objs if o["kind"] == "Role" and rules_of(o).keys() & WORKLOAD_RESOURCES]
+
+
 def test_cluster_role_verbs_are_exactly_the_contract(render):
-    cluster_role = one(render(show_only=RBAC), "ClusterRole")
-    assert verbs(cluster_role) == {
-        **WORKLOAD_RULES,
+    assert cluster_wide_rules(render(show_only=RBAC)) == {
+        **POLICY_RULES,
         **CLUSTER_READS,
         ("kopf.dev", "clusterkopfpeerings"): ["get", "list", "patch", "watch"],
-        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations#named"): ["get", "patch"],
+        **WEBHOOK_CA,
     }
+
+
+def test_listed_namespaces_get_pod_reads_by_rolebinding_and_rollouts_only_when_enabled(render):
+    objs = render("--set", "rbac.namespaces={inference,batch}", show_only=RBAC)
+    role = namespace_role(objs)
+    assert verbs(role) == NAMESPACE_RULES
+    assert rolebindings_to(objs, role) == ["batch", "inference"]
+    assert not WORKLOAD_RESOURCES & set(cluster_wide_rules(objs))
+    rolling = render(
+        "--set", "rbac.namespaces={inference}", "--set", "operator.rollouts.enabled=true"
+    )
+    assert verbs(namespace_role(rolling)) == {**NAMESPACE_RULES, **ROLLOUT_RULES}
+    assert "--rollouts" in flags(
+        operator_container(render, "--set", "operator.rollouts.enabled=true")
+    )
+    assert "--rollouts" not in flags(operator_container(render))
+
+
+def test_every_rbac_rule_says_why():
+    """Each rule in rbac.yaml is preceded by a comment line giving its reason (template
+    directives such as ``{{- if }}`` between the two are skipped)."""
+    lines = (CHART / "templates" / "rbac.yaml").read_text().splitlines()
+    rules = [n for n, line in enumerate(lines) if line.strip().startswith("- apiGroups:")]
+    assert len(rules) >= 10
+    for n in rules:
+        above = [t.strip() for t in lines[:n] if t.strip()]
+        while above and above[-1].startswith("{{"):
+            above.pop()
+        assert above and above[-1].startswith("#"), f"rbac.yaml:{n + 1}: a rule without a reason"
 
 
 def test_webhook_config_patch_is_limited_to_the_charts_own(render):
     objs = render()
-    rule = rules_of(one(objs, "ClusterRole"))[
-        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations#named")
-    ]
+    rules = rules_of(next(o for o in objs if o["kind"] == "ClusterRole"))
+    rule = rules[("admissionregistration.k8s.io", "mutatingwebhookconfigurations#named")]
     assert rule["resourceNames"] == [one(objs, "MutatingWebhookConfiguration")["metadata"]["name"]]
+    rule = rules[("admissionregistration.k8s.io", "validatingwebhookconfigurations#named")]
+    assert rule["resourceNames"] == [
+        one(objs, "ValidatingWebhookConfiguration")["metadata"]["name"]
+    ]
 
 
 def test_secret_access_is_namespaced_and_limited_to_the_webhook_secret(render):
     objs = render()
     role = one(objs, "Role")
     table = rules_of(role)
-    secret_name = one(objs, "Secret")["metadata"]["name"]
     assert role["metadata"]["namespace"] == NS
     assert table[("", "secrets#named")] == {
         "verbs": ["get", "patch", "update"],
-        "resourceNames": [secret_name],
+        "resourceNames": [flags(operator_container(render))["--cert-secret"]],
     }
     assert table[("", "secrets")] == {"verbs": ["create"], "resourceNames": None}
 
 
 def test_cert_manager_mode_grants_no_secret_or_webhook_rights(render):
-    cluster_role = one(render(*CERT_MANAGER, show_only=RBAC), "ClusterRole")
-    assert verbs(cluster_role) == {
-        **WORKLOAD_RULES,
+    assert cluster_wide_rules(render(*CERT_MANAGER, show_only=RBAC)) == {
+        **POLICY_RULES,
         **CLUSTER_READS,
         ("kopf.dev", "clusterkopfpeerings"): ["get", "list", "patch", "watch"],
     }
 
 
 def test_single_replica_needs_no_peering_rights(render):
-    cluster_role = one(render("--set", "operator.replicas=1", show_only=RBAC), "ClusterRole")
-    assert not [key for key in verbs(cluster_role) if key[0] == "kopf.dev"]
+    granted = cluster_wide_rules(render("--set", "operator.replicas=1", show_only=RBAC))
+    assert not [key for key in granted if key[0] == "kopf.dev"]
 
 
-def test_namespace_scoped_rbac_moves_workload_rules_into_a_role(render):
+def test_namespace_scoped_rbac_moves_policy_rules_into_a_role(render):
     objs = render("--set", "operator.watchNamespace=inference", show_only=RBAC)
-    workloads = [
-        o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == "inference"
-    ]
-    assert len(workloads) == 1
-    assert verbs(workloads[0]) == {
-        **WORKLOAD_RULES,
+    roles = [o for o in objs if o["kind"] == "Role" and o["metadata"]["namespace"] == "inference"]
+    assert len(roles) == 1
+    assert verbs(roles[0]) == {
+        **POLICY_RULES,
         ("kopf.dev", "kopfpeerings"): ["get", "list", "patch", "watch"],
     }
-    assert set(verbs(one(objs, "ClusterRole"))) == set(CLUSTER_READS) | {
-        ("admissionregistration.k8s.io", "mutatingwebhookconfigurations#named")
-    }
+    assert set(cluster_wide_rules(objs)) == set(CLUSTER_READS) | set(WEBHOOK_CA)
+    assert rolebindings_to(objs, namespace_role(objs)) == ["inference"]
 
 
 def test_bindings_name_the_operator_service_account(render):
-    objs = render()
+    objs = render("--set", "rbac.namespaces={inference}")
     account = one(objs, "ServiceAccount")["metadata"]["name"]
     subjects = [s for o in objs if o["kind"].endswith("Binding") for s in o["subjects"]]
     assert subjects and all(
@@ -337,6 +410,49 @@ def test_bindings_name_the_operator_service_account(render):
 
 def test_no_rbac_when_disabled(render):
     assert not [o for o in render("--set", "rbac.create=false") if "Role" in o["kind"]]
+
+
+# --- policy guardrails and the sidecars' NetworkPolicy ----------------------------------------
+
+
+def test_guardrail_values_become_operator_flags(render):
+    assert not {"--allowed-images", "--allow-privileged", "--allowed-capabilities"} & set(
+        flags(operator_container(render))
+    )
+    args = flags(
+        operator_container(
+            render,
+            "--set",
+            "policyGuardrails.allowedImages={registry.corp/,ghcr.io/org/side}",
+            "--set",
+            "policyGuardrails.allowPrivileged=true",
+            "--set",
+            "policyGuardrails.allowedCapabilities={IPC_LOCK}",
+        )
+    )
+    assert args["--allowed-images"] == "registry.corp/,ghcr.io/org/side"
+    assert "--allow-privileged" in args and args["--allowed-capabilities"] == "IPC_LOCK"
+
+
+def test_policy_webhook_validates_policies_at_the_operators_path(render):
+    vwc = one(render(), "ValidatingWebhookConfiguration")
+    (hook,) = vwc["webhooks"]
+    assert hook["clientConfig"]["service"]["path"] == "/validate-policies"
+    assert hook["rules"][0]["resources"] == ["kvoffloadpolicies"]
+    assert hook["sideEffects"] == "None"
+
+
+def test_network_policy_keeps_the_sidecar_ports_to_the_operator_and_prometheus(render):
+    assert "NetworkPolicy" not in {o["kind"] for o in render()}
+    objs = render("--set", "networkPolicy.enabled=true", "--set", "rbac.namespaces={inference}")
+    netpol = one(objs, "NetworkPolicy")
+    assert netpol["metadata"]["namespace"] == "inference"
+    open_rule, operator_rule, metrics_rule = netpol["spec"]["ingress"]
+    assert "from" not in open_rule
+    spans = [(p["port"], p.get("endPort")) for p in open_rule["ports"] if p["protocol"] == "TCP"]
+    assert spans == [(1, 9399), (9402, 65535)]  # every port but the sidecar's
+    assert [p["port"] for p in operator_rule["ports"]] == [9400, 9401]
+    assert [p["port"] for p in metrics_rule["ports"]] == [9401]
 
 
 # --- the operator Deployment ------------------------------------------------------------------
@@ -681,9 +797,11 @@ def test_operator_parses_the_charts_arguments_into_the_charts_names(render, extr
     assert config.namespace == (None if not extra or "inference" not in extra[-1] else "inference")
     assert config.self_signed_certs == (extra != CERT_MANAGER)
     if config.self_signed_certs:  # the names it writes to must be the chart's objects
-        assert (config.cert_secret, config.webhook_config) == (
-            one(objs, "Secret")["metadata"]["name"],
+        tls_role = next(o for o in objs if o["kind"] == "Role" and "webhook-tls" in str(o))
+        assert (config.cert_secret, config.webhook_config, config.policy_webhook_config) == (
+            rules_of(tls_role)[("", "secrets#named")]["resourceNames"][0],
             one(objs, "MutatingWebhookConfiguration")["metadata"]["name"],
+            one(objs, "ValidatingWebhookConfiguration")["metadata"]["name"],
         )
 
 

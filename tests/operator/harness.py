@@ -59,6 +59,7 @@ def declare_resources(kmock: Any) -> None:
         ("apps/v1/statefulsets", "StatefulSet", True),
         ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
         ("v1/events", "Event", True),
+        ("v1/secrets", "Secret", True),  # hash seeds, the self-signed webhook pair
     ):
         res[key].kind = kind
         res[key].namespaced = namespaced

@@ -165,7 +165,7 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
     env = {e["name"]: e for e in engine["env"]}
     assert env["KVOFFLOAD_USER_PYTHONPATH"]["valueFrom"]["configMapKeyRef"]["name"] == "cm"
     assert env["PYTHONPATH"]["value"] == "/kvoffload/python:$(KVOFFLOAD_USER_PYTHONPATH)"
-    assert env["PYTHONHASHSEED"]["value"] == "0"
+    assert env["PYTHONHASHSEED"] == {"name": "PYTHONHASHSEED", "valueFrom": SEED_REF}
     assert out["spec"]["containers"][1] == user["spec"]["containers"][1]
     config = json.loads(engine["args"][-1].split("=", 1)[1])
     assert config["kv_connector_extra_config"] == {
@@ -184,10 +184,17 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
     assert status["env"] == ["PYTHONHASHSEED", "PYTHONPATH"] and status["policy"] == "p"
 
 
+SEED_REF = {
+    "secretKeyRef": {"name": "kvoffload-hashseed-p", "key": "PYTHONHASHSEED", "optional": True}
+}
+
+
 @pytest.mark.parametrize(
     ("extra", "seed"),
     [
-        ({}, "0"),  # nothing says otherwise: 0, so a restarted engine finds what it stored
+        # nothing says otherwise: the policy's random seed from its Secret (never a public
+        # constant), so a restarted engine finds what it stored
+        ({}, SEED_REF),
         ({"env": [{"name": "PYTHONHASHSEED", "value": "42"}]}, "42"),  # the user's own
         # envFrom may carry a seed the webhook cannot read: never override it
         ({"envFrom": [{"configMapRef": {"name": "router-env"}}]}, None),
@@ -195,12 +202,12 @@ def test_render_keeps_user_parts_and_adds_ours() -> None:
     ids=["unset", "env", "envFrom"],
 )
 def test_pythonhashseed_is_set_only_where_no_user_seed_can_be(
-    extra: dict[str, Any], seed: str | None
+    extra: dict[str, Any], seed: Any
 ) -> None:
     user = pod({**VLLM, **copy.deepcopy(extra)})
     out = inject_pod(user, [POLICY]).pod
     engine = out["spec"]["containers"][0]
-    env = {e["name"]: e.get("value") for e in engine.get("env", [])}
+    env = {e["name"]: e.get("value") or e.get("valueFrom") for e in engine.get("env", [])}
     assert env.get("PYTHONHASHSEED") == seed
     assert engine.get("envFrom") == extra.get("envFrom")
     status = json.loads(out["metadata"]["annotations"][ann.STATUS])

@@ -130,7 +130,7 @@ async def test_status_and_rollout(kmock: Any, tmp_path: Path) -> None:
     expected_hash = policy_from_resource(spec).spec_hash
 
     async with running_operator(
-        kmock, tmp_path, webhook_port=0, status_interval=0.5, **NO_LABEL_CHECK
+        kmock, tmp_path, webhook_port=0, status_interval=0.5, rollouts=True, **NO_LABEL_CHECK
     ):
         status = await eventually(
             lambda: status_of(kmock, "cache").get("matchedPods") == 3 and status_of(kmock, "cache")

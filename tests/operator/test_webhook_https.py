@@ -70,7 +70,13 @@ async def test_golden_cases_through_the_webhook(kmock: Any, tmp_path: Path) -> N
                            f"case-{i}")  # fmt: skip
     load_case_policies(kmock, all_cases[0], "probe")  # default policy: selects app=vllm
     images = {"sidecar_image": DEFAULTS.sidecar_image, "connector_image": DEFAULTS.connector_image}
-    async with running_operator(kmock, tmp_path, **images) as op:
+    # the goldens are the CLI's (no admin limits): here the admin allows what their policies ask
+    allow_all = {
+        "allowed_images": "*",
+        "allow_privileged": True,
+        "allowed_capabilities": "IPC_LOCK,SYS_NICE",
+    }
+    async with running_operator(kmock, tmp_path, **images, **allow_all) as op:
         await wait_for_index(op, "probe")
         checked = want_injected = want_shell = 0
         for case in all_cases:

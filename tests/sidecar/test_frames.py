@@ -242,7 +242,7 @@ def test_register_names_the_presence_map_and_the_flag_turns_it_off(tmp_path: Pat
             assert reg.presence_map == ("pool.sock.presence" if on else "")
             assert path.exists() is on
             if on:
-                assert stat.S_IMODE(path.stat().st_mode) == 0o644
+                assert stat.S_IMODE(path.stat().st_mode) == 0o600  # private by default
         assert not path.exists()  # removed when the sidecar stops
 
 

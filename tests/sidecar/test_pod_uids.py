@@ -90,6 +90,7 @@ def test_another_uid_registers_and_opens_a_framed_session(pod_dirs: tuple[Path, 
         "--pool-size=16Mi",
         f"--pool-dir={pool}",
         f"--socket={sock}",
+        "--file-mode=0666",  # what the injector passes: vLLM runs as another uid of the pod
     ]
     with open(log, "wb") as err:
         proc = subprocess.Popen(argv, stdout=err, stderr=err)

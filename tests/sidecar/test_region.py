@@ -90,7 +90,7 @@ def test_a_left_behind_file_is_reused_in_place_and_close_keeps_it(make_pool, poo
     assert pool.region.reused
     assert os.stat(pool.path).st_ino == inode  # vLLM may still map it: never a second file
     assert os.stat(pool.path).st_size == 2 * MiB
-    assert stat.S_IMODE(os.stat(pool.path).st_mode) == 0o666
+    assert stat.S_IMODE(os.stat(pool.path).st_mode) == 0o600  # private by default (filemode)
     pool.close()
     assert stale.stat().st_ino == inode  # kept: the pod's next sidecar adopts it
     pool.close(remove=True)

@@ -72,6 +72,10 @@ app.kubernetes.io/part-of: kvoffload
 
 {{/* Cluster-scoped: the release namespace is not part of the name, so include it to keep two
 releases of the same name in different namespaces apart. */}}
+{{- define "kvoffload.policyWebhookConfigName" -}}
+{{- printf "%s-%s" .Release.Namespace (include "kvoffload.fullname" .) | trunc 54 | trimSuffix "-" }}-policies
+{{- end }}
+
 {{- define "kvoffload.webhookConfigName" -}}
 {{- printf "%s-%s" .Release.Namespace (include "kvoffload.fullname" .) | trunc 55 | trimSuffix "-" }}-webhook
 {{- end }}
@@ -95,6 +99,11 @@ releases of the same name in different namespaces apart. */}}
 {{/* Cluster-scoped RBAC names carry the namespace for the same reason as the webhook config. */}}
 {{- define "kvoffload.clusterRoleName" -}}
 {{- printf "%s-%s" .Release.Namespace (include "kvoffload.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The ClusterRole granted per namespace by RoleBindings only (rbac.namespaces). */}}
+{{- define "kvoffload.namespaceRoleName" -}}
+{{- printf "%s-%s" (include "kvoffload.clusterRoleName" . | trunc 53 | trimSuffix "-") "namespace" }}
 {{- end }}
 
 {{/* Images. A digest wins over a tag; an empty tag means the chart's appVersion. */}}

@@ -9,8 +9,8 @@ What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
   ``kvoffload-python`` (connector payload, initContainer delivery only);
 - in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args`` (or, in a
   ``sh -c`` script, ``--kv-transfer-config '<json>'`` right after the engine invocation), mounts,
-  ``PYTHONHASHSEED=0`` when unset and no ``envFrom`` may set it (block hashes must agree across
-  processes), ``PYTHONPATH``;
+  ``PYTHONHASHSEED`` from the policy's seed Secret (`hashseed`) when unset and no ``envFrom`` may
+  set it (block hashes must agree across processes), ``PYTHONPATH``;
 - annotations ``kvoffload.io/status|policy|policy-generation`` and label ``kvoffload.io/injected``;
 - in a Guaranteed pod, limits equal to requests on what is added, and with pod-level resources
   the sidecar's share added to them (`qos.py`: the pod keeps its QoS class and its budget).
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvoffload_operator import annotations as ann
+from kvoffload_operator import hashseed
 from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
 from kvoffload_operator.inject.engine import Edit, EnvEdit, insert_flag
 from kvoffload_operator.inject.qos import (
@@ -45,6 +46,7 @@ POOL_VOLUME, RUN_VOLUME, PYTHON_VOLUME = "kvoffload-pool", "kvoffload-run", "kvo
 POOL_DIR, RUN_DIR, PYTHON_DIR = "/kvoffload/pool", "/kvoffload/run", "/kvoffload/python"
 SOCKET = RUN_DIR + "/pool.sock"
 GRPC_PORT, METRICS_PORT = 9400, 9401
+POD_IP_ENV = "KVOFFLOAD_POD_IP"  # the sidecar's listeners bind it (`$(...)` in its args)
 CONNECTOR_CLASS = "KVOffloadConnector"
 CONNECTOR_MODULE = "kvoffload_connector.connector"
 MINIMAL_INSTALLER = SidecarSpec()
@@ -143,8 +145,12 @@ def sidecar_container(
         f"--pool-size={pool_bytes}",
         f"--pool-dir={POOL_DIR}",
         f"--socket={SOCKET}",
-        f"--listen=0.0.0.0:{GRPC_PORT}",
-        f"--metrics-listen=0.0.0.0:{METRICS_PORT}",
+        # the pod IP only (what the kubelet's gRPC probe, Prometheus and the operator dial): not
+        # every interface of a hostNetwork pod's node; a NetworkPolicy limits who reaches it
+        f"--listen=$({POD_IP_ENV}):{GRPC_PORT}",
+        f"--metrics-listen=$({POD_IP_ENV}):{METRICS_PORT}",
+        # the socket and pool file are in the pod's own emptyDirs; vLLM may run as another uid
+        "--file-mode=0666",
         f"--eviction={policy.pool.eviction.value}",
         # a pool that cannot be built (no memory, no hugepages) leaves the sidecar up and serving
         # degraded: the connector sees no pool and vLLM runs as without kvoffload
@@ -163,6 +169,7 @@ def sidecar_container(
         "restartPolicy": "Always",
         "command": ["kvoffload", "sidecar"],
         "args": args,
+        "env": [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [
             {"name": "grpc-health", "containerPort": GRPC_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
@@ -232,10 +239,11 @@ def _patch_vllm(container: dict[str, Any], policy: Policy, edit: Edit) -> list[s
     names = {e.get("name"): e for e in env}
     # an envFrom source may set it, and this webhook cannot read ConfigMaps or Secrets: an env
     # entry would override the user's seed (a KV-aware router hashes with the same one). Left
-    # alone, the connector notes it where the seed then turns out to be per process.
-    if "PYTHONHASHSEED" not in names and not container.get("envFrom"):
-        env.append({"name": "PYTHONHASHSEED", "value": "0"})
-        touched.append("PYTHONHASHSEED")
+    # alone, the connector notes it where the seed then turns out to be per process. Ours is
+    # the policy's random seed, from the Secret the operator keeps (`hashseed`), never a constant.
+    if hashseed.KEY not in names and not container.get("envFrom"):
+        env.append(hashseed.env_entry(policy.name))
+        touched.append(hashseed.KEY)
     if policy.connector.delivery is Delivery.INIT_CONTAINER:
         mounts.append({"name": PYTHON_VOLUME, "mountPath": PYTHON_DIR, "readOnly": True})
         current = names.get("PYTHONPATH")
