@@ -25,3 +25,39 @@ def vllm_ipc_sockets_in_a_temp_dir() -> Iterator[None]:
     finally:
         os.environ.pop("VLLM_RPC_BASE_PATH", None)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def vllm_import_problem() -> str | None:
+    """Why vLLM cannot be used in this interpreter (the import's traceback), or None. The
+    offline engine's names are imported too: `import vllm` alone defers most of vLLM."""
+    import traceback
+
+    try:
+        import vllm
+        from vllm import LLM, SamplingParams  # noqa: F401
+    except BaseException as exc:  # noqa: BLE001 - any failure to import is the answer
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return "".join(traceback.format_exception(exc)).rstrip()
+    del vllm
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Tests marked `vllm` fail loudly, never skip, where vLLM does not import: the venv
+    (`make venv`) always installs it, so a broken import is a broken test setup, and skipping
+    the engine tests would pass the session without them. GPU tests skip on their own."""
+    needs = [item for item in session.items if item.get_closest_marker("vllm") is not None]
+    if not needs:
+        return
+    problem = vllm_import_problem()
+    if problem is None:
+        return
+    import sys
+
+    pytest.exit(
+        f"{len(needs)} selected tests are marked `vllm` (they run a real vLLM engine), but "
+        f"vLLM does not import in {sys.executable}; repair the venv (`make venv`), or "
+        f'deselect them (-m "not vllm"). The import failed with:\n{problem}',
+        returncode=pytest.ExitCode.INTERRUPTED,
+    )

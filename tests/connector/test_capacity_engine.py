@@ -38,7 +38,6 @@ def _value(text: str, name: str, **labels: str) -> float:
 
 
 def test_engine_capacity_and_traffic_on_the_sidecars_metrics(tmp_path: Path) -> None:
-    pytest.importorskip("vllm")
     port = free_port()
     out = tmp_path / "reset.json"
     with (

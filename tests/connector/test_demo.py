@@ -12,7 +12,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(300)]
 
 
 def test_demo_runs_and_the_pool_serves_later_turns(tmp_path):
-    pytest.importorskip("vllm")
     out = tmp_path / "demo.json"
     cmd = [
         sys.executable,

@@ -15,11 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-vllm = pytest.importorskip("vllm")
-
-from kvoffload_connector.free_order import stop_deferring_block_frees  # noqa: E402
-from kvoffload_connector.sidecar_proc import SidecarProcess  # noqa: E402
+from kvoffload_connector.free_order import stop_deferring_block_frees
+from kvoffload_connector.sidecar_proc import SidecarProcess
 
 pytestmark = [pytest.mark.vllm]
 

@@ -19,13 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-pytest.importorskip("vllm")
-
-from kvoffload_connector import compat, guard  # noqa: E402
-from kvoffload_connector.config import parse_extra_config  # noqa: E402
-from kvoffload_connector.connector import KVOffloadConnector  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from kvoffload_connector import compat, guard
+from kvoffload_connector.config import parse_extra_config
+from kvoffload_connector.connector import KVOffloadConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )

@@ -175,7 +175,7 @@ def test_bad_arguments_raise():
 @pytest.mark.vllm
 def test_vllm_own_views_are_covered():
     """The views vLLM 0.32's allocator makes (create_kv_cache_views) for each layout it knows."""
-    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    import vllm.v1.kv_cache_interface as kvi
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     spec = kvi.FullAttentionSpec(block_size=16, num_kv_heads=3, head_size=32, dtype=torch.bfloat16)

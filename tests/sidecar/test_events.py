@@ -17,7 +17,6 @@ from kvoffload_sidecar import events as sidecar_events
 from kvoffload_sidecar.errors import InvalidArgument
 from kvoffload_sidecar.keys import MAX_KEYS_PER_CALL
 
-pytest.importorskip("vllm")
 pytest.importorskip("msgspec")
 
 from kvoffload_connector.events import EventFeed, announce_blob, decode_blob  # noqa: E402
