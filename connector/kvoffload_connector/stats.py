@@ -146,6 +146,28 @@ class PromMetrics(KVConnectorPromMetrics):
         ),
     }
 
+    # The same bytes and seconds under vLLM's own names (its OffloadingConnector's, the ones
+    # llm-d's tiered-cache dashboards query), beside ours. Not where vLLM's OffloadingConnector
+    # runs in this engine too (a MultiConnector): it registers these names itself.
+    VLLM_NAMES = {
+        "stored_bytes": (
+            "vllm:kv_offload_store_bytes_total",
+            "Total bytes stored from GPU to offload storage (kvoffload's pool).",
+        ),
+        "loaded_bytes": (
+            "vllm:kv_offload_load_bytes_total",
+            "Total bytes loaded from offload storage (kvoffload's pool) to GPU.",
+        ),
+        "store_seconds": (
+            "vllm:kv_offload_store_time_total",
+            "Total store time from GPU to offload storage, in seconds.",
+        ),
+        "load_seconds": (
+            "vllm:kv_offload_load_time_total",
+            "Total load time from offload storage to GPU, in seconds.",
+        ),
+    }
+
     ACTIVE = "vllm:kvoffload_pool_active"
 
     def __init__(
@@ -156,7 +178,15 @@ class PromMetrics(KVConnectorPromMetrics):
             key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             for key, (name, doc) in self.NAMES.items()
         }
-        self._children: dict[tuple[int, str], Any] = {}
+        self._aliases = (
+            {}
+            if _runs_vllm_offloading(vllm_config)
+            else {
+                key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+                for key, (name, doc) in self.VLLM_NAMES.items()
+            }
+        )
+        self._children: dict[tuple[int, str, int], Any] = {}
         self.active_gauge = self._pool_active(list(labelnames), reason)
 
     def _pool_active(self, labelnames: list[str], reason: str) -> Any:
@@ -176,11 +206,26 @@ class PromMetrics(KVConnectorPromMetrics):
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            counter = self._counters.get(key)
-            if counter is None or not value:
+            if not value:
                 continue
-            child = self._children.get((engine_idx, key))
-            if child is None:
-                child = counter.labels(*self.per_engine_labelvalues[engine_idx])
-                self._children[(engine_idx, key)] = child
-            child.inc(value)
+            for alias, table in enumerate((self._counters, self._aliases)):
+                counter = table.get(key)
+                if counter is None:
+                    continue
+                child = self._children.get((engine_idx, key, alias))
+                if child is None:
+                    child = counter.labels(*self.per_engine_labelvalues[engine_idx])
+                    self._children[(engine_idx, key, alias)] = child
+                child.inc(value)
+
+
+def _runs_vllm_offloading(vllm_config: Any) -> bool:
+    """Whether vLLM's OffloadingConnector runs in this engine beside kvoffload (a
+    MultiConnector): it owns the `vllm:kv_offload_*` names there."""
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(kv, "kv_connector_extra_config", None) or {}
+    subs = extra.get("connectors", []) if isinstance(extra, dict) else []
+    names = [getattr(kv, "kv_connector", "")] + [
+        c.get("kv_connector", "") for c in subs if isinstance(c, dict)
+    ]
+    return "OffloadingConnector" in names

@@ -195,6 +195,7 @@ def test_connector_metrics_match_the_docs() -> None:
     from kvoffload_connector import stats  # needs vLLM's base classes
 
     names = {name for name, _ in stats.PromMetrics.NAMES.values()} | {stats.PromMetrics.ACTIVE}
+    names |= {name for name, _ in stats.PromMetrics.VLLM_NAMES.values()}  # vLLM's own names
     docs = documented("vLLM connector")
     assert names == set(docs)
     assert docs[stats.PromMetrics.ACTIVE].type == "gauge"
