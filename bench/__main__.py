@@ -29,6 +29,7 @@ BENCHMARKS = {
     "tp_check": "tensor parallel: same tokens from a pool hit, every rank loading",
     "warm_start": "the first long request after a vLLM restart",
     "fault_drill": "SIGKILLing the sidecar under load: no failed request, no wrong token",
+    "router": "routing on the host tier (Dynamo's KV indexer) against round-robin",
 }
 
 

@@ -1,0 +1,362 @@
+"""Routing on kvoffload's host tier: a KV-aware router (asking NVIDIA Dynamo's standalone KV
+indexer for each request's best replica) against round-robin, in front of replicas with kvoffload.
+
+    python -m bench router --replicas 2 --rounds 4 --groups 8 --out bench/out/router.json
+
+Each replica is a `vllm serve` with kvoffload (its own sidecar) and `--kv-events-config` (ZMQ,
+with a replay socket), registered with one `python -m dynamo.indexer`. The indexer indexes every
+replica's GPU tier (vLLM's own events) and host tier (kvoffload's, medium CPU) and answers, per
+replica, the prompt's tokens matched on the device tier and through the host tier. The `indexer`
+policy sends a request to the replica with the longest match through the host tier (ties, and
+prompts nobody holds, round-robin); `round_robin` ignores the caches.
+
+The workload: `--groups` shared prefixes, each asked `--per-group` times with its own suffix, the
+groups interleaved; together more tokens than one replica's GPU cache holds, so a replica serves
+a prefix it saw before from its pool, or from its GPU cache when routing kept the group there.
+Each round runs every policy once, on prefixes no earlier segment used (nothing carries over),
+in rotated order (`harness.rotations`). Reported per policy: prompt tokens served from a cache
+(GPU or pool: vLLM's `cached_tokens`), TTFT, requests and output tokens a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+MODEL_NAME = "bench-model"
+POLICIES = ("indexer", "round_robin")
+
+
+@dataclass(frozen=True)
+class TierMatch:
+    """Prompt tokens one worker holds, as the indexer answers: `device` on the GPU tier,
+    `host` through the host tier (the longest prefix the GPU and host tiers hold together)."""
+
+    device: int
+    host: int
+
+
+def tier_matches(answer: dict) -> dict[int, TierMatch]:
+    """Per worker id, its matches in a `/query` answer (`instances`: `gpu` and `cpu` tokens,
+    cumulative over the tiers; workers that match nothing are absent)."""
+    out: dict[int, TierMatch] = {}
+    for worker, m in (answer.get("instances") or {}).items():
+        out[int(worker)] = TierMatch(int(m.get("gpu", 0)), int(m.get("cpu", 0)))
+    return out
+
+
+class RoundRobin:
+    """Workers in turn (thread-safe)."""
+
+    def __init__(self, workers: list[int]) -> None:
+        self.workers = list(workers)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def pick(self, among: list[int] | None = None) -> int:
+        with self._lock:
+            pool = among or self.workers
+            for _ in range(len(self.workers)):
+                w = self.workers[self._next % len(self.workers)]
+                self._next += 1
+                if w in pool:
+                    return w
+            return pool[0]
+
+
+def choose(matches: dict[int, TierMatch], workers: list[int], rr: RoundRobin) -> int:
+    """The worker holding the longest prefix through its host tier; round-robin among the
+    ties (and among all when nobody holds any of it)."""
+    best = max((matches[w].host for w in workers if w in matches), default=0)
+    if best <= 0:
+        return rr.pick()
+    return rr.pick([w for w in workers if w in matches and matches[w].host == best])
+
+
+class Indexer:
+    """A `python -m dynamo.indexer` process and its HTTP API."""
+
+    def __init__(self, port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "ab")  # noqa: SIM115 - lives as long as the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dynamo.indexer", "--port", str(port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.get("/workers")
+                return
+            except OSError as e:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log.read_text()[-2000:]
+                    raise RuntimeError(f"the indexer did not start: {tail}") from e
+                time.sleep(0.2)
+
+    def get(self, path: str):
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=5) as r:
+            return json.loads(r.read() or b"null")
+
+    def post(self, path: str, body: dict):
+        req = urllib.request.Request(
+            f"{self.url}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip()[:1] in "{[" else text
+
+    def register(self, worker: int, events: str, replay: str, block_size: int) -> None:
+        self.post(
+            "/register",
+            {
+                "instance_id": worker,
+                "endpoint": events,
+                "replay_endpoint": replay,
+                "model_name": MODEL_NAME,
+                "block_size": block_size,
+            },
+        )
+
+    def query(self, tokens: list[int]) -> dict[int, TierMatch]:
+        return tier_matches(self.post("/query", {"model_name": MODEL_NAME, "token_ids": tokens}))
+
+    def close(self) -> None:
+        from kvoffload_connector.sidecar_proc import stop_process
+
+        stop_process(self.proc)
+        self._log.close()
+
+
+class Replica:
+    """`vllm serve` with kvoffload (its own sidecar) and KV events on two ports."""
+
+    def __init__(self, a: argparse.Namespace, worker: int, model_dir: Path, logs: Path) -> None:
+        from serve_sweep import free_port
+
+        self.worker = worker
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = logs / f"replica{worker}.log"
+        from kvoffload_connector.sidecar_proc import SidecarProcess
+
+        self.sidecar = SidecarProcess(a.pool_size, log_path=logs / f"sidecar{worker}.log")
+        self.sidecar.start(timeout_s=60)
+        kv = {
+            "kv_connector": "KVOffloadConnector",
+            "kv_connector_module_path": "kvoffload_connector.connector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": self.sidecar.socket, "chunk_size": a.chunk},
+        }
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://*:{self.replay_port}",
+            "topic": "",
+        }
+        argv = [
+            sys.executable, str(ROOT / "bench" / "vllm_cli.py"), "serve", str(model_dir),
+            "--served-model-name", MODEL_NAME, "--port", str(self.port), "--host", "127.0.0.1",
+            "--load-format", "dummy", "--dtype", "float32", "--seed", "0", "--enforce-eager",
+            "--max-model-len", str(a.max_model_len), "--block-size", str(a.block_size),
+            "--kv-cache-memory-bytes", str(a.gpu_kv_bytes), "--max-num-seqs", "8",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(events),
+        ]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.setdefault("PYTHONHASHSEED", "0")  # one seed for every replica (docs/ROUTERS.md)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"replica {self.worker} exited: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"replica {self.worker} not healthy in {timeout_s} s: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        from kvoffload_connector.sidecar_proc import stop_process
+
+        stop_process(self.proc)
+        self.sidecar.close()
+
+
+def completion(url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion: TTFT, end-to-end seconds, prompt tokens served from a cache."""
+    body = {
+        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+    )
+    t0 = time.perf_counter()
+    first, usage = None, {}
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices") and first is None:
+                first = time.perf_counter() - t0
+            usage = chunk.get("usage") or usage
+    details = usage.get("prompt_tokens_details") or {}
+    return {
+        "ttft_s": first if first is not None else float("nan"),
+        "e2e_s": time.perf_counter() - t0,
+        "prompt_tokens": int(usage.get("prompt_tokens", len(prompt))),
+        "cached_tokens": int(details.get("cached_tokens") or 0),
+        "output_tokens": int(usage.get("completion_tokens", 0)),
+    }
+
+
+def workload(a: argparse.Namespace, seed: int) -> list[list[int]]:
+    """`groups` prefixes x `per_group` suffixes, interleaved (group 0..G-1, then again)."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]
+
+    prefixes = [toks(a.prefix_tokens) for _ in range(a.groups)]
+    return [p + toks(a.suffix_tokens) for _ in range(a.per_group) for p in prefixes]
+
+
+def segment(a, policy: str, prompts, replicas: dict[int, Replica], indexer: Indexer) -> dict:
+    """The prompts through `policy`, `a.concurrency` in flight; its row."""
+    workers = sorted(replicas)
+    rr = RoundRobin(workers)
+
+    def one(prompt: list[int]) -> dict:
+        routed = policy == "indexer"
+        worker = choose(indexer.query(prompt), workers, rr) if routed else rr.pick()
+        return {**completion(replicas[worker].url, prompt, a.max_tokens), "worker": worker}
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(a.concurrency) as ex:
+        results = list(ex.map(one, prompts))
+    wall = time.perf_counter() - t0
+    from harness import spread
+
+    ttft = spread(r["ttft_s"] * 1e3 for r in results)
+    prompt = sum(r["prompt_tokens"] for r in results)
+    return {
+        "policy": policy,
+        "requests": len(results),
+        "hit_rate": round(sum(r["cached_tokens"] for r in results) / max(prompt, 1), 4),
+        "ttft_p50_ms": ttft["p50"],
+        "ttft_p99_ms": ttft["p99"],
+        "req_per_s": len(results) / wall,
+        "out_tok_per_s": sum(r["output_tokens"] for r in results) / wall,
+        "per_worker": {w: sum(r["worker"] == w for r in results) for w in workers},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--per-group", type=int, default=4)
+    ap.add_argument("--prefix-tokens", type=int, default=512)
+    ap.add_argument("--suffix-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument(
+        "--gpu-kv-bytes", type=int, default=2 << 20, help="per replica (tiny-llama: 2048 tokens)"
+    )
+    ap.add_argument("--pool-size", default="64Mi", help="per replica's sidecar")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument(
+        "--model-config", type=Path, default=ROOT / "tests/connector/models/tiny-llama/config.json"
+    )
+    ap.add_argument("--start-timeout-s", type=float, default=300)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "router.json"))
+    a = ap.parse_args()  # fmt: skip
+    from harness import report, rotations
+    from serve_model import build_model_dir
+    from serve_sweep import free_port
+
+    work = Path(tempfile.mkdtemp(prefix="kvo-router-"))
+    model_dir = build_model_dir(a.model_config, work / "model")
+    indexer = Indexer(free_port(), work / "indexer.log")
+    replicas: dict[int, Replica] = {}
+    try:
+        for w in range(1, a.replicas + 1):
+            replicas[w] = Replica(a, w, model_dir, work)
+        for r in replicas.values():
+            r.wait_healthy(a.start_timeout_s)
+            indexer.register(
+                r.worker,
+                f"tcp://127.0.0.1:{r.events_port}",
+                f"tcp://127.0.0.1:{r.replay_port}",
+                a.block_size,
+            )
+        rows = []
+        for rnd, order in enumerate(rotations(list(POLICIES), a.rounds)):
+            for policy in order:
+                seed = 1000 * rnd + POLICIES.index(policy)  # fresh prefixes per segment
+                row = segment(a, policy, workload(a, seed), replicas, indexer)
+                rows.append({"round": rnd, **row})
+                print(json.dumps(rows[-1]), flush=True)
+        summary = []
+        for policy in POLICIES:
+            mine = [r for r in rows if r["policy"] == policy]
+            summary.append(
+                {
+                    "policy": policy,
+                    "segments": len(mine),
+                    "hit_rate": sum(r["hit_rate"] for r in mine) / len(mine),
+                    "ttft_p50_ms": sorted(r["ttft_p50_ms"] for r in mine)[len(mine) // 2],
+                    "req_per_s": sum(r["req_per_s"] for r in mine) / len(mine),
+                    "out_tok_per_s": sum(r["out_tok_per_s"] for r in mine) / len(mine),
+                }
+            )
+        report(
+            "router",
+            summary,
+            a.out,
+            extra={"segments": rows, "args": vars(a) | {"model_config": str(a.model_config)}},
+        )
+    finally:
+        for r in replicas.values():
+            r.close()
+        indexer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
