@@ -66,15 +66,8 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
                 **(args.extra_config or {}),
                 "mode": args.mode,
                 **({"load_mode": args.load_mode} if args.load_mode else {}),
-                # Generous deadlines: on a 2-core CI box busy engines starve the sidecar.
-                "lookup_timeout_ms": 1000,
-                "rpc_timeout_ms": 3000,
-                # `adopt` measures the connector's own reconnect backoff
-                **(
-                    {}
-                    if args.default_reconnect
-                    else {"reconnect_min_ms": 100, "reconnect_max_ms": 500}
-                ),
+                # Deadlines and reconnect backoff: the connector's shipped defaults. A test
+                # about a deadline passes its own in --extra-config.
                 **({"lazy_watermark_blocks": args.lazy_watermark} if args.lazy_watermark else {}),
             },
         }
@@ -883,11 +876,6 @@ def main() -> int:
     ap.add_argument("--filler-len", type=int, default=300, help="filler prompt tokens (adopt)")
     ap.add_argument(
         "--outage-traffic-s", type=float, default=4.0, help="fillers after the kill (adopt)"
-    )
-    ap.add_argument(
-        "--default-reconnect",
-        action="store_true",
-        help="the connector's default reconnect backoff (adopt measures it), not the tests' own",
     )
     args = ap.parse_args()
     fn = {

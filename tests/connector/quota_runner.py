@@ -27,7 +27,7 @@ from engine_runner import prompts, settle_pool  # noqa: E402
 
 def make_llm(args: argparse.Namespace):
     """engine_runner's engine: the tiny model, 32-token GPU blocks, 64-token pool chunks, eager
-    stores, the deadlines a busy 2-core box needs."""
+    stores, the connector's shipped deadlines."""
     engine = argparse.Namespace(
         model=args.model,
         socket=args.socket,
@@ -36,7 +36,6 @@ def make_llm(args: argparse.Namespace):
         extra_config=None,
         mode="eager",
         load_mode="",
-        default_reconnect=False,
         lazy_watermark=0,
         kv_bytes=8 << 20,
         tp=1,
