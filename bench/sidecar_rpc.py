@@ -452,7 +452,7 @@ def _client_ops(client: PoolClient, committed: list[bytes], n: int) -> list[tupl
         return lambda: client.abort_store(reg.namespace_id, r.store_id)
 
     def c_load() -> Callable[[], None]:
-        pin, slots = client.reserve_load(hit)
+        pin, slots, _ = client.reserve_load(hit)
         check(len(slots) == n, "load miss")
         return lambda: client.release([pin])
 

@@ -17,11 +17,12 @@ import contextlib
 import logging
 import os
 import queue
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 from kvoffload.v1 import pool_pb2, pool_pb2_grpc
@@ -68,6 +69,22 @@ def _slots(packed: bytes) -> list[int]:
         raise PoolUnavailable(f"malformed reply: {e}") from None
 
 
+def _versions(packed: bytes, n: int) -> list[int]:
+    """Slot versions from a ReserveLoad reply (8-byte little-endian uint64s, one per slot);
+    a sidecar that sent none (or a malformed list) gives zeros, which no load accepts."""
+    if len(packed) != 8 * n:
+        return [0] * n
+    return list(struct.unpack(f"<{n}Q", packed))
+
+
+class Pinned(NamedTuple):
+    """One ReserveLoad's answer: the pin (0: nothing pinned), its slots and their versions."""
+
+    pin_id: int
+    slots: list[int]
+    versions: list[int]
+
+
 @dataclass(frozen=True)
 class RankRegion:
     rank: int
@@ -85,6 +102,11 @@ class RegisterResult:
     pool_ready: bool
     committed_blocks: int
     generation: str
+    epoch: int = 0  # the sidecar instance's: commits and aborts name it
+    engine: int = 0  # the engine this client's reservations belong to
+    engine_lock_base: int = 0  # engine_lock.lock_offset(base, engine, rank)
+    slot_table_offset: int = 0  # slot i's version: the u64 at offset + i * record_bytes
+    slot_record_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -241,8 +263,10 @@ class PoolClient:
         reconnect_max_s: float = 0.5,
         framed: bool = True,
         keep_attached: bool = False,
+        engine: int = 0,
     ):
         self.socket_path = socket_path
+        self.engine = engine  # the vLLM instance this process belongs to (RegisterRequest)
         self.framed = framed  # use the sidecar's framed socket for the session when offered
         self.transport = ""  # "framed" or "grpc": what the live session runs on
         # the sidecar's presence map (presence.py) from the last registration, or None
@@ -374,6 +398,7 @@ class PoolClient:
                     num_ranks=num_ranks,
                     slot_bytes_per_rank=slot_bytes,
                     client_name=self.client_name,
+                    engine=self.engine,
                 ),
                 timeout=max(self.rpc_timeout_s, REGISTER_TIMEOUT_S),
             )
@@ -401,6 +426,11 @@ class PoolClient:
             pool_ready=resp.pool_ready,
             committed_blocks=resp.committed_blocks,
             generation=resp.pool_generation,
+            epoch=resp.sidecar_epoch,
+            engine=resp.engine,
+            engine_lock_base=resp.engine_lock_base,
+            slot_table_offset=resp.slot_table_offset,
+            slot_record_bytes=resp.slot_record_bytes,
         )
         return self.registration
 
@@ -492,8 +522,8 @@ class PoolClient:
         )
         return list(self._call(timeout_s, lookup=req).lookup.hit_counts)
 
-    def reserve_load(self, keys: Sequence[bytes]) -> tuple[int, list[int]]:
-        """Pin the longest committed prefix of `keys`: (pin id or 0, its slots)."""
+    def reserve_load(self, keys: Sequence[bytes]) -> Pinned:
+        """Pin the longest committed prefix of `keys`: (pin id or 0, its slots, versions)."""
         ns, cid = self._ns()
         r = self._call(
             None,
@@ -501,7 +531,8 @@ class PoolClient:
                 namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
             ),
         ).reserve_load
-        return r.pin_id, _slots(r.slots)
+        slots = _slots(r.slots)
+        return Pinned(r.pin_id, slots, _versions(r.versions, len(slots)))
 
     def reserve_load_many(
         self,
@@ -510,11 +541,11 @@ class PoolClient:
         count_lookup: bool = False,
         timeout_s: float | None = None,
         salts: Sequence[str | None] | None = None,
-    ) -> list[tuple[int, list[int]] | None]:
-        """`reserve_load` for each key list, pipelined on the session: (pin id or 0, slots)
-        per list, None where that call failed (a miss). `count_lookup`: the sidecar also counts
-        each as a lookup (a lookup and its pin in one round trip), for the tenant of the list's
-        cache salt in `salts`."""
+    ) -> list[Pinned | None]:
+        """`reserve_load` for each key list, pipelined on the session: (pin id or 0, slots,
+        versions) per list, None where that call failed (a miss). `count_lookup`: the sidecar
+        also counts each as a lookup (a lookup and its pin in one round trip), for the tenant
+        of the list's cache salt in `salts`."""
         ns, cid = self._ns()
         session = self._session
         if session is None or not session.alive:
@@ -531,13 +562,15 @@ class PoolClient:
             }
             for keys, salt in zip(key_lists, salts or _no_salts(len(key_lists)), strict=True)
         ]
-        out: list[tuple[int, list[int]] | None] = []
+        out: list[Pinned | None] = []
         deadline = self.rpc_timeout_s if timeout_s is None else timeout_s
         for r in session.call_many(deadline, calls):
             if isinstance(r, PoolUnavailable):
                 out.append(None)
             else:
-                out.append((r.reserve_load.pin_id, _slots(r.reserve_load.slots)))
+                slots = _slots(r.reserve_load.slots)
+                versions = _versions(r.reserve_load.versions, len(slots))
+                out.append(Pinned(r.reserve_load.pin_id, slots, versions))
         return out
 
     def release(self, pin_ids: Sequence[int]) -> int:
@@ -566,18 +599,30 @@ class PoolClient:
         r = self._call(None, reserve_store=request).reserve_store
         return StoreReservation(r.store_id, r.decisions, _slots(r.slots))
 
-    def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:
+    def commit_store(
+        self, namespace_id: str, store_id: int, rank: int, *, epoch: int = 0, engine: int = 0
+    ) -> bool:
+        """`epoch` and `engine`: the sidecar instance that answered the reservation and the
+        engine it belongs to (the sidecar refuses a commit naming others; PoolUnavailable)."""
         return self._call(
             None,
             commit_store=pool_pb2.CommitStoreRequest(
-                namespace_id=namespace_id, store_id=store_id, rank=rank
+                namespace_id=namespace_id,
+                store_id=store_id,
+                rank=rank,
+                sidecar_epoch=epoch,
+                engine=engine,
             ),
         ).commit_store.visible
 
-    def abort_store(self, namespace_id: str, store_id: int) -> int:
+    def abort_store(
+        self, namespace_id: str, store_id: int, *, epoch: int = 0, engine: int = 0
+    ) -> int:
         return self._call(
             None,
-            abort_store=pool_pb2.AbortStoreRequest(namespace_id=namespace_id, store_id=store_id),
+            abort_store=pool_pb2.AbortStoreRequest(
+                namespace_id=namespace_id, store_id=store_id, sidecar_epoch=epoch, engine=engine
+            ),
         ).abort_store.freed_slots
 
     def events(

@@ -42,6 +42,10 @@ class LoadJob:
     transfers: tuple[GroupTransfer, ...]
     generation: str  # pool generation the slots belong to; a worker on another one fails it
     layered: bool = False  # the request runs this step: its layers wait for their bytes
+    # per transfer, per slot: the slot's version when pinned (its slot record's state word).
+    # After the copy completed the worker reads the words again: any difference (or a 0, or
+    # none given) fails the load, and vLLM recomputes.
+    versions: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class StoreJob:
     namespace_id: str
     transfers: tuple[GroupTransfer, ...]
     generation: str
+    epoch: int = 0  # the sidecar instance that answered the reservation (the commit names it)
+    engine: int = 0  # the engine it belongs to
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,9 @@ class ConnectorMeta(ConnectorMetadataBase):
     # jobs whose GPU blocks vLLM got back before they finished (a prefix-cache reset): each
     # worker completes them before this step's forward can write into those blocks
     fence: tuple[int, ...] = ()
+    # this engine's key (the scheduler's): each worker holds its rank's engine lock for it
+    # before any store copy (engine_lock.py)
+    engine: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvoffload_connector.client import PoolClient, PoolUnavailable
 from kvoffload_connector.keys import PoolKey
@@ -26,12 +26,26 @@ LookupBatch = list[tuple[str, list[list[PoolKey]]]]
 
 @dataclass
 class LookupAnswer:
-    """A finished lookup: `hit_chunks` chunks pinned in every group."""
+    """A finished lookup: `hit_chunks` chunks pinned in every group.
+
+    Its pins belong to the registration that took them (`registration`, the client's
+    `RegisterResult`): when that registration ends (a deadline dropped the session, the
+    sidecar restarted) the sidecar releases them, and the scheduler must not load from the
+    answer. `versions` are the slots' versions when pinned: the workers fail a load whose slot
+    reads another version after the copy (a store rewrote it meanwhile)."""
 
     hit_chunks: int
     pins: list[int]
     slots: list[list[int | None]]  # per group, per chunk (None: not needed, sliding window)
     generation: str
+    versions: list[list[int]] = field(default_factory=list)  # per group, per slot (0: none)
+    registration: object = None  # the RegisterResult whose session holds the pins
+
+
+def _versions_of(pinned: Sequence, n: int) -> list[int]:
+    """The first n slot versions of a pin answer (zeros, never loaded, when it has none)."""
+    versions = list(pinned[2]) if len(pinned) > 2 else []
+    return versions[:n] if len(versions) >= n else [0] * n
 
 
 class PoolLookup:
@@ -71,6 +85,7 @@ class PoolLookup:
         sidecar's per-tenant counts. Raises PoolUnavailable when the round fails as a whole."""
         wanted = [keys for _, per_group in batch for keys in per_group]
         salt_of = (salts or {}).get
+        registration = getattr(self.client, "registration", None)  # the session pinning them
         got = iter(
             self.client.reserve_load_many(
                 wanted,
@@ -90,7 +105,10 @@ class PoolLookup:
                 answers.append((req_id, None))
                 continue
             slots: list[list[int | None]] = [list(r[1][:hit]) for r in res]  # type: ignore[index]
-            answers.append((req_id, LookupAnswer(hit, pins, slots, generation)))
+            versions = [_versions_of(r, hit) for r in res]  # type: ignore[arg-type]
+            answers.append(
+                (req_id, LookupAnswer(hit, pins, slots, generation, versions, registration))
+            )
         return answers
 
     def hybrid_hits(
@@ -165,6 +183,7 @@ class PoolLookup:
         """Pin each request's hit in every group (a sliding group: its window only); a
         request whose pins did not all succeed is a miss (its pins go back)."""
         sliding = any(self.windows)
+        registration = getattr(self.client, "registration", None)
         wanted = [
             keys[self.window_start(g, hit) : hit]
             for (_, per_group), hit in zip(batch, hits, strict=True)
@@ -196,5 +215,11 @@ class PoolLookup:
                 [None] * start + list(r[1][: hit - start])  # type: ignore[index]
                 for r, start in zip(got, starts, strict=True)
             ]
-            answers.append((req_id, LookupAnswer(hit, pins, slots, generation)))
+            versions = [
+                [0] * start + _versions_of(r, hit - start)  # type: ignore[arg-type]
+                for r, start in zip(got, starts, strict=True)
+            ]
+            answers.append(
+                (req_id, LookupAnswer(hit, pins, slots, generation, versions, registration))
+            )
         return answers

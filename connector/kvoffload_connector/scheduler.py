@@ -35,6 +35,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from typing import Any
 
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RpcThread
 from kvoffload_connector.config import ConnectorConfig, LoadMode, StoreMode
+from kvoffload_connector.engine_lock import MAX_ENGINE
 from kvoffload_connector.events import EventFeed
 from kvoffload_connector.first_token import FirstTokenWatch
 from kvoffload_connector.keys import PoolKey, chunk_keys, in_epoch
@@ -74,6 +76,7 @@ class _Job:
     pins: list[int] = field(default_factory=list)
     store_id: int = 0
     namespace_id: str = ""
+    epoch: int = 0  # the sidecar instance that answered the store's reservation
     chunks: int = 0
     done: int = 0
     failed: int = 0
@@ -128,6 +131,10 @@ class OffloadScheduler:
         self.sliding = [g for g in range(num_groups) if self.windows[g] > 0]
         self.world_size = world_size
         self.client = client
+        # This engine's key: its store reservations belong to it (not to a session), and its
+        # workers hold their ranks' locks for it (engine_lock.py); fresh per engine start.
+        self.engine = secrets.randbelow(MAX_ENGINE - 1) + 1
+        client.engine = self.engine
         self._lookup = PoolLookup(client, self.windows, cfg.chunk_tokens)
         self._clock = clock
         self._yield_gil = yield_gil  # first_token_handoff: a GIL release (sleep(0))
@@ -256,6 +263,8 @@ class OffloadScheduler:
             return 0, False
         if self._results:
             self._drain()
+        if st.answer is not None and st.load_job is None and not self._answer_alive(st.answer):
+            st.answer = None  # its pins ended with their registration: ask again
         if st.answer is None:
             if not st.queued:
                 if (
@@ -308,6 +317,13 @@ class OffloadScheduler:
         mode = self.cfg.load_mode
         st.load_async = mode is LoadMode.ASYNC or (mode is LoadMode.ADAPTIVE and queueing)
         return hit_end - num_computed_tokens, st.load_async
+
+    def _answer_alive(self, answer: LookupAnswer) -> bool:
+        """The registration that pinned the answer's slots is the live one (else the sidecar
+        has released, or will release, its pins: nothing may be loaded from it)."""
+        if not answer.pins or answer.registration is None:
+            return True
+        return answer.registration is self.client.registration and self.client.connected
 
     def _new_req(self, request: Any) -> ReqState:
         """A request's first visit: its state, and (store_threshold) one more ask of each of
@@ -631,10 +647,13 @@ class OffloadScheduler:
         start_tok = st.hit_end - num_external_tokens
         first, last = start_tok // self.block_size, st.hit_end // self.block_size
         per_group = blocks.blocks
-        transfers, held = [], []
+        transfers, held, versions = [], [], []
         generation = answer.generation
+        if not self._answer_alive(answer):
+            log.info("kvoffload: the lookup's registration ended before its load: load fails")
+            generation = ""  # its pins are gone: the workers fail the job, vLLM recomputes
         for g in range(self.num_groups):
-            gpu, slots, idx = [], [], []
+            gpu, slots, idx, ver = [], [], [], []
             group_blocks = per_group[g]
             for b in range(first, min(last, len(group_blocks))):
                 blk = group_blocks[b]
@@ -648,9 +667,13 @@ class OffloadScheduler:
                 gpu.append(blk.block_id)
                 slots.append(slot)
                 idx.append(b % self.chunk_blocks)
+                chunk = b // self.chunk_blocks
+                group_versions = answer.versions[g] if g < len(answer.versions) else ()
+                ver.append(group_versions[chunk] if chunk < len(group_versions) else 0)
                 held.append(blk)
             if gpu:
                 transfers.append(GroupTransfer(g, tuple(gpu), tuple(slots), tuple(idx)))
+                versions.append(tuple(ver))
         job_id = next(self._job_ids)
         self._touch(held)
         self._jobs[job_id] = _Job(job_id, "load", (st.req_id,), held, pins=answer.pins)
@@ -658,7 +681,9 @@ class OffloadScheduler:
         st.stored_chunks = max(st.stored_chunks, answer.hit_chunks)
         self.stats.hit_tokens += num_external_tokens
         layered = not st.load_async
-        self._loads_out.append(LoadJob(job_id, st.req_id, tuple(transfers), generation, layered))
+        self._loads_out.append(
+            LoadJob(job_id, st.req_id, tuple(transfers), generation, layered, tuple(versions))
+        )
 
     # -- stores -------------------------------------------------------------------------
     def _touch(self, blocks: list[Any]) -> None:
@@ -698,7 +723,7 @@ class OffloadScheduler:
         if not self._usable():
             self._rpc.submit(self.client.ensure)  # reconnect in the background, drop these
             self._tell_unusable()
-            self._on_reserved(planned, None, "", "")
+            self._on_reserved(planned, None, "", "", 0)
             return
         self._told_unusable = ""
         self._reservations_in_flight += 1
@@ -711,13 +736,24 @@ class OffloadScheduler:
             announce = [p.announce for p in planned] if self.event_feed is not None else ()
             salts = [p.salt for p in planned]  # per key: the sidecar's per-tenant quotas
             res = self.client.reserve_store([p.key for p in planned], announce, salts)
-            payload = (planned, res, reg.namespace_id if reg else "", reg.generation if reg else "")
+            payload = (
+                planned,
+                res,
+                reg.namespace_id if reg else "",
+                reg.generation if reg else "",
+                getattr(reg, "epoch", 0),
+            )
         except PoolUnavailable:
-            payload = (planned, None, "", "")
+            payload = (planned, None, "", "", 0)
         self._results.append(("store", payload))
 
     def _on_reserved(
-        self, planned: list[PlannedChunk], res: Any, namespace_id: str, generation: str
+        self,
+        planned: list[PlannedChunk],
+        res: Any,
+        namespace_id: str,
+        generation: str,
+        epoch: int = 0,
     ) -> None:
         """Scheduler thread: turn a reservation into a store job; drop what is not NEW."""
         self._reserving.pop(id(planned), None)
@@ -725,7 +761,7 @@ class OffloadScheduler:
             # vLLM reset its prefix cache meanwhile and has these blocks back (`_let_go`)
             self.stats.store_chunks_dropped += len(planned)
             if res is not None and STORE_NEW in res.decisions:
-                self._abort_store(namespace_id, res.store_id)
+                self._abort_store(namespace_id, res.store_id, epoch)
             return
         drop: list[Any] = []
         keep: list[tuple[PlannedChunk, int]] = []
@@ -764,9 +800,12 @@ class OffloadScheduler:
             held,
             store_id=res.store_id,
             namespace_id=namespace_id,
+            epoch=epoch,
             chunks=len(keep),
         )
-        self._stores_out.append(StoreJob(job_id, res.store_id, namespace_id, transfers, generation))
+        self._stores_out.append(
+            StoreJob(job_id, res.store_id, namespace_id, transfers, generation, epoch, self.engine)
+        )
 
     def _output_count(self, req_id: str) -> int | None:
         """A live request's output-token count (None once finished or aborted)."""
@@ -827,6 +866,7 @@ class OffloadScheduler:
             stores=tuple(self._stores_out),
             longest_query=max(scheduled.values(), default=0) if scheduled else 0,
             fence=tuple(sorted(self._fence)),
+            engine=self.engine,
         )
         self._loads_out, self._stores_out = [], []
         self._fence.clear()
@@ -887,12 +927,13 @@ class OffloadScheduler:
                 st.load_job = None
                 st.answer = None  # pins are gone: a later lookup starts afresh
         elif job.failed and job.store_id:
-            self._abort_store(job.namespace_id, job.store_id)
+            # every rank reported the copy finished or never started: the slots may go
+            self._abort_store(job.namespace_id, job.store_id, job.epoch)
 
-    def _abort_store(self, namespace_id: str, store_id: int) -> None:
+    def _abort_store(self, namespace_id: str, store_id: int, epoch: int) -> None:
         def abort() -> None:
             with contextlib.suppress(PoolUnavailable):
-                self.client.abort_store(namespace_id, store_id)
+                self.client.abort_store(namespace_id, store_id, epoch=epoch, engine=self.engine)
 
         self._rpc.submit(abort)
 
@@ -947,7 +988,7 @@ class OffloadScheduler:
         for job in list(self._jobs.values()):
             if job.job_id in unsent:
                 del self._jobs[job.job_id]
-                self._abort_store(job.namespace_id, job.store_id)
+                self._abort_store(job.namespace_id, job.store_id, job.epoch)
                 self.stats.store_chunks_dropped += job.chunks
             else:
                 self._fence.add(job.job_id)

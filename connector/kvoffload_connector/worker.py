@@ -34,11 +34,13 @@ import torch
 from kvoffload_connector import compat
 from kvoffload_connector.client import PoolClient, PoolUnavailable, RegisterResult, RpcThread
 from kvoffload_connector.config import ConnectorConfig
+from kvoffload_connector.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.identity import model_identity
 from kvoffload_connector.keys import build_spec
 from kvoffload_connector.layout import CanonicalLayout, canonicalize
 from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, Registration, WorkerReport
 from kvoffload_connector.pool_view import PoolView
+from kvoffload_connector.slot_versions import SlotVersions
 from kvoffload_connector.transfer import Direction, JobResult, TransferBatch, make_engine
 
 log = logging.getLogger(__name__)
@@ -105,6 +107,14 @@ class OffloadWorker:
         self._wait_whole_step = False
         self._stats: dict[str, float] = {}
         self.spec = None
+        # Slot protocol: the versions a load checks after its copy (slot_versions.py), the
+        # engine lock this rank holds while it may write the pool (engine_lock.py), and per
+        # job what its check and its commit need.
+        self.slot_versions: SlotVersions | None = None
+        self._engine_lock: EngineLock | None = None
+        self._lock_key: tuple[str, int, int] | None = None  # (path, base, engine) it locks
+        self._load_checks: dict[int, tuple[list[int], list[int]]] = {}  # job: slots, versions
+        self._store_fences: dict[int, tuple[int, int]] = {}  # job: sidecar epoch, engine
 
     # -- registration ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -173,6 +183,10 @@ class OffloadWorker:
                     self.layout, self.pool, self.device, store_ctas=self.cfg.store_ctas
                 )
             self.generation = reg.generation
+        if self.slot_versions is None and reg.slot_table_offset:
+            self.slot_versions = SlotVersions(
+                region.path, reg.slot_table_offset, reg.slot_record_bytes, region.slot_count
+            )
         self.namespace_id = reg.namespace_id
         self._applied = reg
         self._report_registration = Registration(
@@ -190,6 +204,38 @@ class OffloadWorker:
             self.pool.close()
             self.pool = None
             self.generation = None
+        # every copy into the old mapping finished (waited above): the lock may go
+        self._release_engine_lock()
+        if self.slot_versions is not None:
+            self.slot_versions.close()
+            self.slot_versions = None
+
+    def _hold_engine_lock(self, engine: int) -> bool:
+        """Step thread, before a step's copies: hold this rank's lock for `engine` in the
+        mapped generation's range (the sidecar grants the engine's reservations only while
+        every rank holds one, and reuses their slots only once none does). False: no lock
+        (the step's stores fail)."""
+        reg, pool = self._applied, self.pool
+        if not engine or reg is None or pool is None or not reg.engine_lock_base:
+            return False
+        key = (pool.path, reg.engine_lock_base, engine)
+        if self._lock_key == key and self._engine_lock is not None:
+            return True
+        if self._lock_key is not None and self._lock_key[:2] != key[:2] and self._jobs:
+            return False  # a lock of another mapping with copies in flight: keep that one
+        try:
+            lock = EngineLock(pool.path, lock_offset(key[1], engine, self.rank))
+        except (OSError, ValueError) as e:
+            log.warning("kvoffload: rank %d cannot hold its engine lock: %s", self.rank, e)
+            return False
+        self._release_engine_lock()  # same mapping, another engine key: nothing in flight
+        self._engine_lock, self._lock_key = lock, key
+        return True
+
+    def _release_engine_lock(self) -> None:
+        if self._engine_lock is not None:
+            self._engine_lock.release()
+        self._engine_lock, self._lock_key = None, None
 
     def _reconnect(self) -> None:
         """Rpc thread: re-register when due; the step thread applies the result."""
@@ -248,11 +294,14 @@ class OffloadWorker:
             return
         if meta.fence:
             self._finish_fenced(meta.fence)
+        if meta.engine and self.ready:
+            self._hold_engine_lock(meta.engine)  # as early as possible: stores wait for it
         if meta.loads:
             self._check_pool()
         for job in meta.loads:
             blocks = [b for t in job.transfers for b in t.gpu_blocks]
-            if not self.ready or job.generation != self.generation:
+            check = self._load_check(job)
+            if not self.ready or job.generation != self.generation or check is None:
                 log.info(
                     "kvoffload: rank %d fails load job %d (ready %s, generation %s/%s)",
                     self.rank,
@@ -265,6 +314,7 @@ class OffloadWorker:
                 continue
             self._jobs[job.job_id] = ("layered" if job.layered else "load", job.req_id, 0, "")
             self._load_blocks[job.job_id] = blocks
+            self._load_checks[job.job_id] = check
             try:
                 if job.layered:
                     self.engine.submit_layered(job.job_id, _batches(job.transfers))
@@ -324,12 +374,14 @@ class OffloadWorker:
         self._saved_meta = meta  # a reference, not an id(): a freed object's id can come back
         if meta.stores:
             self._check_pool()
+        locked = bool(meta.stores) and self.ready and self._hold_engine_lock(meta.engine)
         for job in meta.stores:
-            if not self.ready or job.generation != self.generation:
+            if not self.ready or job.generation != self.generation or not locked:
                 self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1
                 self._stats["failed_stores"] = self._stats.get("failed_stores", 0) + 1
                 continue
             self._jobs[job.job_id] = ("store", "", job.store_id, job.namespace_id)
+            self._store_fences[job.job_id] = (job.epoch, job.engine)
             try:
                 self.engine.submit(job.job_id, Direction.STORE, _batches(job.transfers))
             except Exception as e:  # noqa: BLE001
@@ -344,6 +396,11 @@ class OffloadWorker:
                 continue
             kind, req_id, store_id, ns = info
             if kind in ("load", "layered"):
+                if r.ok and not self._versions_held(r.job_id):
+                    # a store took a slot of this load while it copied: its bytes may be
+                    # another key's; vLLM recomputes
+                    r = JobResult(r.job_id, False, 0, r.seconds, "a slot changed under the copy")
+                self._load_checks.pop(r.job_id, None)
                 if r.ok:
                     self._done[r.job_id] = self._done.get(r.job_id, 0) + 1
                     if kind == "load":  # a layered load's request is already running
@@ -357,15 +414,40 @@ class OffloadWorker:
             elif r.ok:
                 self._done[r.job_id] = self._done.get(r.job_id, 0) + 1
                 self._add(stored_bytes=r.bytes, store_seconds=r.seconds)
-                self._rpc.submit(lambda s=store_id, n=ns: self._commit(n, s))
+                epoch, engine = self._store_fences.pop(r.job_id, (0, 0))
+                self._rpc.submit(lambda s=store_id, n=ns, f=(epoch, engine): self._commit(n, s, *f))
             else:
+                self._store_fences.pop(r.job_id, None)
                 log.warning("kvoffload: store job %d failed: %s", r.job_id, r.error)
                 self._failed[r.job_id] = self._failed.get(r.job_id, 0) + 1
                 self._stats["failed_stores"] = self._stats.get("failed_stores", 0) + 1
 
-    def _commit(self, namespace_id: str, store_id: int) -> None:
+    def _load_check(self, job: Any) -> tuple[list[int], list[int]] | None:
+        """(slots, versions) a load's copy must find unchanged afterwards; None when the job
+        carries no version for some slot or this rank cannot read the slot table (the load
+        fails: a slot nobody can vouch for is never loaded)."""
+        versions = getattr(job, "versions", ())
+        if self.slot_versions is None or len(versions) != len(job.transfers):
+            return None
+        slots: list[int] = []
+        want: list[int] = []
+        for t, v in zip(job.transfers, versions, strict=True):
+            if len(v) != len(t.slots):
+                return None
+            slots += t.slots
+            want += v
+        return slots, want
+
+    def _versions_held(self, job_id: int) -> bool:
+        """After a load's copy completed: its slots still hold the versions it was pinned at
+        (every writer changes a slot's state word before it writes a byte)."""
+        check = self._load_checks.get(job_id)
+        sv = self.slot_versions
+        return check is not None and sv is not None and sv.matches(*check)
+
+    def _commit(self, namespace_id: str, store_id: int, epoch: int = 0, engine: int = 0) -> None:
         try:
-            self.client.commit_store(namespace_id, store_id, self.rank)
+            self.client.commit_store(namespace_id, store_id, self.rank, epoch=epoch, engine=engine)
         except PoolUnavailable as e:
             log.debug("kvoffload: commit of store %d dropped: %s", store_id, e)
 
@@ -375,8 +457,14 @@ class OffloadWorker:
 
     def transfer_results(self) -> tuple[set[str], set[str], set[int]]:
         """(finished_recving, failed_recving, failed async load block ids) since the last
-        call; failed layered blocks wait in ``take_failed_layered_blocks``."""
+        call; failed layered blocks wait in ``take_failed_layered_blocks``. This step's
+        layered loads are waited for first: their versions are checked after the copy, and
+        a failure must reach vLLM in this step's output, which then drops the step's token
+        for the request and recomputes the blocks."""
         if self.engine is not None and self._jobs:
+            layered = [j for j, info in self._jobs.items() if info[0] == "layered"]
+            if layered:
+                self._handle(self.engine.wait(layered))
             self._handle(self.engine.poll())
         recving, failed = self._recving, self._failed_recving
         blocks = self._failed_blocks

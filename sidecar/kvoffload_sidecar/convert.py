@@ -76,13 +76,19 @@ def spec_to_proto(spec: NamespaceSpec, out: pb.NamespaceSpec) -> None:
     out.extra.update(dict(spec.extra))
 
 
-def register_args(msg: pb.RegisterRequest) -> tuple[NamespaceSpec, int, int, str]:
-    """(spec, num_ranks, slot_bytes_per_rank, client_name) for `Pool.register`."""
+def register_args(msg: pb.RegisterRequest) -> tuple[NamespaceSpec, int, int, str, int]:
+    """(spec, num_ranks, slot_bytes_per_rank, client_name, engine) for `Pool.register`."""
     if not msg.HasField("spec"):
         raise InvalidArgument("spec is required")
     if len(msg.client_name) > MAX_CLIENT_NAME:
         raise InvalidArgument(f"client_name is longer than {MAX_CLIENT_NAME} characters")
-    return spec_from_proto(msg.spec), msg.num_ranks, msg.slot_bytes_per_rank, msg.client_name
+    return (
+        spec_from_proto(msg.spec),
+        msg.num_ranks,
+        msg.slot_bytes_per_rank,
+        msg.client_name,
+        msg.engine,
+    )
 
 
 def registration_to_proto(reg: Registration, out: pb.RegisterResponse) -> None:
@@ -100,11 +106,17 @@ def registration_to_proto(reg: Registration, out: pb.RegisterResponse) -> None:
     out.prefault_fraction = reg.prefault_fraction
     out.committed_blocks = reg.committed_blocks
     out.pool_generation = reg.pool_generation
+    out.sidecar_epoch = reg.sidecar_epoch
+    out.engine = reg.engine
+    out.engine_lock_base = reg.engine_lock_base
+    out.slot_table_offset = reg.slot_table_offset
+    out.slot_record_bytes = reg.slot_record_bytes
 
 
 def load_pin_to_proto(pin: LoadPin, out: pb.ReserveLoadResponse) -> None:
     out.pin_id = pin.pin_id
     out.slots = u32_le(pin.slots)
+    out.versions = u64_le(pin.versions)
 
 
 def store_reservation_to_proto(res: StoreReservation, out: pb.ReserveStoreResponse) -> None:
@@ -152,6 +164,11 @@ def u32_le(values: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def u64_le(values: Sequence[int]) -> bytes:
+    """Slot versions as the wire packs them: 8-byte little-endian uint64s."""
+    return np.asarray(values, dtype="<u8").tobytes()
+
+
 def namespace_stats_to_proto(ns: NamespaceStats, out: pb.NamespaceStats) -> None:
     out.namespace_id = ns.namespace_id
     spec_to_proto(ns.spec, out.spec)
@@ -181,6 +198,8 @@ _NAMESPACE_COUNTERS = (
     "stored_bytes",
     "loaded_bytes",
     "queried_blocks",
+    "refused_commits",
+    "unlocked_reservations",
 )
 
 

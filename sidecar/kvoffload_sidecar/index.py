@@ -60,7 +60,7 @@ class StoreRecord:
     """An open store reservation: its slots become visible when every rank has committed."""
 
     store_id: int
-    client_id: int
+    owner: int  # the engine the reservation belongs to (pool.py: outlives its sessions)
     slots: Slots  # key order; an intp array for batches above VECTOR_MIN
     keys: list[PoolKey] | None  # the slots' keys, same order; None until needed when `packed`
     committed_ranks: int = 0  # bitmask of ranks that committed
@@ -268,7 +268,7 @@ class SlotIndex:
         self.counts.committed += n
 
     def open_store(
-        self, store_id: int, client_id: int, slots: Slots, keys: Sequence[PoolKey]
+        self, store_id: int, owner: int, slots: Slots, keys: Sequence[PoolKey]
     ) -> StoreRecord:
         """Record a store of slots reserved for `keys` (same order, as `reserve_many` took
         them); the record owns `slots` and `keys` from now."""
@@ -278,16 +278,16 @@ class SlotIndex:
             slots = list(slots)
             if len(slots) > allocator.VECTOR_MIN:
                 slots = as_slot_array(slots)
-        record = StoreRecord(store_id, client_id, slots, keys if type(keys) is list else list(keys))
+        record = StoreRecord(store_id, owner, slots, keys if type(keys) is list else list(keys))
         self.stores[store_id] = record
         return record
 
     def open_store_packed(
-        self, store_id: int, client_id: int, slots: np.ndarray, packed: bytes
+        self, store_id: int, owner: int, slots: np.ndarray, packed: bytes
     ) -> StoreRecord:
         """`open_store` for slots reserved by `reserve_new_packed`: the keys stay packed until a
         commit, an abort or a check needs them."""
-        record = StoreRecord(store_id, client_id, slots, None, packed=packed)
+        record = StoreRecord(store_id, owner, slots, None, packed=packed)
         self.stores[store_id] = record
         return record
 

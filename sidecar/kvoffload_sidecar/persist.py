@@ -16,7 +16,9 @@ Layout (little-endian, all in `pool-0.shm`, so index and bytes can never come ap
   namespace validates.
 - **Slot table**: one record per slot, `[state][check][last use][key, padded to 8 bytes]` as
   64-bit words. state 0 = free, 1 = reserved (a store may be writing its bytes; `check` then holds
-  when, wall clock ms), >= 2 = committed, the value being the commit's sequence number. `check` is
+  when, wall clock ms, and `last use` the engine that owns the reservation, engine_locks.py),
+  >= 2 = committed, the value being the commit's sequence number, unique over the file's life
+  (a slot's *version*: a load compares it before and after its copy). `check` is
   a 64-bit mix of (epoch, slot, state, key). `last use` is the pool's sequence counter at the
   block's last hit (lookups and pins write it, outside the check): the adopter rebuilds the LRU
   order from it, so a hot prefix is not the first victim after a restart. Its top 8 bits hold
@@ -35,8 +37,14 @@ Why this is crash-consistent (the process dies; the tmpfs pages stay):
   a block evicted just before a kill may come back; when its key was stored again elsewhere the
   higher sequence number wins.
 - Reservations and pins of dead processes are not in the file (pins) or marked reserved
-  (reservations): the adopter frees them; slots reserved at death are withheld for the grace in
-  which late copies of the dead instance's clients may still land.
+  (reservations, with their owning engine): the adopter withholds a slot reserved at death
+  until that engine is dead (its workers' file locks are gone), so no late copy of it can land
+  in a slot given to another store. A torn reservation (state word not yet reserved) was never
+  answered: nobody writes it, and it is free.
+- Versions: a writer changes a slot's bytes only after the sidecar changed its state word
+  (reserved, before the answer), and every commit writes a sequence number above every state
+  word in the file: a load whose slot reads the same state word after its copy as when it was
+  pinned copied bytes that no store touched in between.
 Adoption reads only this index (numpy over the table): its cost grows with slots, not bytes.
 """
 
@@ -72,8 +80,8 @@ __all__ = [
     "write_namespace",
 ]
 
-FORMAT_VERSION = 1
-READABLE_VERSIONS = frozenset({1})  # formats this sidecar adopts; others are discarded
+FORMAT_VERSION = 2  # 2: reserved records name their owning engine
+READABLE_VERSIONS = frozenset({2})  # formats this sidecar adopts; others are discarded
 HEADER_BYTES = 4096
 NS_HEADER_BYTES = 4096
 PAGE = mmap.PAGESIZE
@@ -421,9 +429,8 @@ class TableScan:
     slots: np.ndarray  # intp, committed slots to adopt, in commit order
     packed: bytes  # their keys, back to back, same order
     max_seq: int
-    withheld: np.ndarray  # intp: reserved at death or torn (late copies may land)
-    withheld_ms: np.ndarray  # uint64 per withheld slot: when it was reserved (wall clock, ms;
-    # torn ones: 0, "unknown", the caller holds them from now)
+    withheld: np.ndarray  # intp: reserved at death (a late copy of its owner may land)
+    withheld_owners: np.ndarray  # uint64 per withheld slot: the engine owning the reservation
     discarded: dict[str, int] = field(default_factory=dict)
     # uint8 per adopted slot (same order): tenant index + 1 that stored it, 0 when not recorded
     tenants: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
@@ -449,20 +456,28 @@ class SlotTable:
     def clear(self) -> None:
         self.words[:] = 0
 
-    def mark(self, slots: np.ndarray | list[int], state: int, when_ms: int = 0) -> None:
-        """Reserved (before the reservation is answered; `when_ms`, the wall clock, goes in
-        the check word: an adopter withholds the slot only until then + its hold) or free
-        (an aborted store)."""
+    def mark(
+        self, slots: np.ndarray | list[int], state: int, when_ms: int = 0, owner: int = 0
+    ) -> None:
+        """Reserved (before the reservation is answered: `owner`, the engine owning it, goes in
+        the last-use word, `when_ms` in the check word, the state word last) or free (an
+        aborted store or a reclaimed reservation)."""
         n = len(slots)
         if n > SCALAR_MAX:
             idx = np.asarray(slots, np.intp)
+            self.words[idx, 2] = owner
             self.words[idx, 1] = when_ms
             self.state[idx] = state
         elif n:
-            column, checks = self.state, self.words[:, 1]
+            column, checks, owners = self.state, self.words[:, 1], self.words[:, 2]
             for slot in slots:
+                owners[slot] = owner
                 checks[slot] = when_ms
                 column[slot] = state
+
+    def versions(self, slots: np.ndarray | Sequence[int]) -> np.ndarray:
+        """The state words of `slots` (uint64): a committed slot's version."""
+        return self.state[np.asarray(slots, np.intp)]
 
     def commit(
         self,
@@ -532,21 +547,22 @@ class SlotTable:
 
     def scan(self) -> TableScan:
         """Read every record: the valid commits (a key stored twice keeps its latest), the slots
-        to withhold, the discards by reason."""
+        to withhold (reserved at death, with their owners), the discards by reason."""
         state = np.array(self.state)  # one copy: the checks below read a stable snapshot
         cand = np.flatnonzero(state >= FIRST_SEQ)
         reserved = np.flatnonzero(state == RESERVED)
+        owners = self.words[reserved, 2].copy()
         discarded: dict[str, int] = {}
         if len(reserved):
             discarded["reserved"] = len(reserved)
+        # every later commit numbers above every state word here: no slot's version repeats
+        top = int(state.max()) if len(state) else 0
         if not len(cand):
-            return TableScan(
-                np.zeros(0, np.intp), b"", 0, reserved, self.words[reserved, 1], discarded
-            )
+            return TableScan(np.zeros(0, np.intp), b"", top, reserved, owners, discarded)
         rows = self.words[cand]
         ok = record_check(self.epoch, cand, state[cand], rows[:, 3:]) == rows[:, 1]
         torn = cand[~ok]
-        if len(torn):
+        if len(torn):  # a reservation's mark cut short: never answered, so nobody writes it
             discarded["torn"] = len(torn)
         good, rows = cand[ok], rows[ok]
         seqs = state[good]
@@ -560,9 +576,9 @@ class SlotTable:
         return TableScan(
             slots=good[keep],
             packed=np.ascontiguousarray(keys[keep]).tobytes(),
-            max_seq=int(used.max()) if len(used) else 0,
-            withheld=np.concatenate([reserved, torn]) if len(torn) else reserved,
-            withheld_ms=np.concatenate([self.words[reserved, 1], np.zeros(len(torn), np.uint64)]),
+            max_seq=max(top, int(used.max()) if len(used) else 0),
+            withheld=reserved,
+            withheld_owners=owners,
             discarded=discarded,
             tenants=codes[keep],
         )

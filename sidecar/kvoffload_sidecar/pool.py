@@ -26,6 +26,16 @@ import numpy as np
 
 from kvoffload_sidecar import allocator, persist
 from kvoffload_sidecar.allocator import FreeSlots
+from kvoffload_sidecar.engine_locks import (
+    GEN_SPAN,
+    LOCK_BASE,
+    LOCK_END,
+    MAX_ENGINE,
+    FileLocks,
+    Liveness,
+    engine_offset,
+    generation_base,
+)
 from kvoffload_sidecar.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -86,11 +96,11 @@ class PoolSettings:
     max_namespaces: int = 1  # equal partitions, one namespace each
     prefault_chunk_bytes: int = 64 << 20  # bytes touched per lock-free step of the pre-fault
     client_timeout_s: float = 60.0  # clients with no session and no call for this long are reaped
-    # A client whose last session ended keeps its pins and open store reservations this long:
-    # copies its engine still had in flight on those slots cannot race their next owner.
+    # A client whose last session ended keeps its pins this long (capacity only: a load's
+    # correctness rests on slot versions, a store's on its engine's file locks).
     detach_grace_s: float = 2.0
-    # After adopting a pool: slots the dead sidecar had reserved for stores stay out this long
-    # (at least the grace): a copy its engines queued, then stalled, may still land in them.
+    # Accepted for deployed pod specs (--reserved-hold); no role: slots reserved when the last
+    # sidecar died stay out until their engine is dead (engine_locks.py), however long.
     reserved_hold_s: float = 30.0
     prefault: bool = True  # False: sparse file, every slot ready at once. TEST/BENCH ONLY.
     tenants: TenantsConfig | None = None  # per-tenant quotas (tenants.py); None: off
@@ -116,6 +126,11 @@ class Registration:
     prefault_fraction: float  # 0..1
     committed_blocks: int  # blocks already visible (warm restart)
     pool_generation: str  # changes when the sidecar recreated the pool
+    sidecar_epoch: int = 0  # random per sidecar process: commits name it (fencing)
+    engine: int = 0  # the engine owning this client's store reservations
+    engine_lock_base: int = 0  # lock byte of (engine e, rank r): base + (e << 8) + r
+    slot_table_offset: int = 0  # the namespace's slot table in the pool file: state word of
+    slot_record_bytes: int = 0  # slot i at offset + i * record_bytes (a slot's version)
 
 
 @dataclass(frozen=True)
@@ -124,6 +139,9 @@ class LoadPin:
 
     pin_id: int
     slots: Sequence[int]  # a tuple, or an int array for batches above VECTOR_MIN
+    # per slot, its version: the state word of its record (the commit's sequence number; 0
+    # when the file cannot be read). A load that reads another word after its copy fails.
+    versions: Sequence[int] = ()
 
 
 class StoreDecision(enum.IntEnum):
@@ -170,6 +188,8 @@ class NamespaceStats:
     loaded_bytes: int
     queried_blocks: int = 0  # keys asked by lookups (hit_blocks / queried_blocks: hit rate)
     tenants: tuple[TenantStats, ...] = ()  # per-tenant quotas (--tenants); () when off
+    refused_commits: int = 0  # commits naming another sidecar instance or engine
+    unlocked_reservations: int = 0  # store batches refused: an engine rank held no file lock
 
 
 @dataclass(frozen=True)
@@ -193,6 +213,8 @@ class _Counters:
     stored_blocks: int = 0
     loaded_blocks: int = 0
     evicted_blocks: int = 0
+    refused_commits: int = 0
+    unlocked_reservations: int = 0
 
 
 @dataclass(slots=True)
@@ -201,9 +223,19 @@ class _Client:
     name: str
     namespace_id: NamespaceId
     last_seen: float
+    engine: int  # the engine its store reservations belong to
     sessions: int = 0
     detached_at: float | None = None  # its last session ended then: reaped after the grace
     pins: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Engine:
+    """One vLLM instance's store reservations: they outlive its sessions and are reused only
+    after a commit, an abort by it, or its death (no rank holds its file lock)."""
+
+    engine: int
+    armed: bool = False  # every rank held its lock at a probe since the last death check
     stores: set[int] = field(default_factory=set)
 
 
@@ -222,7 +254,9 @@ class _Namespace:
     layout: NamespaceLayout
     table: SlotTable  # the slot records in the pool file (persist.py)
     withheld: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))  # slots reserved
-    # when the last sidecar died: free once the grace is over
+    # when the last sidecar died: free once their owner (same position below) is dead
+    withheld_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    engines: dict[int, _Engine] = field(default_factory=dict)  # engines with open stores
     clients: set[int] = field(default_factory=set)
     counters: _Counters = field(default_factory=_Counters)
     touches: list[bytes] = field(default_factory=list)  # deferred, packed keys, in call order
@@ -265,7 +299,10 @@ class Pool:
         *,
         clock: Callable[[], float] = time.monotonic,
         prefault_gate: PrefaultGate | None = None,
+        liveness: Liveness | None = None,
     ) -> None:
+        """`liveness(start, length)`: whether some process holds a lock on those bytes of the
+        pool file (engine_locks.py); default: `F_OFD_GETLK` on the pool file itself."""
         s = settings
         if not isinstance(s.max_namespaces, int) or not 1 <= s.max_namespaces <= 1024:
             raise ValueError(f"max_namespaces must be in 1..1024, got {s.max_namespaces!r}")
@@ -301,14 +338,20 @@ class Pool:
         self._commit_seq = persist.FIRST_SEQ  # next commit record's sequence number
         self._evict_from = 0.0  # clock time before which adopted blocks are not evicted
         self._tenant_codes_valid = True  # the file's tenant codes index this --tenants
-        self._withhold_until = 0.0  # clock time until which slots reserved at death stay out
+        self._liveness: Liveness = liveness or FileLocks(lambda: self._region._fd)
+        # Random per process: a commit names the instance that answered its reservation, so a
+        # late commit meant for a dead instance can never make another store visible here.
+        self.epoch = secrets.randbits(63) | 1
+        # False after the file's contents were discarded (or rebuilt): stores wait until no
+        # engine lock is held outside this generation's range (every earlier writer drained)
+        self._writers_clear = True
         self.adoption = Adoption()
         self._draining = False
         self._deferred = False  # some namespace may have queued touches (`flush_deferred`)
         self._started = False
         self._started_at = clock()
-        self._stores_from = 0.0  # clock time before which no store gets a slot (quarantine)
         self.generation = secrets.token_hex(8)
+        self.lock_base = generation_base(self.generation)
         self.rebuilds = 0  # times the pool file was rebuilt after it changed under us
         self._ready_event = threading.Event()
 
@@ -364,6 +407,7 @@ class Pool:
         digest = persist.tenants_digest("\n".join(tenants.names) if tenants is not None else None)
         if found is not None and found.problem is None:
             self.generation = found.generation
+            self.lock_base = generation_base(self.generation)
             adoption = Adoption("adopted", "", found.format_version, boots=found.boots + 1)
             persist.count_boot(buf, geom, adoption.boots)
             # the records' tenant codes index the --tenants recorded here: another one (or none)
@@ -376,18 +420,19 @@ class Pool:
                     adoption.add_discards({"namespace": 1})
                 elif layout is not None:
                     self._adopt_namespace(layout, adoption)
-            # Loads the dead instance's clients had in flight may still read adopted blocks,
-            # and stores write slots it had reserved: no eviction, and those slots stay
-            # withheld, for the grace. Free slots take stores at once.
+            # Slots reserved at death stay withheld until their engine is dead. Loads of the
+            # dead instance's pins check their slots' versions; sparing adopted blocks from
+            # eviction for the grace only keeps those loads from failing needlessly.
             self._evict_from = self._started_at + grace
         else:
             if found is None:
                 adoption = Adoption("new", "no pool file was left: created one")
             else:
                 adoption = Adoption("discarded", found.problem or "", found.format_version)
-                # Copies the dead sidecar's clients had in flight may still land in the file
-                # for a moment: no slot is handed out for stores until they are surely done.
-                self._stores_from = self._started_at + grace
+                # Workers of the file's earlier contents may still copy into it: no slot goes
+                # to a store until none holds a lock outside the new generation's range.
+                self._writers_clear = False
+            self._new_generation()
             persist.write_header(buf, geom, self.generation)
         persist.write_tenants(buf, geom, digest)  # the adopted records now agree with it
         adoption.seconds = time.perf_counter() - t0
@@ -406,19 +451,38 @@ class Pool:
             )
         elif adoption.outcome == "discarded":
             log.warning(
-                "discarded the contents of the pool file %s: %s; stores start after %gs",
+                "discarded the contents of the pool file %s: %s; stores start once the "
+                "workers of its earlier contents drained or exited",
                 self.path,
                 adoption.reason,
-                grace,
             )
+
+    def _new_generation(self) -> None:
+        """Lock held: a fresh generation whose engine-lock range nobody holds (so every lock
+        outside it is an earlier generation's writer)."""
+        while True:
+            self.generation = secrets.token_hex(8)
+            self.lock_base = generation_base(self.generation)
+            if not self._liveness(self.lock_base, GEN_SPAN):
+                return
+
+    def _earlier_writers(self) -> bool:
+        """Lock held: some worker still holds an engine lock of another generation (it may
+        still copy into this file's slots)."""
+        if self._writers_clear:
+            return False
+        base, end = self.lock_base, self.lock_base + GEN_SPAN
+        if self._liveness(LOCK_BASE, base - LOCK_BASE) or self._liveness(end, LOCK_END - end):
+            return True
+        self._writers_clear = True
+        log.info("no worker of the pool file's earlier contents is left: stores start")
+        return False
 
     def _adopt_namespace(self, layout: NamespaceLayout, adoption: Adoption) -> None:
         """Lock held: a namespace read back from the file, with its committed blocks."""
         table = SlotTable(self._region.buffer, layout)
         scan = table.scan()
-        withheld = self._still_held(scan.withheld, scan.withheld_ms)
-        if len(withheld) < len(scan.withheld):  # reserved longer ago than the hold: free now
-            table.mark(np.setdiff1d(scan.withheld, withheld), persist.FREE)
+        withheld = scan.withheld  # until each slot's owner is dead (`_reclaim_dead_engines`)
         spec = layout.spec
         index = SlotIndex(layout.slot_count, layout.num_ranks, spec.key_size)
         index.adopt(scan.packed, scan.slots)
@@ -449,6 +513,7 @@ class Pool:
             layout=layout,
             table=table,
             withheld=withheld,
+            withheld_owners=scan.withheld_owners,
             events=EventLog(layout.slot_count, self._clock),
             tenants=policy if isinstance(policy, TenantPolicy) else None,
         )
@@ -460,24 +525,6 @@ class Pool:
         adoption.add_discards(scan.discarded)
         self._set_prefault_priority()
         self._update_ready(ns)
-
-    def _still_held(self, slots: np.ndarray, reserved_ms: np.ndarray) -> np.ndarray:
-        """Lock held, adopting: of the slots reserved when the last sidecar died, those whose
-        reservation is younger than the hold (a copy may still land); moves `_withhold_until`
-        to when the youngest comes free. A slot of unknown age (torn record) is held in full.
-        Restarts in quick succession so never pile up slots reserved long ago."""
-        if not len(slots):
-            return slots
-        hold = max(self.settings.detach_grace_s, self.settings.reserved_hold_s)
-        now_ms = time.time() * 1e3
-        ages = now_ms - reserved_ms.astype(np.float64)
-        ages[reserved_ms == 0] = 0.0  # unknown: as if reserved now
-        keep = ages < hold * 1e3
-        if keep.any():
-            left = hold - float(ages[keep].min()) / 1e3
-            until = self._started_at + max(0.0, left)
-            self._withhold_until = max(self._withhold_until, until)
-        return slots[keep]
 
     def _regions_of(self, layout: NamespaceLayout) -> tuple[RankRegion, ...]:
         path = str(self.path)
@@ -522,12 +569,12 @@ class Pool:
             for ns in list(self._namespaces.values()):
                 self._drop_namespace(ns)
             self._ready_event.clear()
-            self.generation = secrets.token_hex(8)
-            now = self._clock()
-            # Copies a connector still had in flight may land in the file for a moment.
-            self._stores_from = now + self.settings.detach_grace_s
+            # Copies a connector still had in flight may land in the file: stores wait until
+            # no worker holds a lock of the old generation (each drains before it re-maps).
+            self._new_generation()
+            self._writers_clear = False
             self.rebuilds += 1
-            self._evict_from = self._withhold_until = 0.0
+            self._evict_from = 0.0
             try:
                 self._region.rebuild()
                 persist.write_header(self._region.buffer, self._geometry, self.generation)
@@ -594,9 +641,17 @@ class Pool:
     # -- registration and clients -------------------------------------------------------------
 
     def register(
-        self, spec: NamespaceSpec, num_ranks: int, slot_bytes_per_rank: int, client_name: str
+        self,
+        spec: NamespaceSpec,
+        num_ranks: int,
+        slot_bytes_per_rank: int,
+        client_name: str,
+        engine: int = 0,
     ) -> Registration:
-        """Attach an engine process to the namespace of `spec`, creating it on first use."""
+        """Attach an engine process to the namespace of `spec`, creating it on first use.
+        `engine`: the key (1 .. MAX_ENGINE - 1) of the vLLM instance the process belongs to;
+        its store reservations belong to that engine and outlive this client (engine_locks.py).
+        0: the client is an engine of its own, with a key derived from its id."""
         if not isinstance(spec, NamespaceSpec):
             raise InvalidArgument("spec must be a NamespaceSpec")
         namespace_id = derive_namespace(spec)  # validates the spec
@@ -615,6 +670,8 @@ class Pool:
             )
         if not isinstance(client_name, str) or len(client_name) > MAX_CLIENT_NAME:
             raise InvalidArgument(f"client_name must be a string of at most {MAX_CLIENT_NAME}")
+        if not _is_int(engine) or not 0 <= engine < MAX_ENGINE:
+            raise InvalidArgument(f"engine must be in 0..{MAX_ENGINE - 1}, got {engine!r}")
         with self._lock:
             self._check_serving()
             if not self._region.intact():
@@ -630,7 +687,9 @@ class Pool:
                     )
             else:
                 ns = self._create_namespace(namespace_id, spec, num_ranks, slot_bytes_per_rank, now)
-            client = _Client(self._next_client, client_name, namespace_id, last_seen=now)
+            client_id = self._next_client
+            key = engine or client_id % (MAX_ENGINE - 1) + 1
+            client = _Client(client_id, client_name, namespace_id, last_seen=now, engine=key)
             self._next_client += 1
             self._clients[client.client_id] = client
             ns.clients.add(client.client_id)
@@ -644,6 +703,11 @@ class Pool:
                 prefault_fraction=region.prefaulted_bytes / region.size,
                 committed_blocks=ns.index.counts.committed,
                 pool_generation=self.generation,
+                sidecar_epoch=self.epoch,
+                engine=key,
+                engine_lock_base=self.lock_base,
+                slot_table_offset=ns.layout.table_offset,
+                slot_record_bytes=ns.layout.record_bytes,
             )
 
     def _create_namespace(
@@ -710,10 +774,12 @@ class Pool:
         for i, owner in enumerate(self._partitions):
             if owner is None:
                 return i
-        idle = [
+        idle = [  # a namespace whose engines may still write its slots is not idle
             ns
             for ns in self._namespaces.values()
             if not any(self._is_live(self._clients[c], now) for c in ns.clients)
+            and not ns.index.stores
+            and not len(ns.withheld)
         ]
         if not idle:
             raise ResourceExhausted(
@@ -746,9 +812,9 @@ class Pool:
 
     def detach(self, client_id: int) -> None:
         """A session ended. When it was the client's last one: after `detach_grace_s` (at once
-        when 0) release its pins, abort its open store reservations, forget it (NotFound if
-        unknown). The grace covers copies its engine may still have in flight on those slots
-        (a session also ends when the client gives up on a silent sidecar)."""
+        when 0) release its pins and forget it (NotFound if unknown). Its store reservations
+        stay with its engine: a client of the same engine that registers again finishes them,
+        and they are reclaimed only once the engine is dead (`_reclaim_dead_engines`)."""
         with self._lock:
             client = self._client(client_id)
             client.sessions = max(0, client.sessions - 1)
@@ -760,30 +826,72 @@ class Pool:
 
     def reap_idle_clients(self) -> int:
         """Forget clients detached for `detach_grace_s`, or with no session and no call for
-        `client_timeout_s`; returns how many."""
+        `client_timeout_s`, and reclaim the reservations of dead engines; returns how many
+        clients were forgotten."""
         with self._lock:
             now = self._clock()
             if self._evict_from and now >= self._evict_from:
                 self._evict_from = 0.0
-            if self._withhold_until and now >= self._withhold_until:
-                self._release_withheld()
             idle = [c for c in self._clients.values() if not self._is_live(c, now)]
             for client in idle:
                 log.info("reaping idle client %d (%s)", client.client_id, client.name)
                 self._forget_client(client)
+            self._reclaim_dead_engines()
             return len(idle)
 
-    def _release_withheld(self) -> None:
-        """Lock held: the dead instance's store copies are surely done: the slots they were
-        writing become free."""
-        self._withhold_until = 0.0
+    def reclaim_dead_engines(self) -> int:
+        """Probe every engine with open reservations (and the owners of slots withheld since
+        adoption): those no rank holds a lock for are dead, and their slots free. Returns the
+        slots freed. The reaper calls it each tick."""
+        with self._lock:
+            return self._reclaim_dead_engines()
+
+    def _engine_alive(self, ns: _Namespace, engine: int) -> bool:
+        """Lock held: some rank of `engine` holds its lock (it may still write)."""
+        if not 0 < engine < MAX_ENGINE:  # not a key a worker can lock: nobody writes for it
+            return False
+        return self._liveness(engine_offset(self.lock_base, engine), ns.num_ranks)
+
+    def _engine_armed(self, ns: _Namespace, engine: int) -> bool:
+        """Lock held: every rank of `engine` holds its lock, so any process that may write its
+        reservations' slots is seen by the death probe. Remembered until it dies."""
+        record = ns.engines.get(engine)
+        if record is not None and record.armed:
+            return True
+        base = self.lock_base
+        if not all(self._liveness(engine_offset(base, engine, r), 1) for r in range(ns.num_ranks)):
+            return False
+        if record is None:
+            record = ns.engines[engine] = _Engine(engine)
+        record.armed = True
+        return True
+
+    def _reclaim_dead_engines(self) -> int:
+        """Lock held: `reclaim_dead_engines`."""
+        freed = 0
         intact = self._region.intact()
         for ns in self._namespaces.values():
+            for engine, record in list(ns.engines.items()):
+                if self._engine_alive(ns, engine):
+                    continue
+                for store_id in list(record.stores):
+                    freed += len(self._abort(ns, store_id)[1])
+                if record.stores or record.armed:
+                    log.info("engine %d of namespace %s is gone: its reservations are free",
+                             engine, ns.namespace_id)  # fmt: skip
+                del ns.engines[engine]
             if len(ns.withheld):
-                if intact:
-                    ns.table.mark(ns.withheld, persist.FREE)
-                ns.free.release_many(ns.withheld)
-                ns.withheld = np.zeros(0, np.intp)
+                owners = ns.withheld_owners
+                dead = [o for o in np.unique(owners).tolist() if not self._engine_alive(ns, o)]
+                if dead:
+                    gone = np.isin(owners, np.asarray(dead, np.uint64))
+                    slots = ns.withheld[gone]
+                    if intact:
+                        ns.table.mark(slots, persist.FREE)
+                    ns.free.release_many(slots)
+                    ns.withheld, ns.withheld_owners = ns.withheld[~gone], owners[~gone]
+                    freed += len(slots)
+        return freed
 
     def _record_use(self, ns: _Namespace, slots: Sequence[int] | np.ndarray) -> None:
         """Lock held: hit slots' last use in the file, so an adopter keeps the LRU order."""
@@ -804,11 +912,10 @@ class Pool:
         return now - client.last_seen < self.settings.client_timeout_s
 
     def _forget_client(self, client: _Client) -> None:
+        """Lock held: its pins go; its store reservations stay with its engine."""
         ns = self._namespaces[client.namespace_id]
         for pin_id in client.pins:
             ns.index.unpin(pin_id)
-        for store_id in client.stores:
-            self._abort(ns, store_id)
         ns.clients.discard(client.client_id)
         del self._clients[client.client_id]
 
@@ -904,7 +1011,17 @@ class Pool:
             self._touch_packed(ns, packed, n)
             self._record_use(ns, record.slots)
             ns.counters.loaded_blocks += n
-            return LoadPin(pin_id, record.slots)
+            return LoadPin(pin_id, record.slots, self._versions(ns, record.slots))
+
+    def _versions(self, ns: _Namespace, slots: Sequence[int] | np.ndarray) -> Sequence[int]:
+        """Lock held: the committed slots' versions (their records' state words); zeros, which
+        no load accepts, when the file cannot be read."""
+        if not self._region.intact():
+            return np.zeros(len(slots), np.uint64)
+        if isinstance(slots, np.ndarray):
+            return ns.table.versions(slots)
+        state = ns.table.state
+        return tuple(int(state[slot]) for slot in slots)
 
     def release(self, namespace_id: str, client_id: int, pin_ids: Sequence[int]) -> int:
         """Drop pins taken by `reserve_load`; all or nothing. Returns the slots released."""
@@ -982,18 +1099,24 @@ class Pool:
         packed, n_keys = check_packed(keys, ns.spec.key_size)
         if self._presence is not None:  # before any key can be committed (presence.py)
             self._mark_present(packed, ns.spec.key_size)
-        if self._stores_from and self._clock() < self._stores_from:
+        if self._earlier_writers():  # a worker of the file's earlier contents may still copy
             return StoreReservation(0, (_NO_SPACE,) * n_keys, ())  # a skipped store
         if not self._region.intact():  # the reaper rebuilds the file; writing it is SIGBUS
             return StoreReservation(0, (_NO_SPACE,) * n_keys, ())
+        engine = client.engine
+        if not self._engine_armed(ns, engine):
+            # a rank without its lock could write while the death probe says nobody does
+            ns.counters.unlocked_reservations += 1
+            return StoreReservation(0, (_NO_SPACE,) * n_keys, ())
+        owner = ns.engines[engine]
         index, free, tenants = ns.index, ns.free, ns.tenants
         new_slots = self._reserve_new(ns, packed, n_keys) if tenants is None else None
         if new_slots is not None:  # the usual store: every key new, distinct, slots free
-            ns.table.mark(new_slots, persist.RESERVED, self._now_ms())  # before any byte
+            ns.table.mark(new_slots, persist.RESERVED, self._now_ms(), engine)  # before any byte
             store_id = self._next_store
             self._next_store += 1
-            index.open_store_packed(store_id, client.client_id, new_slots, packed)
-            client.stores.add(store_id)
+            index.open_store_packed(store_id, engine, new_slots, packed)
+            owner.stores.add(store_id)
             return StoreReservation(store_id, (_NEW,) * n_keys, new_slots)
         key_list = split_keys(packed, ns.spec.key_size)
         found = index.slots_of(key_list)
@@ -1021,11 +1144,11 @@ class Pool:
         decisions = _store_decisions(key_list, stored, unstored + refused, unique)
         store_id = 0
         if slot_list:
-            ns.table.mark(slot_list, persist.RESERVED, self._now_ms())  # before any byte
+            ns.table.mark(slot_list, persist.RESERVED, self._now_ms(), engine)  # before any byte
             store_id = self._next_store
             self._next_store += 1
-            index.open_store(store_id, client.client_id, slots, stored)
-            client.stores.add(store_id)
+            index.open_store(store_id, engine, slots, stored)
+            owner.stores.add(store_id)
             if tenants is not None:
                 tenants.reserve(stored, owners if type(owners) is int else owners[: len(stored)])
         return StoreReservation(store_id, decisions, tuple(slot_list))
@@ -1151,12 +1274,24 @@ class Pool:
         if ns.events is not None:
             ns.events.removed(victims)
 
-    def commit_store(self, namespace_id: str, store_id: int, rank: int) -> bool:
+    def commit_store(
+        self,
+        namespace_id: str,
+        store_id: int,
+        rank: int,
+        *,
+        epoch: int | None = None,
+        engine: int | None = None,
+    ) -> bool:
         """Rank `rank` wrote its part of the store. True when every rank has (keys now visible);
-        repeating a rank's commit is harmless."""
+        repeating a rank's commit is harmless. `epoch` and `engine` (None: not checked, for
+        in-process callers) name the sidecar instance that answered the reservation and the
+        engine it belongs to: another one is refused (FailedPrecondition, counted), so a late
+        commit can never make another instance's or engine's slots visible."""
         with self._lock:
             ns = self._namespace(namespace_id)
             self._check_id(store_id, "store id")
+            self._check_fence(ns, store_id, epoch, engine, "commit")
             record = ns.index.stores.get(store_id)
             keys = ns.index.commit_rank(store_id, rank)
             if keys is None:
@@ -1173,22 +1308,50 @@ class Pool:
                 ns.counters.stored_blocks += len(keys)
                 if ns.events is not None:
                     ns.events.committed(store_id, keys)
-                client = self._clients.get(record.client_id)
-                if client is not None:
-                    client.stores.discard(store_id)
+                self._store_done(ns, record)
             ns.last_used = self._clock()
             return True
 
-    def abort_store(self, namespace_id: str, store_id: int) -> int:
-        """Give back an open store reservation; returns the slots freed."""
+    def _check_fence(
+        self, ns: _Namespace, store_id: int, epoch: int | None, engine: int | None, what: str
+    ) -> None:
+        """Lock held: FailedPrecondition (counted) for a commit or abort naming another sidecar
+        instance, or a store of another engine."""
+        if epoch is not None and epoch != self.epoch:
+            ns.counters.refused_commits += 1
+            raise FailedPrecondition(
+                f"{what} of store {store_id} names sidecar instance {epoch:#x}, this is "
+                f"{self.epoch:#x} (its reservation died with that instance)"
+            )
+        record = ns.index.stores.get(store_id)
+        if engine is not None and record is not None and record.owner != engine:
+            ns.counters.refused_commits += 1
+            raise FailedPrecondition(
+                f"{what} of store {store_id} by engine {engine}: it belongs to {record.owner}"
+            )
+
+    @staticmethod
+    def _store_done(ns: _Namespace, record: StoreRecord) -> None:
+        owner = ns.engines.get(record.owner)
+        if owner is not None:
+            owner.stores.discard(record.store_id)
+
+    def abort_store(
+        self,
+        namespace_id: str,
+        store_id: int,
+        *,
+        epoch: int | None = None,
+        engine: int | None = None,
+    ) -> int:
+        """Give back an open store reservation; returns the slots freed. Its engine calls it
+        once every rank finished (or never started) the store's copies; `epoch` and `engine`
+        as for `commit_store`."""
         with self._lock:
             ns = self._namespace(namespace_id)
             self._check_id(store_id, "store id")
-            record, slots = self._abort(ns, store_id)
-            if record is not None:
-                client = self._clients.get(record.client_id)
-                if client is not None:
-                    client.stores.discard(store_id)
+            self._check_fence(ns, store_id, epoch, engine, "abort")
+            _, slots = self._abort(ns, store_id)
             return len(slots)
 
     def _abort(self, ns: _Namespace, store_id: int) -> tuple[StoreRecord | None, Slots]:
@@ -1196,6 +1359,8 @@ class Pool:
         table, free list); its record (None when unknown) and the slots freed."""
         record = ns.index.stores.get(store_id)
         slots = ns.index.abort_store(store_id)
+        if record is not None:
+            self._store_done(ns, record)
         if ns.tenants is not None and record is not None:
             ns.tenants.abort(record.keys or ())  # the abort cut them into `keys`
         if ns.events is not None:
@@ -1257,6 +1422,8 @@ class Pool:
             stored_bytes=k.stored_blocks * sb,
             loaded_bytes=k.loaded_blocks * sb,
             tenants=ns.tenants.stats(sb) if ns.tenants is not None else (),
+            refused_commits=k.refused_commits,
+            unlocked_reservations=k.unlocked_reservations,
         )
 
     def check_invariants(self) -> None:
@@ -1277,6 +1444,7 @@ class Pool:
     def _check_namespace(self, ns: _Namespace) -> None:
         nid, index = ns.namespace_id, ns.index
         withheld = set(ns.withheld.tolist())
+        assert len(ns.withheld) == len(ns.withheld_owners), f"{nid}: withheld slots' owners"
         try:
             index.check(ns.free.free_slots() | withheld)
         except AssertionError as e:
@@ -1300,19 +1468,22 @@ class Pool:
             except AssertionError as e:
                 raise AssertionError(f"namespace {nid}: {e}") from None
         client_pins: set[int] = set()
-        client_stores: set[int] = set()
         for cid in ns.clients:
             client = self._clients.get(cid)
             assert client is not None and client.namespace_id == nid, f"{nid}: stray client {cid}"
             assert not (client_pins & client.pins), f"{nid}: a pin belongs to two clients"
             client_pins |= client.pins
-            client_stores |= client.stores
             for pin_id in client.pins:
                 assert index.pin_records[pin_id].client_id == cid, f"{nid}: pin {pin_id} owner"
         assert client_pins == set(index.pin_records), f"{nid}: pins of no live client"
-        assert client_stores == set(index.stores), f"{nid}: reserved slots of no live store id"
-        for store_id, record in index.stores.items():
-            assert record.client_id in ns.clients, f"{nid}: store {store_id} of a gone client"
+        engine_stores: set[int] = set()
+        for key, engine in ns.engines.items():
+            assert engine.engine == key, f"{nid}: engine record {key} names {engine.engine}"
+            assert not (engine_stores & engine.stores), f"{nid}: a store belongs to two engines"
+            engine_stores |= engine.stores
+            for store_id in engine.stores:
+                assert index.stores[store_id].owner == key, f"{nid}: store {store_id} owner"
+        assert engine_stores == set(index.stores), f"{nid}: reserved slots of no known engine"
 
     @staticmethod
     def _check_table(ns: _Namespace, committed: set[PoolKey]) -> None:

@@ -158,8 +158,9 @@ class PoolServicer(pb_grpc.KVPoolServicer):
     # -- handlers: one per method, shared by unary calls and the Session stream ------------------
 
     def _register(self, req: pb.RegisterRequest, _session: int, out: pb.RegisterResponse) -> None:
-        spec, num_ranks, slot_bytes, name = convert.register_args(req)
-        convert.registration_to_proto(self._pool.register(spec, num_ranks, slot_bytes, name), out)
+        spec, num_ranks, slot_bytes, name, engine = convert.register_args(req)
+        reg = self._pool.register(spec, num_ranks, slot_bytes, name, engine)
+        convert.registration_to_proto(reg, out)
         out.session_socket = self.session_socket_name
         out.presence_map = self.presence_map_name
 
@@ -204,7 +205,11 @@ class PoolServicer(pb_grpc.KVPoolServicer):
     ) -> None:
         ns = convert.require_namespace(req.namespace_id)
         out.visible = self._pool.commit_store(
-            ns, convert.require_id(req.store_id, "store_id"), req.rank
+            ns,
+            convert.require_id(req.store_id, "store_id"),
+            req.rank,
+            epoch=req.sidecar_epoch,
+            engine=req.engine,
         )
         if out.visible:
             self._metrics.transfers.store_visible(ns, req.store_id)
@@ -213,7 +218,12 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         self, req: pb.AbortStoreRequest, _session: int, out: pb.AbortStoreResponse
     ) -> None:
         ns = convert.require_namespace(req.namespace_id)
-        out.freed_slots = self._pool.abort_store(ns, convert.require_id(req.store_id, "store_id"))
+        out.freed_slots = self._pool.abort_store(
+            ns,
+            convert.require_id(req.store_id, "store_id"),
+            epoch=req.sidecar_epoch,
+            engine=req.engine,
+        )
         self._metrics.transfers.store_aborted(ns, req.store_id)
 
     def _events(self, req: pb.EventsRequest, _session: int, out: pb.EventsResponse) -> None:

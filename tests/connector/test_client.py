@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from kvoffload_connector.client import Backoff, PoolClient, PoolUnavailable
+from kvoffload_connector.client import Backoff, PoolClient, PoolUnavailable, RegisterResult
+from kvoffload_connector.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.keys import build_spec, chunk_keys, key_size_for, make_key, pack
 from kvoffload_connector.sidecar_proc import SidecarProcess
 
@@ -37,18 +38,44 @@ def keys(*ints: int) -> list[bytes]:
     return [make_key(i.to_bytes(32, "big"), 0) for i in ints]
 
 
+ENGINE = 0x51DE  # the engine these clients belong to; the test process is its one rank
+_HELD: list[EngineLock] = []
+
+
+@pytest.fixture(autouse=True)
+def _release_engine_locks():
+    yield
+    while _HELD:
+        _HELD.pop().release()
+
+
+def hold(reg: RegisterResult) -> RegisterResult:
+    """Hold rank 0's engine lock (as its worker does): the sidecar grants reservations only
+    while every rank of the engine holds its lock."""
+    _HELD.append(EngineLock(reg.regions[0].path, lock_offset(reg.engine_lock_base, ENGINE, 0)))
+    return reg
+
+
+def new_client(*args, **kwargs) -> PoolClient:
+    return PoolClient(*args, engine=ENGINE, **kwargs)
+
+
+def commit(c: PoolClient, reg: RegisterResult, store_id: int, rank: int = 0) -> bool:
+    return c.commit_store(reg.namespace_id, store_id, rank, epoch=reg.epoch, engine=reg.engine)
+
+
 @pytest.mark.process
 @pytest.mark.timeout(60)
 def test_store_commit_lookup_pin_release(sidecar, framed):
-    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
-    reg = c.register(SPEC, 1, 8192)
+    c = new_client(sidecar.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
+    reg = hold(c.register(SPEC, 1, 8192))
     assert c.transport == ("framed" if framed else "grpc")
     assert reg.regions[0].slot_bytes == 8192 and reg.generation
     assert c.lookup([keys(1, 2, 3)]) == [0]
     res = c.reserve_store(keys(1, 2, 3))
     assert res.store_id and len(res.slots) == 3
     assert c.lookup([keys(1, 2, 3)]) == [0]  # reserved is not visible
-    assert c.commit_store(reg.namespace_id, res.store_id, 0) is True
+    assert commit(c, reg, res.store_id) is True
     assert c.lookup([keys(1, 2, 3), keys(1, 9), keys(9)]) == [3, 1, 0]
     # a report of presence-map misses: counted as misses, never answered from the index
     hits_before = sidecar.stats().namespaces[0].hit_blocks
@@ -56,8 +83,9 @@ def test_store_commit_lookup_pin_release(sidecar, framed):
     assert sidecar.stats().namespaces[0].hit_blocks == hits_before
     again = c.reserve_store(keys(1, 4))
     assert again.decisions[0] == 2 and len(again.slots) == 1  # PRESENT, then NEW
-    pin, slots = c.reserve_load(keys(1, 2, 7))
+    pin, slots, versions = c.reserve_load(keys(1, 2, 7))
     assert pin and slots == list(res.slots[:2])
+    assert len(versions) == 2 and min(versions) >= 2  # the commit's number, per slot
     assert sidecar.stats().namespaces[0].pinned_slots == 2
     c.release([pin])
     assert sidecar.stats().namespaces[0].pinned_slots == 0
@@ -67,16 +95,16 @@ def test_store_commit_lookup_pin_release(sidecar, framed):
 @pytest.mark.process
 @pytest.mark.timeout(60)
 def test_reserve_load_many_pins_each_list_in_one_pipelined_round(sidecar, framed):
-    c = PoolClient(sidecar.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
-    reg = c.register(SPEC, 1, 8192)
+    c = new_client(sidecar.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
+    reg = hold(c.register(SPEC, 1, 8192))
     res = c.reserve_store(keys(1, 2, 3, 4))
-    c.commit_store(reg.namespace_id, res.store_id, 0)
+    commit(c, reg, res.store_id)
     too_many = keys(*range(100, 100 + 65537))  # over the sidecar's per-call limit
     got = c.reserve_load_many([keys(1, 2), keys(3, 9), keys(9), too_many, keys(4)])
     slot = dict(zip((1, 2, 3, 4), res.slots, strict=True))
     assert got[0] is not None and got[0][1] == [slot[1], slot[2]] and got[0][0]
     assert got[1] is not None and got[1][1] == [slot[3]]  # the hit prefix only
-    assert got[2] == (0, [])  # a miss pins nothing
+    assert got[2] == (0, [], [])  # a miss pins nothing
     assert got[3] is None  # a refused call fails alone (INVALID_ARGUMENT in-stream)...
     assert got[4] is not None and got[4][1] == [slot[4]]  # ...and the calls after it still answer
     assert sidecar.stats().namespaces[0].pinned_slots == 4
@@ -94,11 +122,11 @@ def test_reserve_load_many_pins_each_list_in_one_pipelined_round(sidecar, framed
 @pytest.mark.process
 @pytest.mark.timeout(60)
 def test_session_end_releases_pins(sidecar, framed):
-    owner = PoolClient(sidecar.socket, "test/a", framed=framed)
-    reg = owner.register(SPEC, 1, 8192)
+    owner = new_client(sidecar.socket, "test/a", framed=framed)
+    reg = hold(owner.register(SPEC, 1, 8192))
     res = owner.reserve_store(keys(5))
-    owner.commit_store(reg.namespace_id, res.store_id, 0)
-    pin, _ = owner.reserve_load(keys(5))
+    commit(owner, reg, res.store_id)
+    pin, _, _ = owner.reserve_load(keys(5))
     assert pin and sidecar.stats().namespaces[0].pinned_slots == 1
     owner.close()  # the stream ends: the sidecar drops this client's pins
     deadline = time.monotonic() + 5
@@ -110,7 +138,7 @@ def test_session_end_releases_pins(sidecar, framed):
 @pytest.mark.process
 @pytest.mark.timeout(60)
 def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar, framed):
-    c = PoolClient(
+    c = new_client(
         sidecar.socket,
         "test/w",
         rpc_timeout_s=1,
@@ -118,7 +146,7 @@ def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar, framed):
         reconnect_max_s=0.2,
         framed=framed,
     )
-    first = c.register(SPEC, 1, 8192)
+    first = hold(c.register(SPEC, 1, 8192))
     sidecar.kill()
     t0 = time.monotonic()
     with pytest.raises(PoolUnavailable):
@@ -144,10 +172,10 @@ def test_sidecar_away_is_fast_unavailable_then_reconnects(sidecar, framed):
 def test_the_keeper_reattaches_an_idle_client_within_a_second(sidecar, framed):
     """A client nobody calls (an idle engine) registers again on its own once the sidecar is
     back, and finds the blocks the restarted sidecar adopted."""
-    c = PoolClient(sidecar.socket, "test/w", framed=framed, keep_attached=True)
-    reg = c.register(SPEC, 1, 8192)
+    c = new_client(sidecar.socket, "test/w", framed=framed, keep_attached=True)
+    reg = hold(c.register(SPEC, 1, 8192))
     stored = c.reserve_store(keys(1, 2))
-    assert c.commit_store(reg.namespace_id, stored.store_id, 0) is True
+    assert commit(c, reg, stored.store_id) is True
     sidecar.kill()
     sidecar.start()  # returns once the new sidecar serves
     serving = time.monotonic()
@@ -174,7 +202,7 @@ def test_an_attached_idle_client_does_not_wake_the_engine(sidecar, framed):
     the engine process's GIL, which a prefill's launch thread then has to hand over. The
     keeper waits on the session's end (a sidecar kill wakes it at once, the test above) and
     the framed watcher on its socket, with no timer; `close()` still ends both at once."""
-    c = PoolClient(sidecar.socket, "test/w", framed=framed, keep_attached=True)
+    c = new_client(sidecar.socket, "test/w", framed=framed, keep_attached=True)
     c.register(SPEC, 1, 8192)
     mine = {"kvoffload-keep-attached", "kvoffload-framed-watch"}
     threads = [t for t in threading.enumerate() if t.name in mine and t.is_alive()]
@@ -199,7 +227,7 @@ def test_close_ends_the_framed_watcher_while_a_forked_child_lives(sidecar):
     """vLLM forks its workers after the scheduler's client exists: the child inherits the
     watcher's wake pipe, so closing the write end alone never wakes the parent's watcher;
     the byte down the pipe does."""
-    c = PoolClient(sidecar.socket, "test/s", framed=True)
+    c = new_client(sidecar.socket, "test/s", framed=True)
     c.register(SPEC, 1, 8192)
     watcher = next(t for t in threading.enumerate() if t.name == "kvoffload-framed-watch")
     child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
@@ -218,7 +246,7 @@ def test_close_ends_the_framed_watcher_while_a_forked_child_lives(sidecar):
 def test_a_dead_sidecar_is_noticed_without_a_call(sidecar, framed):
     """A worker may make no call for a long time (stores of a stale pool generation fail
     locally): the client must still see the session end, so `ensure()` re-registers."""
-    c = PoolClient(sidecar.socket, "test/w", reconnect_min_s=0.05, framed=framed)
+    c = new_client(sidecar.socket, "test/w", reconnect_min_s=0.05, framed=framed)
     c.register(SPEC, 1, 8192)
     assert c.connected
     sidecar.kill()
@@ -249,7 +277,7 @@ def _freeze(pid: int) -> None:
 @pytest.mark.timeout(60)
 def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sidecar, framed):
     """The caller reads its own answers; the watchdog ends an exchange at its deadline."""
-    c = PoolClient(
+    c = new_client(
         sidecar.socket,
         "test/w",
         rpc_timeout_s=0.3,
@@ -257,9 +285,9 @@ def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sideca
         reconnect_max_s=0.2,
         framed=framed,
     )
-    reg = c.register(SPEC, 1, 8192)
+    reg = hold(c.register(SPEC, 1, 8192))
     res = c.reserve_store(keys(1))
-    c.commit_store(reg.namespace_id, res.store_id, 0)
+    commit(c, reg, res.store_id)
     time.sleep(1.3)  # no call for over a second: the watchdog sleeps until the next one
     _freeze(sidecar.proc.pid)  # alive but silent (a stuck process)
     try:
@@ -283,10 +311,10 @@ def test_a_silent_sidecar_costs_one_deadline_then_the_session_is_replaced(sideca
 @pytest.mark.process
 @pytest.mark.timeout(60)
 def test_calls_from_several_threads_each_get_their_own_answer(sidecar, framed):
-    c = PoolClient(sidecar.socket, "test/w", rpc_timeout_s=5, framed=framed)
-    reg = c.register(SPEC, 1, 8192)
+    c = new_client(sidecar.socket, "test/w", rpc_timeout_s=5, framed=framed)
+    reg = hold(c.register(SPEC, 1, 8192))
     res = c.reserve_store(keys(*range(1, 9)))
-    c.commit_store(reg.namespace_id, res.store_id, 0)
+    commit(c, reg, res.store_id)
     errors: list[BaseException] = []
 
     def hammer(n: int) -> None:

@@ -17,10 +17,10 @@ import textwrap
 import time
 
 import pytest
-from kvoffload_connector.client import PoolClient
 from kvoffload_connector.keys import make_key
 from kvoffload_connector.sidecar_proc import SidecarProcess
 
+from tests.connector.engine_ranks import commit, hold, new_client
 from tests.connector.specs import TINY_SPEC
 
 _VIEW_AND_ENGINE = textwrap.dedent(
@@ -112,10 +112,11 @@ def _until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-
 @pytest.mark.parametrize("framed", [True, False], ids=["framed", "grpc"])
 def test_sidecar_rebuilds_a_truncated_pool_and_clients_register_again(framed):
     with SidecarProcess(pool_size="16Mi") as sidecar:
-        c = PoolClient(sidecar.socket, "test/w", reconnect_min_s=0.05, framed=framed)
+        c = new_client(sidecar.socket, "test/w", reconnect_min_s=0.05, framed=framed)
         reg = c.register(SPEC, 1, 8192)
+        old = hold(reg)  # this process is the engine's worker, mapping generation 1
         res = c.reserve_store(_keys(1, 2))
-        assert c.commit_store(reg.namespace_id, res.store_id, 0)
+        assert commit(c, reg, res.store_id)
         assert c.lookup([_keys(1, 2)]) == [2]
         path = reg.regions[0].path
         os.truncate(path, 0)
@@ -128,15 +129,20 @@ def test_sidecar_rebuilds_a_truncated_pool_and_clients_register_again(framed):
         stats = sidecar.stats()
         assert stats.pool_generation == c.registration.generation
         assert c.lookup([_keys(1, 2)]) == [0]  # the contents are gone
-        deadline = time.monotonic() + 10  # stores wait out the detach grace after a rebuild
-        while not (res := c.reserve_store(_keys(3, 4))).store_id:
-            assert time.monotonic() < deadline, "no store slot after the rebuild"
-            time.sleep(0.1)
-        assert c.commit_store(c.registration.namespace_id, res.store_id, 0)
+        new = hold(c.registration)  # the worker maps the new generation...
+        # ...but still holds its lock of the old one (copies may be in flight): no stores
+        assert not c.reserve_store(_keys(3, 4)).store_id
+        for lock in old:  # drained: it lets the old mapping's lock go
+            lock.release()
+        res = c.reserve_store(_keys(3, 4))
+        assert res.store_id
+        assert commit(c, c.registration, res.store_id)
         assert c.lookup([_keys(3, 4)]) == [2]
         log = sidecar.log()
         assert log.count("under the sidecar: rebuilt it (generation") == 1, log
         c.close()
+        for lock in new:
+            lock.release()
 
 
 @pytest.mark.vllm

@@ -8,10 +8,10 @@ import os
 import time
 
 import pytest
-from kvoffload_connector.client import PoolClient
 from kvoffload_connector.keys import make_key
 from kvoffload_connector.sidecar_proc import SidecarProcess
 
+from tests.connector.engine_ranks import commit, hold, new_client
 from tests.connector.specs import TINY_SPEC
 
 SPEC = TINY_SPEC
@@ -27,14 +27,15 @@ def key(i: int) -> bytes:
 def test_stores_mark_the_map_and_a_restarted_sidecar_marks_what_it_adopted(framed: bool) -> None:
     sc = SidecarProcess(pool_size="16Mi").start()
     try:
-        c = PoolClient(sc.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
+        c = new_client(sc.socket, "test/scheduler", rpc_timeout_s=2, framed=framed)
         reg = c.register(SPEC, 1, 8192)
+        locks = hold(reg)
         view = c.presence
         assert view is not None and os.path.dirname(view.path) == os.path.dirname(sc.socket)
         assert not any(view.maybe_present(key(i)) for i in range(50))
         res = c.reserve_store([key(1), key(2)])
         assert view.maybe_present(key(1)) and view.maybe_present(key(2))  # before the commit
-        assert c.commit_store(reg.namespace_id, res.store_id, 0)
+        assert commit(c, reg, res.store_id)
         assert not any(view.maybe_present(key(i)) for i in range(3, 50))
         sc.kill()  # no goodbye: the next sidecar adopts the pool file and rebuilds the map
         sc.start()
@@ -48,5 +49,7 @@ def test_stores_mark_the_map_and_a_restarted_sidecar_marks_what_it_adopted(frame
         assert not again.maybe_present(key(3))
         assert c.lookup([[key(1), key(2)]]) == [2]  # and the pool agrees
         c.close()
+        for lock in locks:
+            lock.release()
     finally:
         sc.close()

@@ -125,7 +125,7 @@ class FakePool:
                 self.next_slot += 1
         return StoreReservation(7 if slots else 0, bytes(decisions), slots)
 
-    def abort_store(self, ns, store_id):
+    def abort_store(self, ns, store_id, epoch=0, engine=0):
         self._check("abort_store")
         self.aborted.append(store_id)
         return 0
@@ -379,6 +379,26 @@ def test_layered_load_runs_the_request_in_the_same_step():
     assert all(b.ref_cnt == 1 for b in blocks[:8]) and fake.pins == {}
 
 
+def test_an_answer_whose_registration_ended_is_never_loaded():
+    """The session that pinned a waiting request's hit ended (a lookup past its deadline, a
+    sidecar restart) and the client registered again: the sidecar releases those pins, so the
+    request asks again instead of loading from the old answer; once vLLM was told to load it,
+    the load job goes out failing (vLLM recomputes) rather than copy unpinned slots."""
+    s, fake, bp, _ = make(load="layered")
+    req = Request("r", list(range(300)))
+    commit_prompt(fake, req, 4)
+    assert ask(s, req) == (256, False)
+    fake.registration = Reg()  # re-registered: a new registration, the pins were the old one's
+    asked = fake.calls.count("lookup_pin")
+    assert ask(s, req) == (256, False)  # asked again (inline, a lone request) and pinned anew
+    assert fake.calls.count("lookup_pin") == asked + 1
+    fake.registration = Reg()  # and once more, after vLLM has taken the answer
+    blocks = bp.allocate(19)
+    s.update_state_after_alloc(req, KVBlocks((blocks,)), 256)
+    (job,) = s.build_connector_meta(SchedOut({"r": 300 - 256})).loads
+    assert job.generation == ""  # every worker fails it: vLLM recomputes
+
+
 def test_adaptive_loads_are_layered_while_the_engine_keeps_up_and_async_while_it_queues():
     """load_mode=adaptive (the default): a hit loads layered (in the step that runs it) until a
     request answered in an earlier step is still not admitted: the engine queues, so hits load
@@ -486,8 +506,9 @@ def test_a_stale_answer_does_not_wait_while_the_sidecar_is_away():
     for _ in range(3):
         s.build_connector_meta(SchedOut({}))
         settle(s)
-    # due, but nobody can answer: the request goes with what it has (a failed load recomputes)
-    assert s.get_num_new_matched_tokens(req, 0) == (128, False)
+    # due, but nobody can answer, and the answer's pins ended with its session: no load
+    # from it (the pinned slots may be rewritten); a miss at once, without waiting
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
 
 
 @pytest.mark.parametrize("refresh_steps", [2, 0])

@@ -32,7 +32,29 @@ def worker(tmp_path):
 
 def _load(layered: bool) -> ConnectorMeta:
     transfer = GroupTransfer(0, (5, 6, 9), (3, 3, 4), (2, 3, 0))
-    return ConnectorMeta(loads=(LoadJob(7, "req", (transfer,), "gen-1", layered),))
+    versions = ((20, 20, 21),)  # slots 3, 3, 4 as pinned
+    return ConnectorMeta(loads=(LoadJob(7, "req", (transfer,), "gen-1", layered, versions),))
+
+
+class _Versions:
+    """Stands in for the slot table's view: every slot holds the version it was pinned at."""
+
+    def matches(self, slots, versions):
+        return True
+
+    def close(self):
+        pass
+
+
+def _arm(worker, tmp_path, engine: int = 5) -> int:
+    """A registration with an engine lock range over a real file, and slot versions: what
+    store and load jobs need on this rank (the file takes the rank's lock)."""
+    path = tmp_path / "pool-0.shm"
+    path.write_bytes(bytes(4096))
+    worker.pool.path = str(path)
+    worker._applied = SimpleNamespace(engine_lock_base=1 << 62)  # noqa: SLF001
+    worker.slot_versions = _Versions()
+    return engine
 
 
 def test_failed_layered_load_reports_its_blocks_not_the_request(worker):
@@ -64,6 +86,7 @@ class _IntactPool:
         self._intact = intact
         self.closed = False
         self.path, self.needed_bytes = "/pool/pool-0.shm", 4096
+        self.offset = 0
 
     def intact(self) -> bool:
         return self._intact and not self.closed
@@ -191,6 +214,7 @@ def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, config, longest_quer
     try:
         engine = _RecordingEngine()
         w.engine, w.pool, w.generation = engine, _IntactPool(), "gen-1"
+        w.slot_versions = _Versions()
         meta = _load(layered=True)
         w.start_load_kv(ConnectorMeta(loads=meta.loads, longest_query=longest_query))
         for i in range(2):
@@ -210,7 +234,7 @@ def test_layered_waits_follow_the_cuda_graph_mode(tmp_path, config, longest_quer
         w.shutdown()
 
 
-def test_a_fence_finishes_its_jobs_before_the_steps_loads_are_submitted(worker):
+def test_a_fence_finishes_its_jobs_before_the_steps_loads_are_submitted(worker, tmp_path):
     """vLLM got a store's blocks back early (a prefix-cache reset): the next step's metadata
     fences the job, and the worker completes it before anything of that step can write into
     those blocks (this step's loads, then its forward). Ids it never had are skipped."""
@@ -221,12 +245,96 @@ def test_a_fence_finishes_its_jobs_before_the_steps_loads_are_submitted(worker):
         engine.calls.append(("wait", tuple(ids))) or [JobResult(8, True, 4096, 0.001)]
     )
     worker.engine, worker.pool, worker.generation = engine, _IntactPool(), "gen-1"
-    store = StoreJob(8, 1, "ns", (GroupTransfer(0, (1,), (2,), (0,)),), "gen-1")
-    worker.wait_for_save(ConnectorMeta(stores=(store,)))
+    key = _arm(worker, tmp_path)
+    store = StoreJob(8, 1, "ns", (GroupTransfer(0, (1,), (2,), (0,)),), "gen-1", 9, key)
+    worker.wait_for_save(ConnectorMeta(stores=(store,), engine=key))
     meta = _load(layered=False)
-    worker.start_load_kv(ConnectorMeta(loads=meta.loads, fence=(8, 99)))
+    worker.start_load_kv(ConnectorMeta(loads=meta.loads, fence=(8, 99), engine=key))
     assert engine.calls == [("submit", 8), ("wait", (8,)), ("submit", 7)]
     report = worker.report()
     assert report is not None and report.done == {8: 1}  # the store completed (and commits)
     worker.start_load_kv(ConnectorMeta(fence=(8,)))  # already finished: no second wait
     assert engine.calls.count(("wait", (8,))) == 1
+
+
+class _CopyingEngine(_RecordingEngine):
+    """Completes every load when waited for or polled; `during` runs as if mid-copy."""
+
+    def __init__(self, during=lambda: None):
+        super().__init__()
+        self.during = during
+        self.pending: list[int] = []
+
+    def submit_layered(self, job_id, batches):
+        super().submit_layered(job_id, batches)
+        self.pending.append(job_id)
+
+    def submit(self, job_id, direction, batches):
+        super().submit(job_id, direction, batches)
+        self.pending.append(job_id)
+
+    def _finish(self):
+        from kvoffload_connector.transfer import JobResult
+
+        self.during()
+        done, self.pending = self.pending, []
+        return [JobResult(j, True, 4096, 0.001) for j in done]
+
+    def wait(self, job_ids):
+        self.calls.append(("wait", tuple(job_ids)))
+        return self._finish()
+
+    def poll(self):
+        return self._finish()
+
+
+def _slot_table(tmp_path, states: dict[int, int]):
+    """A pool file whose slot table (8 records of 32 bytes at one page) holds `states`."""
+    import mmap as _mmap
+
+    import numpy as np
+    from kvoffload_connector.slot_versions import SlotVersions
+
+    path = tmp_path / "table.shm"
+    path.write_bytes(bytes(2 * _mmap.PAGESIZE))
+    table = np.memmap(path, np.uint64, "r+", _mmap.PAGESIZE, (8, 4))
+    for slot, state in states.items():
+        table[slot, 0] = state
+    return table, SlotVersions(str(path), _mmap.PAGESIZE, 32, 8)
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["async", "layered"])
+def test_a_load_whose_slot_a_store_took_during_the_copy_fails(worker, tmp_path, layered):
+    """The pinned slot 4 is re-reserved (a store will write it) while the copy runs: the
+    worker reads the slot table after the copy completed, finds another state word, and
+    fails the load as vLLM expects for its mode; the same load with the words unchanged
+    loads."""
+    table, view = _slot_table(tmp_path, {3: 20, 4: 21})
+    engine = _CopyingEngine(during=lambda: table.__setitem__((4, 0), 1))  # RESERVED
+    worker.engine, worker.pool, worker.generation = engine, _IntactPool(), "gen-1"
+    worker.slot_versions = view
+    worker.start_load_kv(_load(layered=layered))
+    recving, failed, blocks = worker.transfer_results()
+    if layered:
+        assert ("wait", (7,)) in engine.calls  # synced on the copy before reporting
+        assert worker.take_failed_layered_blocks() == {5, 6, 9}
+    else:
+        assert failed == {"req"} and blocks == {5, 6, 9}
+    assert worker.report().failed == {7: 1}
+    table[4, 0] = 21  # (not realistic, a version never comes back: the control case)
+    engine.during = lambda: None
+    worker.start_load_kv(_load(layered=layered))
+    recving, failed, blocks = worker.transfer_results()
+    assert (failed, blocks) == (set(), set()) and not worker.take_failed_layered_blocks()
+    assert worker.report().done == {7: 1}
+
+
+def test_a_load_without_versions_never_runs(worker, tmp_path):
+    _, view = _slot_table(tmp_path, {3: 20, 4: 21})
+    engine = _CopyingEngine()
+    worker.engine, worker.pool, worker.generation = engine, _IntactPool(), "gen-1"
+    worker.slot_versions = view
+    transfer = GroupTransfer(0, (5, 6, 9), (3, 3, 4), (2, 3, 0))
+    worker.start_load_kv(ConnectorMeta(loads=(LoadJob(7, "req", (transfer,), "gen-1", True),)))
+    assert ("submit_layered", 7) not in engine.calls
+    assert worker.take_failed_layered_blocks() == {5, 6, 9}

@@ -11,6 +11,9 @@
   arguments override `PoolSettings` fields (defaults: 8 MiB, 1 MiB pre-fault chunks); `clock=` and
   `prefault_gate=` go to the constructor; `start=False` returns it unstarted. Without a gate it
   waits for the pre-fault to finish, so tests see every slot ready (no race with the thread).
+  Engine liveness (engine_locks.py) is a `ModelLocks` unless `liveness=` says otherwise
+  (`liveness=None`: the real F_OFD_GETLK probe of the pool file): every engine holds every
+  rank's lock until a test calls `pool_locks.kill(engine)` (the pool's `.locks`).
 """
 
 from __future__ import annotations
@@ -81,6 +84,31 @@ def key_of() -> Callable[..., PoolKey]:
     return key_bytes
 
 
+class ModelLocks:
+    """Engine locks as a model: every lock byte is held, except the engines killed (every
+    rank's byte of theirs free) or the single bytes dropped."""
+
+    def __init__(self) -> None:
+        self.dead: set[int] = set()  # engine keys
+        self.free_bytes: set[int] = set()
+        self.pool: Pool | None = None  # whose generation's range holds the locks
+
+    def kill(self, engine: int) -> None:
+        self.dead.add(engine)
+
+    def __call__(self, start: int, length: int) -> bool:
+        from kvoffload_sidecar.engine_locks import ENGINE_SHIFT, GEN_SPAN, MAX_RANKS
+
+        base = self.pool.lock_base if self.pool is not None else 0
+        if not base or not base <= start < base + GEN_SPAN or length > MAX_RANKS:
+            return False  # a whole generation's range: no worker of it (or earlier writer)
+        for offset in range(start, start + min(length, 256)):
+            engine = (offset - base) >> ENGINE_SHIFT
+            if engine not in self.dead and offset not in self.free_bytes:
+                return True
+        return False
+
+
 class ManualClock:
     """A monotonic clock that moves only when told to."""
 
@@ -116,15 +144,27 @@ default test pool is 8 MiB of slots plus this: 8 slots of 1 MiB, 4 per rank with
 def make_pool(pool_dir: Path) -> Iterator[Callable[..., Pool]]:
     pools: list[Pool] = []
 
-    def make(*, start: bool = True, clock=None, prefault_gate=None, **overrides: object) -> Pool:
+    def make(
+        *,
+        start: bool = True,
+        clock=None,
+        prefault_gate=None,
+        liveness: object = "model",
+        **overrides: object,
+    ) -> Pool:
         settings: dict[str, object] = dict(
             pool_size=8 * MiB + INDEX_ROOM, pool_dir=pool_dir, prefault_chunk_bytes=1 * MiB
         )
         settings.update(overrides)
+        locks = ModelLocks() if liveness == "model" else None
         kwargs: dict[str, object] = {"prefault_gate": prefault_gate}
+        kwargs["liveness"] = locks if liveness == "model" else liveness
         if clock is not None:
             kwargs["clock"] = clock
         pool = Pool(PoolSettings(**settings), **kwargs)  # type: ignore[arg-type]
+        pool.locks = locks  # type: ignore[attr-defined]
+        if locks is not None:
+            locks.pool = pool
         pools.append(pool)
         if start:
             pool.start()

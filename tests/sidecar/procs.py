@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import shutil
 import signal
 import struct
@@ -34,6 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
+from kvoffload_connector.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.sidecar_proc import stop_process  # re-exported for the process tests
 
 KEY_SIZE = 32
@@ -273,18 +275,40 @@ def wait_ready(client: Client, deadline_s: float = 30.0) -> pb.StatsResponse:
         time.sleep(0.05)
 
 
-class Client:
-    """A sync client on one channel; methods raise grpc.RpcError like any stub."""
+def hold_engine_locks(resp: pb.RegisterResponse, num_ranks: int) -> list[EngineLock]:
+    """Hold every rank's lock of the registration's engine from this process, as the ranks'
+    workers do (the sidecar grants store reservations only while each rank holds its lock)."""
+    path = resp.regions[0].path
+    return [
+        EngineLock(path, lock_offset(resp.engine_lock_base, resp.engine, r))
+        for r in range(num_ranks)
+    ]
 
-    def __init__(self, target: str, timeout: float = 10.0) -> None:
+
+class Client:
+    """A sync client on one channel; methods raise grpc.RpcError like any stub. It is an
+    engine of its own (a random key) whose every rank is this process: it holds the ranks'
+    engine locks from its registration until `close` (or its process's death)."""
+
+    def __init__(self, target: str, timeout: float = 10.0, *, engine: int | None = None) -> None:
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.KVPoolStub(self.channel)
         self.timeout = timeout
         self.namespace_id = ""
         self.client_id = 0
+        self.engine = engine if engine is not None else random.randrange(1, 1 << 34)
+        self.epoch = 0
+        self.locks: list[EngineLock] = []
 
     def close(self) -> None:
+        self.release_locks()
         self.channel.close()
+
+    def release_locks(self) -> None:
+        """As if every rank of the engine exited."""
+        for lock in self.locks:
+            lock.release()
+        self.locks = []
 
     def __enter__(self) -> Client:
         return self
@@ -306,10 +330,15 @@ class Client:
                 num_ranks=num_ranks,
                 slot_bytes_per_rank=slot_bytes,
                 client_name=name,
+                engine=self.engine,
             ),
             timeout=self.timeout,
         )
         self.namespace_id, self.client_id = resp.namespace_id, resp.client_id
+        self.epoch = resp.sidecar_epoch
+        if self.engine and resp.regions:
+            self.release_locks()  # a new registration: its generation's lock bytes
+            self.locks = hold_engine_locks(resp, num_ranks)
         return resp
 
     def lookup(self, *queries: bytes) -> list[int]:
@@ -325,11 +354,22 @@ class Client:
         return self.stub.ReserveStore(req, timeout=self.timeout)
 
     def commit(self, store_id: int, rank: int = 0) -> bool:
-        req = pb.CommitStoreRequest(namespace_id=self.namespace_id, store_id=store_id, rank=rank)
+        req = pb.CommitStoreRequest(
+            namespace_id=self.namespace_id,
+            store_id=store_id,
+            rank=rank,
+            sidecar_epoch=self.epoch,
+            engine=self.engine,
+        )
         return self.stub.CommitStore(req, timeout=self.timeout).visible
 
     def abort(self, store_id: int) -> int:
-        req = pb.AbortStoreRequest(namespace_id=self.namespace_id, store_id=store_id)
+        req = pb.AbortStoreRequest(
+            namespace_id=self.namespace_id,
+            store_id=store_id,
+            sidecar_epoch=self.epoch,
+            engine=self.engine,
+        )
         return self.stub.AbortStore(req, timeout=self.timeout).freed_slots
 
     def store(self, packed: bytes, ranks: int = 1) -> pb.ReserveStoreResponse:

@@ -91,7 +91,7 @@ def test_reserve_many_and_evict_many_refuse_used_keys_or_slots_and_change_nothin
         SlotState.FREE,
         2,
     )
-    index.open_store(1, client_id=1, slots=[0, 1], keys=[key_bytes(1), key_bytes(2)])
+    index.open_store(1, owner=1, slots=[0, 1], keys=[key_bytes(1), key_bytes(2)])
     assert index.commit_rank(1, 0) == [key_bytes(1), key_bytes(2)]
     index.pin(1, client_id=1, slots=[1])
     with pytest.raises(ValueError, match="not an unpinned committed slot"):

@@ -56,6 +56,8 @@ class Fuzzer:
         self.stores: dict[str, list[int]] = {}
         self.key_pool = [rng.randbytes(KEY_SIZE) for _ in range(400)]
         self._pair: tuple[str, int] | None = None
+        self.epochs: list[int] = []  # sidecar epochs and engines the registrations named
+        self.engines: list[int] = []
 
     def pair(self) -> tuple[str, int]:
         """Mostly a registered (namespace, client) pair; else any mix of known and junk ids."""
@@ -161,10 +163,15 @@ class Fuzzer:
                 namespace_id=ns,
                 store_id=self.an_id(self.stores.get(ns, [])),
                 rank=r.choice([0, 0, 0, 1, 2, (1 << 32) - 1]),
+                sidecar_epoch=self.an_id(self.epochs),
+                engine=self.an_id(self.engines),
             )
         if method == "AbortStore":
             return pb.AbortStoreRequest(
-                namespace_id=ns, store_id=self.an_id(self.stores.get(ns, []))
+                namespace_id=ns,
+                store_id=self.an_id(self.stores.get(ns, [])),
+                sidecar_epoch=self.an_id(self.epochs),
+                engine=self.an_id(self.engines),
             )
         return pb.StatsRequest()
 
@@ -178,6 +185,8 @@ class Fuzzer:
                 self.namespaces.append(resp.namespace_id)
             self.clients.append(resp.client_id)
             self.pairs.append((resp.namespace_id, resp.client_id))
+            self.epochs.append(resp.sidecar_epoch)
+            self.engines.append(resp.engine)
         elif method == "ReserveLoad" and resp.pin_id:
             self.pins.setdefault(request.namespace_id, []).append(resp.pin_id)
         elif method == "ReserveStore" and resp.store_id:

@@ -48,7 +48,7 @@ def test_reserve_new_packed_refuses_known_or_repeated_keys_and_changes_nothing(b
 
     index = SlotIndex(slot_count=16, num_ranks=1, key_size=8, native=native)
     index.reserve_many([k(1), k(2)], [0, 1])
-    index.open_store(1, client_id=1, slots=[0, 1], keys=[k(1), k(2)])
+    index.open_store(1, owner=1, slots=[0, 1], keys=[k(1), k(2)])
     before = (dict(index._slot_of.items()), bytes(index._state), index.counts.reserved)
     assert index.reserve_new_packed(b"".join(batch), np.arange(4, 8)) is False
     assert (dict(index._slot_of.items()), bytes(index._state), index.counts.reserved) == before
@@ -57,7 +57,7 @@ def test_reserve_new_packed_refuses_known_or_repeated_keys_and_changes_nothing(b
     assert index.reserve_new_packed(b"".join(fresh), np.arange(4, 8)) is True
     assert [index.find(x) for x in fresh] == [4, 5, 6, 7]
     assert index.state(5) == SlotState.RESERVED and index.counts.reserved == 6
-    index.open_store_packed(2, client_id=1, slots=np.arange(4, 8), packed=b"".join(fresh))
+    index.open_store_packed(2, owner=1, slots=np.arange(4, 8), packed=b"".join(fresh))
     index.check(free_slots=set(range(2, 4)) | set(range(8, 16)))
     assert index.commit_rank(2, 0) == fresh  # the packed keys are cut when the commit needs them
     assert list(index.committed_prefix_packed(b"".join([k(20), k(21), k(9), k(22)]))) == [4, 5]
@@ -67,7 +67,7 @@ def test_slot_lifecycle_and_counts():
     index = SlotIndex(slot_count=8, num_ranks=2, key_size=8)
     index.reserve(k(1), 0)
     index.reserve(k(2), 1)
-    index.open_store(7, client_id=1, slots=[0, 1], keys=[k(1), k(2)])
+    index.open_store(7, owner=1, slots=[0, 1], keys=[k(1), k(2)])
     assert index.state(0) == SlotState.RESERVED and index.find(k(1)) == 0
     assert list(index.committed_prefix_packed(k(1) + k(2))) == []  # reserved is invisible
     assert index.commit_rank(7, 1) is None  # rank 0 still missing
@@ -88,7 +88,7 @@ def test_slot_lifecycle_and_counts():
 def test_abort_and_unknown_ids():
     index = SlotIndex(slot_count=4, num_ranks=1)
     index.reserve(k(5), 3)
-    index.open_store(9, client_id=1, slots=[3], keys=[k(5)])
+    index.open_store(9, owner=1, slots=[3], keys=[k(5)])
     with pytest.raises(InvalidArgument, match="rank 1 out of range"):
         index.commit_rank(9, 1)
     assert index.abort_store(9) == [3]
@@ -123,10 +123,10 @@ def test_per_slot_arrays_grow_with_use_not_with_capacity():
 def test_check_names_the_broken_invariant(corrupt, message):
     index = SlotIndex(slot_count=4, num_ranks=1)
     index.reserve(k(1), 0)
-    index.open_store(1, client_id=1, slots=[0], keys=[k(1)])
+    index.open_store(1, owner=1, slots=[0], keys=[k(1)])
     index.commit_rank(1, 0)
     index.reserve(k(2), 1)
-    index.open_store(2, client_id=1, slots=[1], keys=[k(2)])
+    index.open_store(2, owner=1, slots=[1], keys=[k(2)])
     index.check(free_slots={2, 3})
     corrupt(index)
     with pytest.raises(AssertionError, match=message):
@@ -136,7 +136,7 @@ def test_check_names_the_broken_invariant(corrupt, message):
 def test_check_catches_a_slot_both_free_and_used():
     index = SlotIndex(slot_count=4, num_ranks=1)
     index.reserve(k(1), 0)
-    index.open_store(1, client_id=1, slots=[0], keys=[k(1)])
+    index.open_store(1, owner=1, slots=[0], keys=[k(1)])
     with pytest.raises(AssertionError, match="both free and used"):
         index.check(free_slots={0, 1, 2, 3})
 

@@ -105,7 +105,13 @@ def test_sigterm_drains_and_exits_zero(sidecar: SidecarProc) -> None:
         with pytest.raises(grpc.RpcError) as info:
             client.reserve_store(keys(4))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        commit = pb.CommitStoreRequest(namespace_id=ns, store_id=store_id, rank=0)
+        commit = pb.CommitStoreRequest(
+            namespace_id=ns,
+            store_id=store_id,
+            rank=0,
+            sidecar_epoch=client.epoch,
+            engine=client.engine,
+        )
         assert session.send(commit_store=commit).commit_store.visible  # nothing left to wait for
         session.close()
         rc = sidecar.terminate(timeout=10)

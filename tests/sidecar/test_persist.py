@@ -111,9 +111,12 @@ def test_reservations_and_pins_of_the_dead_instance_are_not_kept(pair, small_spe
     got = store(b, reg2, *range(100, 104))
     assert len(got) == 4 and not set(got) & set(in_flight)
     assert store(b, reg2, 200) == ()  # full: 2 adopted + 4 new, 2 withheld; no eviction yet
-    clock.now += b.settings.reserved_hold_s + 1
-    b.reap_idle_clients()  # the reaper tick ends the hold
-    assert set(store(b, reg2, 201, 202)) == set(in_flight)
+    clock.now += 3600  # no timer ends the hold: the owning engine may still copy
+    b.reap_idle_clients()
+    assert set(b._namespaces[reg.namespace_id].withheld.tolist()) == set(in_flight)  # noqa: SLF001
+    b.locks.kill(reg.engine)  # every rank of the engine that reserved them exited
+    b.reap_idle_clients()  # the reaper tick probes the owners
+    assert len(b._namespaces[reg.namespace_id].withheld) == 0  # noqa: SLF001
     b.check_invariants()
 
 
@@ -318,23 +321,27 @@ def test_small_and_large_commits_are_adopted_alike(make_pool, small_spec, batch)
     b.check_invariants()
 
 
-def test_slots_reserved_long_ago_are_not_held_again(pair, small_spec, monkeypatch):
-    """Kills in quick succession: a slot reserved before an earlier death is held only until
-    its own reservation is `reserved_hold_s` old, not again from every restart."""
+def test_slots_reserved_at_death_stay_withheld_across_restarts_while_their_engine_lives(
+    pair, small_spec, monkeypatch
+):
+    """Kills in quick succession, hours apart: a slot reserved before an earlier death stays
+    out as long as its engine may still write it, and comes free once that engine is dead."""
     first, again = pair
     a, reg = first()
     in_flight = store(a, reg, 3, commit=False)
     b = again()
     assert set(b._namespaces[reg.namespace_id].withheld.tolist()) == set(in_flight)  # noqa: SLF001
+    assert b._namespaces[reg.namespace_id].withheld_owners.tolist() == [reg.engine]  # noqa: SLF001
     real = time.time
-    monkeypatch.setattr(
-        "kvoffload_sidecar.pool.time.time", lambda: real() + b.settings.reserved_hold_s + 1
-    )
-    c = again()  # restarted once more, the reservation is older than the hold
+    monkeypatch.setattr("kvoffload_sidecar.pool.time.time", lambda: real() + 86400)
+    c = again()  # restarted once more, a day later
     assert c.adoption.discarded == {"reserved": 1}
-    assert len(c._namespaces[reg.namespace_id].withheld) == 0  # noqa: SLF001
+    assert set(c._namespaces[reg.namespace_id].withheld.tolist()) == set(in_flight)  # noqa: SLF001
     reg3 = reregister(c, small_spec())
-    assert set(store(c, reg3, *range(10, 16))) >= set(in_flight)  # handed out at once
+    assert not set(store(c, reg3, *range(10, 16))) & set(in_flight)
+    c.locks.kill(reg.engine)
+    assert c.reclaim_dead_engines() == 1
+    assert set(store(c, reg3, 20)) == set(in_flight)  # free once its owner is gone
     c.check_invariants()
 
 

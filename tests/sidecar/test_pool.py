@@ -264,27 +264,38 @@ def test_abort_frees_the_reservation(pool, reg):
 
 
 @pytest.mark.parametrize("grace", [0.0, 2.0])
-def test_detach_releases_pins_and_aborts_open_stores_after_the_grace(
+def test_detach_releases_pins_after_the_grace_and_keeps_reservations_until_the_engine_dies(
     make_pool, small_spec, clock, grace
 ):
+    """A session's end frees its pins (after the grace); its engine's reservations stay, however
+    long, until no rank of the engine holds its lock: a copy its workers still have in flight
+    can never land in a slot that another store was given."""
     pool = make_pool(clock=clock, detach_grace_s=grace)
     reg = pool.register(small_spec(), 1, 1 * MiB, "engine-0/scheduler")
     ns = reg.namespace_id
     other = pool.register(small_spec(), 1, 1 * MiB, "engine-0/rank-0")
     store(pool, reg, 1, 2)
     pool.attach(reg.client_id)
+    pool.attach(other.client_id)  # a worker of the same engine, still attached
     pool.reserve_load(ns, reg.client_id, pack(1, 2))
     kept = pool.reserve_load(ns, other.client_id, pack(1))
     pool.reserve_store(ns, reg.client_id, pack(3, 4))
     assert (ns_stats(pool, reg).pinned_slots, ns_stats(pool, reg).reserved_slots) == (2, 2)
-    pool.detach(reg.client_id)  # the session stream ended: the engine is gone
-    if grace:  # its copies may still be in flight: nothing is handed out yet
+    pool.detach(reg.client_id)  # the session stream ended
+    if grace:  # pins stay for the grace
         clock.advance(grace - 0.01)
         assert pool.reap_idle_clients() == 0
         stats = ns_stats(pool, reg)
         assert (stats.pinned_slots, stats.reserved_slots) == (2, 2)
         clock.advance(0.01)
         assert pool.reap_idle_clients() == 1
+    stats = ns_stats(pool, reg)
+    assert (stats.pinned_slots, stats.reserved_slots, stats.committed_slots) == (1, 2, 2)
+    clock.advance(3600)  # no timer frees a reservation
+    pool.reap_idle_clients()
+    assert ns_stats(pool, reg).reserved_slots == 2
+    pool.locks.kill(reg.engine)  # every rank of the engine exited: its locks are gone
+    assert pool.reclaim_dead_engines() == 2
     stats = ns_stats(pool, reg)
     assert (stats.pinned_slots, stats.reserved_slots, stats.committed_slots) == (1, 0, 2)
     with pytest.raises(NotFound, match="unknown client"):
@@ -345,6 +356,9 @@ def test_idle_clients_without_session_are_reaped(make_pool, small_spec, clock):
     assert ns_stats(pool, idle).live_clients == 2
     clock.advance(120)
     assert pool.reap_idle_clients() == 1  # `busy` now; `attached` has a session
+    assert ns_stats(pool, idle).reserved_slots == 1  # its engine's: until the engine dies
+    pool.locks.kill(busy.engine)
+    assert pool.reclaim_dead_engines() == 1
     assert ns_stats(pool, idle).reserved_slots == 0
     pool.check_invariants()
 

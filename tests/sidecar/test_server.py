@@ -191,6 +191,7 @@ BAD_CALLS = [
     ("unknown client", "ReserveLoad", "unknown-client", "NOT_FOUND"),
     ("unknown pin", "Release", "unknown-pin", "NOT_FOUND"),
     ("unknown store", "CommitStore", "unknown-store", "NOT_FOUND"),
+    ("another instance's commit", "CommitStore", "other-epoch", "FAILED_PRECONDITION"),
     ("missing store id", "AbortStore", "no-store", "INVALID_ARGUMENT"),
     (
         "empty spec",
@@ -238,8 +239,13 @@ def test_bad_requests_get_precise_codes(
         "no-client": pb.ReserveLoadRequest(namespace_id=ns, keys=keys(1)),
         "unknown-client": pb.ReserveLoadRequest(namespace_id=ns, client_id=999_999, keys=keys(1)),
         "unknown-pin": pb.ReleaseRequest(namespace_id=ns, client_id=cid, pin_ids=[424242]),
-        "unknown-store": pb.CommitStoreRequest(namespace_id=ns, store_id=424242),
+        "unknown-store": pb.CommitStoreRequest(
+            namespace_id=ns, store_id=424242, sidecar_epoch=client.epoch, engine=client.engine
+        ),
         "no-store": pb.AbortStoreRequest(namespace_id=ns),
+        "other-epoch": pb.CommitStoreRequest(
+            namespace_id=ns, store_id=424242, sidecar_epoch=client.epoch ^ 1, engine=client.engine
+        ),
     }
     request = built.get(request_, request_) if isinstance(request_, str) else request_
     with pytest.raises(grpc.RpcError) as info:
@@ -314,10 +320,13 @@ def test_session_attach_order_errors_and_detach(server: ServerThread, client: Cl
     assert client.namespace_stats().pinned_slots == 2
     assert client.namespace_stats().reserved_slots == 1
 
-    session.close()  # client ends the stream: pins released, reservation aborted
+    session.close()  # client ends the stream: pins released, the reservation is the engine's
     _wait_for(lambda: client.namespace_stats().pinned_slots == 0)
     ns_stats = client.namespace_stats()
-    assert (ns_stats.pinned_slots, ns_stats.reserved_slots, ns_stats.committed_slots) == (0, 0, 3)
+    assert (ns_stats.pinned_slots, ns_stats.reserved_slots, ns_stats.committed_slots) == (0, 1, 3)
+    client.release_locks()  # every rank of the engine exited: the kernel dropped the locks
+    server.pool.reclaim_dead_engines()
+    assert client.namespace_stats().reserved_slots == 0
     server.pool.check_invariants()
 
 

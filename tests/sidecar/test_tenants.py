@@ -298,7 +298,10 @@ def test_aborted_and_abandoned_reservations_give_their_quota_back(make_tenancy) 
     t.pool.reserve_store(t.ns, other.client_id, pack([1100, 1101]), salts=salted("a", 2))
     assert t.used()["a"] == 2
     t.pool.attach(other.client_id)
-    t.pool.detach(other.client_id)  # no grace: its reservations end with its session
+    t.pool.detach(other.client_id)  # its session ended: the engine's reservations stay
+    assert t.used()["a"] == 2
+    t.pool.locks.kill(other.engine)  # every rank of the engine exited
+    t.pool.reclaim_dead_engines()
     assert t.used()["a"] == 0
     t.pool.check_invariants()
 

@@ -48,16 +48,18 @@ class NamespaceSpec(_message.Message):
     def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., kv_layout: _Optional[str] = ..., block_size: _Optional[int] = ..., chunk_blocks: _Optional[int] = ..., tp_size: _Optional[int] = ..., hash_algo: _Optional[str] = ..., key_size: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("spec", "num_ranks", "slot_bytes_per_rank", "client_name")
+    __slots__ = ("spec", "num_ranks", "slot_bytes_per_rank", "client_name", "engine")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_PER_RANK_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     spec: NamespaceSpec
     num_ranks: int
     slot_bytes_per_rank: int
     client_name: str
-    def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes_per_rank: _Optional[int] = ..., client_name: _Optional[str] = ...) -> None: ...
+    engine: int
+    def __init__(self, spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes_per_rank: _Optional[int] = ..., client_name: _Optional[str] = ..., engine: _Optional[int] = ...) -> None: ...
 
 class RankRegion(_message.Message):
     __slots__ = ("rank", "path", "offset", "slot_bytes", "slot_count")
@@ -74,7 +76,7 @@ class RankRegion(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "regions", "pool_ready", "prefault_fraction", "committed_blocks", "pool_generation", "session_socket", "presence_map")
+    __slots__ = ("namespace_id", "client_id", "regions", "pool_ready", "prefault_fraction", "committed_blocks", "pool_generation", "session_socket", "presence_map", "sidecar_epoch", "engine_lock_base", "slot_table_offset", "slot_record_bytes", "engine")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,11 @@ class RegisterResponse(_message.Message):
     POOL_GENERATION_FIELD_NUMBER: _ClassVar[int]
     SESSION_SOCKET_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_MAP_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LOCK_BASE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_TABLE_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SLOT_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_id: int
     regions: _containers.RepeatedCompositeFieldContainer[RankRegion]
@@ -93,7 +100,12 @@ class RegisterResponse(_message.Message):
     pool_generation: str
     session_socket: str
     presence_map: str
-    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RankRegion, _Mapping]]] = ..., pool_ready: _Optional[bool] = ..., prefault_fraction: _Optional[float] = ..., committed_blocks: _Optional[int] = ..., pool_generation: _Optional[str] = ..., session_socket: _Optional[str] = ..., presence_map: _Optional[str] = ...) -> None: ...
+    sidecar_epoch: int
+    engine_lock_base: int
+    slot_table_offset: int
+    slot_record_bytes: int
+    engine: int
+    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RankRegion, _Mapping]]] = ..., pool_ready: _Optional[bool] = ..., prefault_fraction: _Optional[float] = ..., committed_blocks: _Optional[int] = ..., pool_generation: _Optional[str] = ..., session_socket: _Optional[str] = ..., presence_map: _Optional[str] = ..., sidecar_epoch: _Optional[int] = ..., engine_lock_base: _Optional[int] = ..., slot_table_offset: _Optional[int] = ..., slot_record_bytes: _Optional[int] = ..., engine: _Optional[int] = ...) -> None: ...
 
 class KeyList(_message.Message):
     __slots__ = ("keys", "cache_salt")
@@ -134,12 +146,14 @@ class ReserveLoadRequest(_message.Message):
     def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., count_lookup: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ReserveLoadResponse(_message.Message):
-    __slots__ = ("pin_id", "slots")
+    __slots__ = ("pin_id", "slots", "versions")
     PIN_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     pin_id: int
     slots: bytes
-    def __init__(self, pin_id: _Optional[int] = ..., slots: _Optional[bytes] = ...) -> None: ...
+    versions: bytes
+    def __init__(self, pin_id: _Optional[int] = ..., slots: _Optional[bytes] = ..., versions: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("namespace_id", "client_id", "pin_ids")
@@ -184,14 +198,18 @@ class ReserveStoreResponse(_message.Message):
     def __init__(self, store_id: _Optional[int] = ..., decisions: _Optional[bytes] = ..., slots: _Optional[bytes] = ...) -> None: ...
 
 class CommitStoreRequest(_message.Message):
-    __slots__ = ("namespace_id", "store_id", "rank")
+    __slots__ = ("namespace_id", "store_id", "rank", "sidecar_epoch", "engine")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     store_id: int
     rank: int
-    def __init__(self, namespace_id: _Optional[str] = ..., store_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    sidecar_epoch: int
+    engine: int
+    def __init__(self, namespace_id: _Optional[str] = ..., store_id: _Optional[int] = ..., rank: _Optional[int] = ..., sidecar_epoch: _Optional[int] = ..., engine: _Optional[int] = ...) -> None: ...
 
 class CommitStoreResponse(_message.Message):
     __slots__ = ("visible",)
@@ -200,12 +218,16 @@ class CommitStoreResponse(_message.Message):
     def __init__(self, visible: _Optional[bool] = ...) -> None: ...
 
 class AbortStoreRequest(_message.Message):
-    __slots__ = ("namespace_id", "store_id")
+    __slots__ = ("namespace_id", "store_id", "sidecar_epoch", "engine")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     store_id: int
-    def __init__(self, namespace_id: _Optional[str] = ..., store_id: _Optional[int] = ...) -> None: ...
+    sidecar_epoch: int
+    engine: int
+    def __init__(self, namespace_id: _Optional[str] = ..., store_id: _Optional[int] = ..., sidecar_epoch: _Optional[int] = ..., engine: _Optional[int] = ...) -> None: ...
 
 class AbortStoreResponse(_message.Message):
     __slots__ = ("freed_slots",)
@@ -260,7 +282,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants")
+    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants", "refused_commits", "unlocked_reservations")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +305,8 @@ class NamespaceStats(_message.Message):
     LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUERIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_COMMITS_FIELD_NUMBER: _ClassVar[int]
+    UNLOCKED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     spec: NamespaceSpec
     num_ranks: int
@@ -305,7 +329,9 @@ class NamespaceStats(_message.Message):
     loaded_bytes: int
     queried_blocks: int
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
-    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ...) -> None: ...
+    refused_commits: int
+    unlocked_reservations: int
+    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., refused_commits: _Optional[int] = ..., unlocked_reservations: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("name", "guaranteed_fraction", "max_fraction", "guaranteed_slots", "max_slots", "used_slots", "committed_slots", "used_bytes", "stored_blocks", "evicted_blocks", "lookups", "hit_blocks", "miss_blocks", "queried_blocks")
