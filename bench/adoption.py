@@ -110,7 +110,8 @@ def inproc_row(where: Path, pool_bytes: int, n_blocks: int, reps: int) -> dict:
         f.unlink()
     slot_bytes = half_full_slot(pool_bytes, n_blocks)
     settings = PoolSettings(pool_size=pool_bytes, pool_dir=where, prefault=False)
-    first = Pool(settings)
+    alive = lambda start, length: length <= 256  # noqa: E731 - the engine's ranks hold locks
+    first = Pool(settings, liveness=alive)
     first.start()
     ns, key = fill_pool(first, n_blocks, slot_bytes)
     committed = first.stats().namespaces[0].committed_slots
@@ -119,7 +120,7 @@ def inproc_row(where: Path, pool_bytes: int, n_blocks: int, reps: int) -> dict:
     adopted = 0
     for _ in range(reps):
         t0 = time.perf_counter()
-        again = Pool(settings)
+        again = Pool(settings, liveness=alive)
         again.start()
         starts.append(time.perf_counter() - t0)
         stats = again.stats()
@@ -189,6 +190,7 @@ def wait_stats(sock: Path, deadline_s: float):  # noqa: ANN201
 
 def run_process(args: argparse.Namespace) -> list[dict]:
     from kvoffload_connector.client import PoolClient
+    from kvoffload_connector.engine_lock import EngineLock, lock_offset
     from kvoffload_connector.keys import SpecFields
 
     sizes = [float(x) for x in args.sizes_gib.split(",")]
@@ -206,17 +208,21 @@ def run_process(args: argparse.Namespace) -> list[dict]:
                 wait_stats(sock, 60)
                 while not wait_stats(sock, 5).pool_ready:  # the whole pre-fault, first start only
                     time.sleep(0.2)
-                client = PoolClient(str(sock), "bench/fill", rpc_timeout_s=30)
+                client = PoolClient(str(sock), "bench/fill", rpc_timeout_s=30, engine=1)
                 reg = client.register(SpecFields(**spec_fields()), 1, slot)
+                rank = EngineLock(reg.regions[0].path, lock_offset(reg.engine_lock_base, 1, 0))
                 first = None
                 for i in range(0, n, 4096):
                     keys = [os.urandom(KEY_SIZE) for _ in range(min(4096, n - i))]
                     first = keys[0]  # of the last batch: surely not evicted
                     res = client.reserve_store(keys)
                     if res.store_id:
-                        client.commit_store(reg.namespace_id, res.store_id, 0)
+                        client.commit_store(
+                            reg.namespace_id, res.store_id, 0, epoch=reg.epoch, engine=1
+                        )
                 committed = wait_stats(sock, 5).namespaces[0].committed_slots
                 client.close()
+                rank.release()
                 serve, hit = [], []
                 adopted = 0
                 for _ in range(args.reps):

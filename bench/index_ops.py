@@ -70,7 +70,8 @@ def bench_policy(policy: str, slots: int, batches: list[int], seconds: float) ->
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-", dir=_tmp_dir()) as d:
         pool = Pool(
-            PoolSettings(pool_size=pool_size, pool_dir=Path(d), eviction=policy, prefault=False)
+            PoolSettings(pool_size=pool_size, pool_dir=Path(d), eviction=policy, prefault=False),
+            liveness=lambda start, length: length <= 256,  # this process is the engine's rank
         )
         pool.start()
         try:

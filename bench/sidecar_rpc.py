@@ -47,12 +47,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 from kvoffload_connector.client import PoolClient
+from kvoffload_connector.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.keys import build_spec, make_key, unpack_slots
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY_SIZE = 32
 SLOT_BYTES = 16 << 10
 SIZES = (1, 64, 1024)
+
+
+ENGINE = 1  # the bench process is every rank of one engine: it holds the rank's lock
+FENCE: dict[str, int] = {}  # sidecar_epoch and engine for commits and aborts, once registered
+LOCKS: list[EngineLock] = []
+
+
+def _hold(path: str, base: int, epoch: int) -> None:
+    """Hold rank 0's engine lock (the sidecar grants stores only then) and remember the
+    fence commits and aborts name."""
+    if not LOCKS:
+        LOCKS.append(EngineLock(path, lock_offset(base, ENGINE, 0)))
+    FENCE.update(sidecar_epoch=epoch, engine=ENGINE)
 
 
 def _keys(first: int, n: int) -> bytes:
@@ -350,7 +364,9 @@ def _ops(
     load_req = pb.ReserveLoadRequest(namespace_id=ns, client_id=cid, keys=hit)
 
     def abort(store_id: int) -> Callable[[], None]:
-        return lambda: stub.AbortStore(pb.AbortStoreRequest(namespace_id=ns, store_id=store_id))
+        return lambda: stub.AbortStore(
+            pb.AbortStoreRequest(namespace_id=ns, store_id=store_id, **FENCE)
+        )
 
     def release(pin_id: int) -> Callable[[], None]:
         return lambda: stub.Release(
@@ -381,7 +397,9 @@ def _ops(
         r = session.call(reserve_store=store_req).reserve_store
         check(len(unpack_slots(r.slots)) == n, "store not NEW")
         sid = r.store_id
-        return lambda: session.call(abort_store=pb.AbortStoreRequest(namespace_id=ns, store_id=sid))
+        return lambda: session.call(
+            abort_store=pb.AbortStoreRequest(namespace_id=ns, store_id=sid, **FENCE)
+        )
 
     def s_load() -> Callable[[], None]:
         r = session.call(reserve_load=load_req).reserve_load
@@ -408,7 +426,7 @@ def _ops(
         s_sizes[op] = (sent, resp.ByteSize())
         if op == "ReserveStore":
             sid = resp.reserve_store.store_id
-            session.call(abort_store=pb.AbortStoreRequest(namespace_id=ns, store_id=sid))
+            session.call(abort_store=pb.AbortStoreRequest(namespace_id=ns, store_id=sid, **FENCE))
         elif op == "ReserveLoad":
             pid = resp.reserve_load.pin_id
             session.call(release=pb.ReleaseRequest(namespace_id=ns, pin_ids=[pid]))
@@ -449,7 +467,9 @@ def _client_ops(client: PoolClient, committed: list[bytes], n: int) -> list[tupl
     def c_store() -> Callable[[], None]:
         r = client.reserve_store(new)
         check(len(r.slots) == n, "store not NEW")
-        return lambda: client.abort_store(reg.namespace_id, r.store_id)
+        return lambda: client.abort_store(
+            reg.namespace_id, r.store_id, epoch=FENCE["sidecar_epoch"], engine=ENGINE
+        )
 
     def c_load() -> Callable[[], None]:
         pin, slots, _ = client.reserve_load(hit)
@@ -465,7 +485,9 @@ def connector_client(
     """A registered `PoolClient` (the connector's) with max(SIZES) committed keys (the same
     keys in the same namespace on every call: a second client finds them committed).
     `options` go to the constructor (e.g. framed=False)."""
-    client = client_class(target.removeprefix("unix:"), "bench/client", rpc_timeout_s=5, **options)
+    client = client_class(
+        target.removeprefix("unix:"), "bench/client", rpc_timeout_s=5, engine=ENGINE, **options
+    )
     spec = build_spec(
         model="bench-client",
         dtype="bfloat16",
@@ -477,10 +499,11 @@ def connector_client(
         group_specs=["Full:w0"],
     )
     reg = client.register(spec, 1, SLOT_BYTES)
+    _hold(reg.regions[0].path, reg.engine_lock_base, reg.epoch)
     committed = [make_key(i.to_bytes(32, "big"), 0) for i in range(max(SIZES))]
     res = client.reserve_store(committed)
     if res.store_id:
-        client.commit_store(reg.namespace_id, res.store_id, 0)
+        client.commit_store(reg.namespace_id, res.store_id, 0, epoch=reg.epoch, engine=ENGINE)
     return client, committed
 
 
@@ -529,17 +552,22 @@ def run(
     )
     reg = stub.Register(
         pb.RegisterRequest(
-            spec=spec, num_ranks=1, slot_bytes_per_rank=SLOT_BYTES, client_name="bench"
+            spec=spec,
+            num_ranks=1,
+            slot_bytes_per_rank=SLOT_BYTES,
+            client_name="bench",
+            engine=ENGINE,
         ),
         timeout=10,
     )
     ns, cid = reg.namespace_id, reg.client_id
+    _hold(reg.regions[0].path, reg.engine_lock_base, reg.sidecar_epoch)
     committed = _keys(0, max(SIZES))
     res = stub.ReserveStore(
         pb.ReserveStoreRequest(namespace_id=ns, client_id=cid, keys=committed), timeout=10
     )
     stub.CommitStore(
-        pb.CommitStoreRequest(namespace_id=ns, store_id=res.store_id, rank=0), timeout=10
+        pb.CommitStoreRequest(namespace_id=ns, store_id=res.store_id, rank=0, **FENCE), timeout=10
     )
     session = SessionCaller(stub, cid)
     clients = {  # the connector's client on the gRPC Session stream, then on the framed socket
