@@ -153,12 +153,13 @@ _FLAGS: tuple[_Flag, ...] = (
     ),
     _Flag(
         "--detach-grace",
-        "seconds a client's pins and reservations outlive its last session (default 2; 0: none)",
+        "seconds a client's pins outlive its last session (default 2; 0: none); store "
+        "reservations belong to the engine and end only by commit, abort or its death",
     ),
     _Flag(
         "--reserved-hold",
-        "after adopting the pool file of a dead sidecar, seconds its reserved slots stay out of "
-        "use (default 30)",
+        "accepted for existing pod specs and ignored: slots reserved when a sidecar died stay "
+        "out until the engine that reserved them is dead",
     ),
     _Flag(
         "--framed-sessions",
