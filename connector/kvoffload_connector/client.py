@@ -343,7 +343,7 @@ class PoolClient:
     # While attached it sleeps on the session's `ended` (a hang-up or close wakes it at once)
     # and wakes on its own only this rarely, to see whether another process bound the socket:
     # every timer wake takes the engine's GIL, and a launch thread that hands it over
-    # mid-prefill is one more chance for the host to slow it (docs/BENCHMARKS.md, issue 20).
+    # mid-prefill is one more chance for the host to slow it (docs/BENCHMARKS.md).
     KEEPER_ATTACHED_CHECK_S = 2.0
 
     def _start_keeper(self) -> None:

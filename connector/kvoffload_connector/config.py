@@ -51,7 +51,7 @@ class LoadMode(enum.Enum):
     # ADAPTIVE (opt-in): LAYERED while the engine keeps up, ASYNC while requests queue (one
     # answered a whole step ago is still not admitted). Queued requests wait anyway, so an
     # asynchronous load costs them little, and the running requests' steps carry no load.
-    # Under `vllm serve` on an H100 (docs/BENCHMARKS.md, issue 20) it beat LAYERED at 16 QPS
+    # Under `vllm serve` on an H100 (docs/BENCHMARKS.md) it beat LAYERED at 16 QPS
     # and lost at 32 in one call each: not the default until more calls decide.
     ADAPTIVE = "adaptive"
 
@@ -89,7 +89,7 @@ class ConnectorConfig:
     # The scheduler thread lets vLLM's output thread take the GIL once, in the first hook after
     # an output carrying a request's first token was queued: otherwise that token waits until
     # the engine thread blocks, after it scheduled and launched the next step (0.3-0.4 ms on
-    # the H200 VM, session 31; a lone request's whole TTFT is ~31 ms). first_token.py.
+    # the H200 VM; a lone request's whole TTFT is ~31 ms). first_token.py.
     first_token_handoff: bool = True
     # A request alone in the engine gets its lookup answered inside the scheduling call that
     # first sees it (one round trip on the scheduler thread) instead of two engine steps later:
@@ -100,11 +100,11 @@ class ConnectorConfig:
     # (and the last ones were that fast): one framed round trip (~0.1-0.3 ms) instead of the
     # request waiting a whole engine step for a background answer. Past it, lookups batch in
     # the background. 0: only a lone request asks inline. H100 sweep at 16/32 QPS: 2 gave
-    # +1-4% requests/s and 8-11% lower TTFT p50 against 0 (session 14); at 32 QPS 2 still
+    # +1-4% requests/s and 8-11% lower TTFT p50 against 0; at 32 QPS 2 still
     # ran out in most steps, leaving requests waiting for background answers, and the decodes'
     # TPOT p99 was 2-5x that of vLLM's OffloadingConnector (46-110 ms against 22-23 ms; likely
     # the waiting requests admitted in bursts); 20 left no request waiting (TPOT p99 22.7 ms)
-    # and served the most requests/s (docs/BENCHMARKS.md, session 18).
+    # and served the most requests/s (docs/BENCHMARKS.md).
     inline_lookup_ms: int = 20
     # A request vLLM visits again whose answer is this many steps old and shorter than its
     # prompt allows asks the pool again before it is admitted (0: never), as vLLM's own
@@ -116,11 +116,11 @@ class ConnectorConfig:
     framed_session: bool = True
     # SMs a store's gather kernel may hold beside the model (1-8). 2 stores at ~93-95% of PCIe
     # (10x the rate a prefill makes KV) and kept 0%-hit decode within 0.5% of no offloading on
-    # an H100, where 8 (96-98% of PCIe) cost 2-3% (docs/BENCHMARKS.md, session 4).
+    # an H100, where 8 (96-98% of PCIe) cost 2-3% (docs/BENCHMARKS.md).
     store_ctas: int = 2
     # How often the misses the sidecar's presence map answered (no round trip) are told to the
     # sidecar's lookup counters, in one background Lookup. A round trip from the RPC thread
-    # while a prefill launches cost that request ~0.5 ms of TTFT on the H100 VM (session 16),
+    # while a prefill launches cost that request ~0.5 ms of TTFT on the H100 VM,
     # so not per step.
     miss_report_ms: int = 5000
     client_name: str = "vllm"  # prefix of the client name the sidecar logs

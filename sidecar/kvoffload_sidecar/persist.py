@@ -1,5 +1,5 @@
 """The pool file's own index: what a restarted sidecar reads to adopt the pool instead of
-starting empty (issue 18). Pure layout and record logic over the mapped file; no locks, no grpc.
+starting empty. Pure layout and record logic over the mapped file; no locks, no grpc.
 
 Layout (little-endian, all in `pool-0.shm`, so index and bytes can never come apart):
 

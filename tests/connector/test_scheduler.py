@@ -322,7 +322,7 @@ def test_a_pool_slower_than_the_budget_turns_inline_lookups_off_until_it_is_fast
 def test_by_default_a_burst_of_lookups_under_load_is_answered_inline():
     """The default budget (20 ms) answers a step's burst of new requests in the scheduling
     call: at 32 QPS on an H100 the old 2 ms left requests waiting for background answers, and
-    the decodes' TPOT p99 was 2-5x OffloadingConnector's (docs/BENCHMARKS.md, session 18).
+    the decodes' TPOT p99 was 2-5x OffloadingConnector's (docs/BENCHMARKS.md).
     Four 2 ms round trips fit; a longer burst still goes to the background."""
     s, fake, *_ = make(inline=True)
     s.cfg = dataclasses.replace(s.cfg, inline_lookup_ms=ConnectorConfig.inline_lookup_ms)

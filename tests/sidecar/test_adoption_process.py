@@ -1,5 +1,5 @@
 """A sidecar SIGKILLed (or SIGTERMed) and started again with the same command line adopts its
-pool file (issue 18, "restarts lose nothing").
+pool file (restarts lose nothing).
 
 Real sidecar processes, a real gRPC client, and the pool file mapped by this test the way the
 connector's workers map it: the test writes a byte pattern into every slot it stores (at the
