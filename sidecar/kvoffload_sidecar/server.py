@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 
-from kvoffload_sidecar import convert
+from kvoffload_sidecar import convert, filemode
 from kvoffload_sidecar.config import SidecarConfig, remove_stale_socket
 from kvoffload_sidecar.connector_status import read_connector_status
 from kvoffload_sidecar.errors import (
@@ -38,7 +38,7 @@ from kvoffload_sidecar.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvoffload_sidecar.frames import SOCKET_MODE, FramedSessions, socket_path_for
+from kvoffload_sidecar.frames import FramedSessions, socket_path_for
 from kvoffload_sidecar.metrics import SidecarMetrics, package_version
 from kvoffload_sidecar.pool import Pool
 from kvoffload_sidecar.presence import PresenceMap
@@ -521,11 +521,12 @@ class SidecarServer:
 
 
 def bind_unix(server: grpc.aio.Server, sock: Path) -> str:
-    """Bind `server` to the Unix socket `sock` (absolute), mode 0666 before it serves: vLLM may
-    run as any uid of the pod (the run dir is a pod-private emptyDir). The gRPC target."""
+    """Bind `server` to the Unix socket `sock` (absolute), at `filemode.file_mode()` before it
+    serves (0600 by default; 0666 in pods, where vLLM may run as any uid and the run dir is a
+    pod-private emptyDir). The gRPC target."""
     target = f"unix:{sock}"
     server.add_insecure_port(target)  # binds (and listens) here; start() only begins serving
-    os.chmod(sock, SOCKET_MODE)
+    os.chmod(sock, filemode.file_mode())
     return target
 
 
