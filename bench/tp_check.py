@@ -121,8 +121,9 @@ def pool_numbers(sc) -> dict[str, Any]:
 
 def settle(sc, min_committed: int, max_s: float, nudge=None) -> dict[str, Any]:
     """Until no store is open and `min_committed` chunks are visible (every rank committed).
-    `nudge` (a tiny request) lets an idle engine step: vLLM 0.26 reports a finished request's
-    store copies only in a later engine step, so without one they stay reserved."""
+    `nudge` (a tiny request) lets an idle in-process engine step: its last request's store
+    jobs reach the workers only in a later step (docs/CONNECTOR.md, "Work that finishes
+    between engine steps"), so without one they stay reserved."""
     end = time.monotonic() + max_s
     while True:
         n = pool_numbers(sc)

@@ -239,12 +239,17 @@ class WarmChild(e2e.Child):
         """Until the pool holds `need` committed chunks with no store open, stable 0.5 s
         (bounded by --store-wait-s): the engine's stores land before this process exits.
 
-        The worker learns that a store's copy finished (and commits it) only inside an engine
-        step, and `LLM.generate` stops stepping when its last request is done: the last
-        request's stores stay reserved until the next step. So while stores are open this
-        steps the engine with tiny prompts (shorter than a block: nothing to look up or
-        store) and counts them (`nudges`): an idle server has the same gap (vLLM keeps
-        stepping only for a connector whose `has_pending_push_work()` says so).
+        This child's engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the pool
+        readiness is read off its worker), and an in-process `LLM.generate` stops stepping
+        when its last request is done. A store job reaches the workers in the step after its
+        reservation answered, so the stores of a max_tokens=1 request (planned when it
+        finishes) wait for a step that only another request brings; copies handed out commit
+        without one (the worker's completion thread). So while stores are open this steps the
+        engine with tiny prompts (shorter than a block: nothing to look up or store) and
+        counts them (`nudges`). A served engine needs none: its engine-core process keeps
+        stepping while the connector has pending work (`has_pending_push_work`), and commits
+        and KV events land on the connector's own threads (docs/CONNECTOR.md, "Work that
+        finishes between engine steps").
         """
         t0 = time.time()
         last, since, st, nudges = -1, t0, {}, 0

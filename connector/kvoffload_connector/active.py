@@ -146,6 +146,16 @@ class ActiveConnector:
     def take_events(self) -> list[Any]:
         return self._scheduler.take_events() if self._scheduler is not None else []
 
+    def publish_events_through(self, publisher: Any) -> None:
+        """KV events reach vLLM's publisher without an engine step where it can (events.py).
+        A side channel: whatever goes wrong leaves the step path (`take_events`) in place."""
+        if self._scheduler is None or publisher is None:
+            return
+        try:
+            self._scheduler.publish_events_through(publisher)
+        except Exception:  # noqa: BLE001 - never costs the pool
+            log.debug("kvoffload: KV events stay on the step path", exc_info=True)
+
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 

@@ -87,6 +87,19 @@ def _gpu_capacity(vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         return {}
 
 
+def _event_publisher(frame: FrameType | None) -> Any:
+    """vLLM's scheduler's KV-event publisher, from the frames that bind us (the scheduler is
+    the `self` of one of the nearest callers; vLLM 0.26-0.33 create the publisher first)."""
+    for _ in range(4):
+        if frame is None:
+            return None
+        publisher = getattr(frame.f_locals.get("self"), "kv_event_publisher", None)
+        if publisher is not None:
+            return publisher
+        frame = frame.f_back
+    return None
+
+
 def _empty_results() -> Any:
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -262,6 +275,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 self._inject("bind_kv_cache_manager")
                 self._impl.bind(kv_cache_manager)
+                self._impl.publish_events_through(_event_publisher(sys._getframe(1)))
             except Exception as exc:  # noqa: BLE001
                 self._fault("bind_kv_cache_manager", exc)
 
@@ -272,6 +286,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 self._inject("bind_gpu_block_pool")
                 self._impl.bind(None, gpu_block_pool)
+                self._impl.publish_events_through(_event_publisher(sys._getframe(1)))
             except Exception as exc:  # noqa: BLE001
                 self._fault("bind_gpu_block_pool", exc)
 

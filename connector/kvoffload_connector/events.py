@@ -16,6 +16,14 @@ tier's events, so every existing subscriber consumes them unchanged.
   engine on a warm pool, a restarted sidecar, a rebuilt pool) reads a snapshot of every visible
   block first: blocks it had announced that are gone are announced removed, the others stored.
 - Nothing is announced for a block that never committed (the sidecar logs commits only).
+- vLLM publishes what `take_events()` returns only inside an engine step, and an idle engine takes
+  none: the last request's blocks would be announced only when the next request comes. So where
+  vLLM's own publisher queues each batch to its own thread (`ZmqEventPublisher.publish` is a
+  `queue.Queue.put` in every supported version), the feed hands its events to that publisher from
+  its poll thread (`publish_through`), in order, one `KVEventBatch` per poll, and `take_events()`
+  returns nothing. Another publisher (registered by a plugin) keeps the step path; a publish that
+  raises puts the events back for `take_events()` and the step path serves from then on (said
+  once).
 - A connector cache reset (`reset_connector`, a weight update) moves the engine's pool keys to a
   new epoch, so what the pool holds from before can no longer load here: the feed announces it
   all removed, and blobs carry the epoch they were stored in, so neither the log nor a later
@@ -29,6 +37,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -215,6 +224,69 @@ class EventFeed:
         self.failures = 0
         self._said = False  # the first events handed to vLLM are logged once
         self._said_failure = False  # so is the first failed poll
+        self._publisher: Any = None  # vLLM's publisher, fed from the poll thread
+        self._said_step_path = False  # a publisher the feed does not feed itself: said once
+        self._batch: Callable[[list[Any]], Any] | None = None
+        self.published = 0  # events handed to the publisher directly (tests, debugging)
+
+    # -- publishing without a step -------------------------------------------------------
+    def publish_through(self, publisher: Any) -> bool:
+        """Hand events to `publisher` (vLLM's scheduler's `kv_event_publisher`) as they
+        come, from the poll thread, when it is vLLM's ZMQ publisher: its `publish` only queues
+        the batch for its own thread. Anything else (a plugin's publisher, whose thread safety
+        is unknown) keeps the step path. True when attached."""
+        try:
+            from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher
+        except ImportError:  # pragma: no cover - every supported vLLM has both
+            return False
+        if publisher is not None and publisher is self._publisher:
+            return True
+        if type(publisher) is not ZmqEventPublisher:
+            if type(publisher).__name__ != "NullEventPublisher" and not self._said_step_path:
+                self._said_step_path = True
+                log.info(
+                    "kvoffload: KV events: publisher %s is not vLLM's ZMQ publisher; the host "
+                    "tier's events go out at engine steps",
+                    type(publisher).__name__,
+                )
+            return False
+        with self._lock:
+            self._batch = lambda events: KVEventBatch(ts=time.time(), events=events)
+            self._publisher = publisher
+            self._flush_locked()  # what was queued before (a snapshot read at start)
+        return True
+
+    def _flush_locked(self) -> None:
+        """Under the lock: queued events to the publisher, in order, as one batch; on a
+        failure they stay queued for `take` (the step path), said once."""
+        pub, out = self._publisher, self._out
+        if pub is None or not out or self._batch is None:
+            return
+        events = list(out)
+        try:
+            pub.publish(self._batch(events))
+        except Exception as exc:  # noqa: BLE001 - a closed publisher, anything: the step path
+            self._publisher = None
+            log.info(
+                "kvoffload: KV events: vLLM's publisher refused a batch (%s: %s); the host "
+                "tier's events go out at engine steps from now on",
+                type(exc).__name__,
+                exc,
+            )
+            return
+        out.clear()
+        self.published += len(events)
+        self._say_first(len(events))
+
+    def _say_first(self, n: int) -> None:
+        if not self._said:
+            self._said = True
+            log.info(
+                "kvoffload: KV events: announcing the host tier (medium %s) through vLLM's "
+                "publisher, %d event(s) in the first batch",
+                MEDIUM,
+                n,
+            )
 
     # -- the scheduler's side ------------------------------------------------------------
     def start(self) -> None:
@@ -223,17 +295,16 @@ class EventFeed:
             self._thread.start()
 
     def take(self) -> list[Any]:
-        """Events queued since the last call, in order (vLLM's `take_events`)."""
-        out = self._out
-        taken = [out.popleft() for _ in range(len(out))]
-        if taken and not self._said:
-            self._said = True
-            log.info(
-                "kvoffload: KV events: announcing the host tier (medium %s) through vLLM's "
-                "publisher, %d event(s) in the first batch",
-                MEDIUM,
-                len(taken),
-            )
+        """Events queued since the last call, in order (vLLM's `take_events`); nothing while
+        the poll thread publishes them itself (never waiting for its lock then: a publish
+        may wait for room in the publisher's queue)."""
+        if self._publisher is not None or not self._out:
+            return []
+        with self._lock:
+            taken = list(self._out)
+            self._out.clear()
+        if taken:
+            self._say_first(len(taken))
         return taken
 
     def retire(self, epoch: bytes) -> int:
@@ -246,6 +317,7 @@ class EventFeed:
             self.announced.clear()
             for a in gone:
                 self._out.append(self._build.removed(a))
+            self._flush_locked()
             return len(gone)
 
     def close(self) -> None:
@@ -287,7 +359,9 @@ class EventFeed:
 
     def _apply(self, page: Any) -> int:
         with self._lock:
-            return self._apply_locked(page)
+            queued = self._apply_locked(page)
+            self._flush_locked()
+            return queued
 
     def _apply_locked(self, page: Any) -> int:
         before = len(self._out)

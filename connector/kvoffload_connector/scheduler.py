@@ -703,6 +703,11 @@ class OffloadScheduler:
         """vLLM's `take_events`: the host tier's BlockStored/BlockRemoved since the last step."""
         return self.event_feed.take() if self.event_feed is not None else []
 
+    def publish_events_through(self, publisher: Any) -> bool:
+        """Announce the host tier through vLLM's own publisher from the feed's poll thread, so
+        no engine step is needed (events.py); False: `take_events` stays the path."""
+        return self.event_feed is not None and self.event_feed.publish_through(publisher)
+
     def _reserve(self, plan: StorePlan) -> None:
         """Reference the plan's blocks, then reserve its chunks (store_plan.py holds back those
         waiting for their request's first token)."""

@@ -7,6 +7,11 @@ transfer engine. Each step it submits the scheduler's load jobs
 commits finished stores to the sidecar (on a background thread), and reports
 per-job outcomes back to the scheduler (`WorkerReport`).
 
+Stores commit without a step: a completion thread per worker waits in the engine
+(`wait_for_store`, no GIL held) and handles what finished exactly as the step's poll would,
+under the job lock, so the last request before a quiet period, a shutdown or a crash reaches
+the pool without another request; each job still goes into one report, once.
+
 Nothing here waits on the sidecar during a step: until a registration and a
 mapped, device-registered pool exist every job fails fast (a miss / a dropped
 store). A job carries the pool generation its slots belong to; if the
@@ -24,9 +29,11 @@ again).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +51,23 @@ from kvoffload_connector.slot_versions import SlotVersions
 from kvoffload_connector.transfer import Direction, JobResult, TransferBatch, make_engine
 
 log = logging.getLogger(__name__)
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+# how long the completion thread waits in the engine per round, and shutdown for that thread
+_COMPLETION_WAIT_S = 0.5
+_COMPLETION_JOIN_S = 2.0
+
+
+def _jobs_locked(fn: _F) -> _F:
+    """Run a step-thread entry point under the job lock: the completion thread handles
+    finished jobs under it too (job tables, reports, stats)."""
+
+    @functools.wraps(fn)
+    def locked(self: OffloadWorker, *args: Any, **kwargs: Any) -> Any:
+        with self._jobs_lock:
+            return fn(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 def _batches(transfers: tuple[GroupTransfer, ...]) -> list[TransferBatch]:
@@ -115,6 +139,11 @@ class OffloadWorker:
         self._lock_key: tuple[str, int, int] | None = None  # (path, base, engine) it locks
         self._load_checks: dict[int, tuple[list[int], list[int]]] = {}  # job: slots, versions
         self._store_fences: dict[int, tuple[int, int]] = {}  # job: sidecar epoch, engine
+        # job tables, reports and stats: the step thread and the completion thread
+        self._jobs_lock = threading.RLock()
+        self._jobs_changed = threading.Condition(self._jobs_lock)
+        self._completion: threading.Thread | None = None
+        self._closing = False
 
     # -- registration ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -182,6 +211,7 @@ class OffloadWorker:
                 self.engine = make_engine(
                     self.layout, self.pool, self.device, store_ctas=self.cfg.store_ctas
                 )
+            self._start_completion()
             self.generation = reg.generation
         if self.slot_versions is None and reg.slot_table_offset:
             self.slot_versions = SlotVersions(
@@ -193,6 +223,7 @@ class OffloadWorker:
             self.spec, self.num_ranks, self.layout.slot_bytes, reg.namespace_id, reg.generation
         )
 
+    @_jobs_locked
     def _close_engine(self) -> None:
         if self.engine is not None:
             try:
@@ -284,6 +315,7 @@ class OffloadWorker:
         return self.engine is not None and self.pool is not None and self.pool.ready
 
     # -- jobs -----------------------------------------------------------------------------
+    @_jobs_locked  # also what keeps the completion thread's poll from starting layered loads
     def start_load_kv(self, meta: ConnectorMeta | None) -> None:
         self._maybe_reconnect()
         if self._layered_step:
@@ -367,6 +399,7 @@ class OffloadWorker:
         self._stats["failed_loads"] = self._stats.get("failed_loads", 0) + 1
         self._load_blocks.pop(job_id, None)
 
+    @_jobs_locked
     def wait_for_save(self, meta: ConnectorMeta | None) -> None:
         """Submit the step's store jobs, once per metadata object (callers may repeat it)."""
         if meta is None or meta is self._saved_meta:
@@ -388,6 +421,54 @@ class OffloadWorker:
                 log.warning("kvoffload: store job %d rejected: %s", job.job_id, e)
                 self._jobs.pop(job.job_id, None)
                 self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1
+        if meta.stores:
+            self._jobs_changed.notify_all()  # the completion thread waits for these
+
+    # -- completion without a step ------------------------------------------------------
+    def _start_completion(self) -> None:
+        """The completion thread, once, for an engine that can wait for its stores."""
+        if self._completion is None and hasattr(self.engine, "wait_for_store"):
+            self._completion = threading.Thread(
+                target=self._complete_loop, name=f"kvoffload-rank{self.rank}-done", daemon=True
+            )
+            self._completion.start()
+
+    def _stores_in_flight(self) -> bool:
+        return self.engine is not None and any(k[0] == "store" for k in self._jobs.values())
+
+    def _complete_loop(self) -> None:
+        """Commit stores whose copies finished while no step polls the engine (vLLM steps
+        only while requests run): wait in the engine without the job lock or the GIL, then
+        handle what finished under the lock, as `transfer_results` would. `_handle` pops each
+        job from `_jobs` under the lock, so it commits once and enters one report once,
+        whichever thread saw it first. Loads that finished are handled alike (reported at the
+        next step). The step thread holds the lock from `submit_layered` to `start_layered`,
+        so the engine's poll here never finds layered loads to start."""
+        while True:
+            with self._jobs_lock:
+                while not self._closing and not self._stores_in_flight():
+                    self._jobs_changed.wait()
+                if self._closing:
+                    return
+                engine = self.engine
+            try:
+                engine.wait_for_store(_COMPLETION_WAIT_S)
+                with self._jobs_lock:
+                    if self.engine is engine and not self._closing:
+                        results = engine.poll()
+                        self._handle(results)
+                        if not results:  # never a spin, whatever the engine answers
+                            self._jobs_changed.wait(_COMPLETION_WAIT_S / 10)
+            except Exception:  # noqa: BLE001 - the step's poll still reports every job
+                log.warning("kvoffload: store completion thread stopped", exc_info=True)
+                return
+
+    def _stop_completion(self) -> None:
+        with self._jobs_lock:
+            self._closing = True
+            self._jobs_changed.notify_all()
+        if self._completion is not None:
+            self._completion.join(_COMPLETION_JOIN_S)
 
     def _handle(self, results: list[JobResult]) -> None:
         for r in results:
@@ -455,6 +536,7 @@ class OffloadWorker:
         for k, v in values.items():
             self._stats[k] = self._stats.get(k, 0) + v
 
+    @_jobs_locked
     def transfer_results(self) -> tuple[set[str], set[str], set[int]]:
         """(finished_recving, failed_recving, failed async load block ids) since the last
         call; failed layered blocks wait in ``take_failed_layered_blocks``. This step's
@@ -471,11 +553,13 @@ class OffloadWorker:
         self._recving, self._failed_recving, self._failed_blocks = set(), set(), set()
         return recving, failed, blocks
 
+    @_jobs_locked
     def take_failed_layered_blocks(self) -> set[int]:
         """Blocks of this step's layered loads that did not load (vLLM recomputes them)."""
         blocks, self._failed_layered_blocks = self._failed_layered_blocks, set()
         return blocks
 
+    @_jobs_locked
     def report(self) -> WorkerReport | None:
         reg, self._report_registration = self._report_registration, None
         no_pool, self._report_no_pool = self._report_no_pool, ""
@@ -497,12 +581,16 @@ class OffloadWorker:
     def stats_pending(self) -> bool:
         return bool(self._stats)
 
+    @_jobs_locked
     def take_stats(self) -> dict[str, float]:
         s, self._stats = self._stats, {}
         return s
 
     def shutdown(self) -> None:
+        """Stores whose copies are in flight finish and commit (copies end; the commits run
+        on the RPC thread, which `close` gives a bounded time), then the engine goes."""
         try:
+            self._stop_completion()
             self._close_engine()
         finally:
             self._rpc.close()

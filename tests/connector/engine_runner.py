@@ -18,6 +18,9 @@ Scenarios (each writes a JSON report; the test asserts on it):
 - `events`: with `--kv-events-config` (ZMQ on --events-port), a subscriber decoding vLLM's own
   KVEventBatch records every event: P stored, then fillers until the pool evicted; `events_fresh`:
   a new engine on that pool (its snapshot announce).
+- `idle`: prompts P (3 requests at once), then no request at all: the time until the sidecar shows
+  P's chunks committed (none reserved) and, with --events-port, until their CPU-tier events
+  reached the subscriber; no engine step runs after P's last.
 - `adopt`: P stored, the sidecar SIGKILLed and restarted (same command line) under this
   running engine; the time until the connector re-attached, then P again (pool hits from the
   adopted blocks). `adopt_fresh`: a new engine's first requests, P of `adopt` (same --seed).
@@ -738,13 +741,73 @@ def events_report(events: list) -> dict:
     return out
 
 
-def flush_events(llm, args: argparse.Namespace, rounds: int = 3) -> None:
-    """vLLM publishes the connector's events at an engine step: run a prompt shorter than one
-    block (nothing stored) a few times, with pauses for the feed's poll."""
-    for i in range(rounds):
-        time.sleep(0.4)
-        run(llm, [[5 + i, 6, 7, 8]], 1)
-    time.sleep(0.5)
+def cpu_events(collector: EventCollector) -> tuple[int, int]:
+    """CPU-tier BlockStored and BlockRemoved events the subscriber received so far."""
+    stored = removed = 0
+    for e in list(collector.events):
+        if (getattr(e, "medium", None) or "GPU") == "CPU":
+            kind = type(e).__name__
+            stored += kind == "BlockStored"
+            removed += kind == "BlockRemoved"
+    return stored, removed
+
+
+def events_quiet(
+    collector: EventCollector, socket: str, max_s: float = 10.0, snapshot: bool = False
+) -> float:
+    """Without any request (no engine step): until the subscriber received a BlockStored per
+    block the pool stored and a BlockRemoved per block it evicted (`snapshot`: a fresh
+    engine's, one BlockStored per block the pool holds), at most `max_s`. Returns the seconds
+    it took."""
+    start = time.monotonic()
+    while time.monotonic() - start < max_s:
+        c = namespace_counters(socket)
+        if snapshot:
+            want = (c["committed_slots"], 0) if c["committed_slots"] else (-1, -1)
+        else:
+            want = (c["stored_blocks"], stats_evicted(socket))
+        if cpu_events(collector) == want:
+            break
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def scenario_idle(args: argparse.Namespace) -> dict:
+    """P's stores (and events) reach the pool with no engine step after P's last one."""
+    collector = EventCollector(args.events_port) if args.events_port else None
+    llm = make_llm(args)
+    per_prompt = args.prompt_len // args.chunk_tokens
+    before = 0
+    for attempt in range(3):  # the pool path is live (registration), long requests commit
+        run(llm, prompts(args.seed + 900 + attempt, 1, args.prompt_len), 16)
+        before = settle_pool(args.socket, min_committed=before + per_prompt, max_s=10)
+        if before >= per_prompt:
+            break
+    batch = prompts(args.seed, 3, args.prompt_len)
+    first = run(llm, batch, args.max_tokens)
+    done = time.monotonic()
+    want = before + len(batch) * per_prompt
+    slots: dict[str, int] = {}
+    commit_s = None
+    from kvoffload_connector.client import PoolClient
+
+    client = PoolClient(args.socket, "test/idle", rpc_timeout_s=2)
+    try:
+        while time.monotonic() - done < args.idle_s:
+            slots = pool_slots(client)
+            if slots["committed_slots"] >= want and not slots["reserved_slots"]:
+                commit_s = time.monotonic() - done
+                break
+            time.sleep(0.02)
+    finally:
+        client.close()
+    report: dict = {"first": first, "want_committed": want, "slots": slots, "commit_s": commit_s}
+    if collector is not None:
+        report["events_s"] = events_quiet(collector, args.socket, max_s=args.idle_s)
+        report["cpu_events"] = cpu_events(collector)
+        report["counters"] = namespace_counters(args.socket)
+        report["events"] = events_report(collector.stop())
+    return report
 
 
 def scenario_events(args: argparse.Namespace) -> dict:
@@ -763,8 +826,8 @@ def scenario_events(args: argparse.Namespace) -> dict:
         evicted = stats_evicted(args.socket)
         if evicted >= 3 * per_prompt:
             break
-    flush_events(llm, args)
     report = {
+        "quiet_s": events_quiet(collector, args.socket),  # no request: no engine step
         "first": first,
         "events": events_report(collector.stop()),
         "counters": namespace_counters(args.socket),
@@ -779,8 +842,12 @@ def scenario_events(args: argparse.Namespace) -> dict:
 def scenario_events_fresh(args: argparse.Namespace) -> dict:
     collector = EventCollector(args.events_port)
     llm = make_llm(args)
-    flush_events(llm, args, rounds=5)
+    # one request shorter than a block (nothing stored): its step carries the worker's
+    # registration to the scheduler, whose feed can then read the pool; no step after it
+    run(llm, [[5, 6, 7, 8]], 1)
+    quiet_s = events_quiet(collector, args.socket, max_s=20, snapshot=True)
     return {
+        "quiet_s": quiet_s,
         "events": events_report(collector.stop()),
         "counters": namespace_counters(args.socket),
     }
@@ -847,6 +914,7 @@ def main() -> int:
             "events",
             "events_fresh",
             "gate",
+            "idle",
         ],
     )
     ap.add_argument("--model", required=True)
@@ -870,6 +938,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--events-port", type=int, default=0, help="--kv-events-config ZMQ port")
     ap.add_argument("--lazy-watermark", type=int, default=0)
+    ap.add_argument("--idle-s", type=float, default=10.0, help="idle: how long to wait")
     ap.add_argument("--sidecar-pid-file", default="")
     ap.add_argument("--corrupt-pool", default="", help="pool file to overwrite (reset scenario)")
     ap.add_argument("--truncate-pool", default="", help="pool file to truncate (truncate)")
@@ -892,6 +961,7 @@ def main() -> int:
         "events": scenario_events,
         "events_fresh": scenario_events_fresh,
         "gate": scenario_gate,
+        "idle": scenario_idle,
     }[args.scenario]
     report = fn(args)
     report["stats_only_outputs_recorded"] = stats_only_outputs_recorded()

@@ -4,8 +4,10 @@ to and from pool slots. The engines (`cpu.py`, `cuda.py`), the plan and the fact
 
 A job is a list of ``TransferBatch`` (one KV group each). ``submit`` never blocks on the copy;
 ``poll`` reports finished jobs once; ``wait`` blocks for given jobs (tests, benchmarks,
-shutdown). Malformed batches raise ``ValueError`` in ``submit`` before anything is queued, so a
-bad request loses nothing; copy failures come back as ``JobResult(ok=False, error=...)``.
+shutdown); ``wait_for_store`` blocks, without holding the GIL, until a STORE finished, so a
+worker thread can commit a store whose copy completed while no engine step runs. Malformed
+batches raise ``ValueError`` in ``submit`` before anything is queued, so a bad request loses
+nothing; copy failures come back as ``JobResult(ok=False, error=...)``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ class TransferEngine(Protocol):
     def wait(self, job_ids: Collection[int]) -> list[JobResult]:
         """Block until these jobs are done; returns their results (ids already reported or
         never submitted are skipped)."""
+        ...
+
+    def wait_for_store(self, timeout_s: float) -> None:
+        """Block until a STORE in flight at the call finished, none is in flight, the engine
+        shut down, or ``timeout_s`` passed (a GPU engine may wait out the oldest store's copy
+        instead: copies end). The results stay for ``poll``; the GIL is not held while waiting,
+        so a completion thread can wait here beside the engine's steps."""
         ...
 
     def shutdown(self) -> None:

@@ -63,6 +63,7 @@ class CpuTorchEngine:
         self._inline = inline
         self._cv = threading.Condition()
         self._pending: set[int] = set()
+        self._pending_stores: set[int] = set()  # the STOREs in `_pending` (wait_for_store)
         self._done: dict[int, JobResult] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -81,6 +82,8 @@ class CpuTorchEngine:
             if self._thread is None and not self._inline:
                 raise RuntimeError("engine is shut down")
             self._pending.add(job_id)
+            if direction is Direction.STORE:
+                self._pending_stores.add(job_id)
         job = (job_id, direction, tuple(batches), nbytes, time.perf_counter())
         if self._inline:
             self._run(*job)
@@ -121,11 +124,20 @@ class CpuTorchEngine:
             self._cv.wait_for(lambda: not (ids & self._pending))
             return [self._done.pop(j) for j in sorted(ids) if j in self._done]
 
+    def wait_for_store(self, timeout_s: float) -> None:
+        """Until a STORE pending at the call finished (or none is pending, or the timeout)."""
+        with self._cv:
+            stores = set(self._pending_stores)
+            if stores:
+                self._cv.wait_for(lambda: not stores <= self._pending_stores, timeout_s)
+
     def shutdown(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        with self._cv:
+            self._cv.notify_all()  # a wait_for_store of another thread returns now
 
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -146,6 +158,7 @@ class CpuTorchEngine:
             )
         with self._cv:
             self._pending.discard(job_id)
+            self._pending_stores.discard(job_id)
             self._done[job_id] = result
             self._cv.notify_all()
 

@@ -47,9 +47,13 @@ timing events come from a per-pipe free list, the block ids go through persisten
 device buffers (``_BlockIds``), and the compute stream's driver handle is cached per stream.
 
 Completion: a pair of timing events per job (start, end), the end queried by ``poll`` (never
-blocks); the pair returns to its pipe's free list once the job is reported. Jobs of one direction
-complete in submission order; the two directions run concurrently, touching disjoint slots
-(the pool never hands a slot to a store while a load reads it).
+blocks); the pair returns to its pipe's free list once the job is reported. The worker's
+completion thread waits in ``wait_for_store`` on the oldest store's end event (stores finish in
+submission order): torch's ``Event.synchronize`` releases the GIL, and the store pipe's timing
+events are blocking-sync events, so that thread sleeps in the driver instead of spinning a
+core. Jobs of one direction complete in submission order; the two directions run
+concurrently, touching disjoint slots (the pool never hands a slot to a store while a load
+reads it).
 """
 
 from __future__ import annotations
@@ -126,7 +130,14 @@ class _Pipe:
     per-piece enqueue path is a few driver calls, no torch wrappers)."""
 
     def __init__(
-        self, device: Any, capacity: int, ring: int, priority: int, dmas: int, ids: int
+        self,
+        device: Any,
+        capacity: int,
+        ring: int,
+        priority: int,
+        dmas: int,
+        ids: int,
+        blocking: bool = False,
     ) -> None:
         import torch
         from cuda.bindings import driver as drv
@@ -151,6 +162,7 @@ class _Pipe:
         # (start, end) timing events of reported jobs: a pair is re-recorded only after the job
         # that used it was reported (its elapsed time read), so no job reads a later job's record
         self.timers: list[tuple[Any, Any]] = []
+        self.blocking = blocking  # timing events a host thread waits on sleep, never spin
 
     def take(self) -> int:
         k = self.next
@@ -162,7 +174,10 @@ class _Pipe:
         if self.timers:
             return self.timers.pop()
         event = self.ids.torch.cuda.Event
-        return event(enable_timing=True), event(enable_timing=True)
+        return (
+            event(enable_timing=True, blocking=self.blocking),
+            event(enable_timing=True, blocking=self.blocking),
+        )
 
     def close(self, destroy: Any) -> None:
         """Release events and buffers (the caller synchronized this pipe's streams)."""
@@ -319,7 +334,9 @@ class CudaEngine:
         ids = sum(g.num_blocks for g in layout.groups)
         with torch.cuda.device(device):
             self._pipes = {
-                Direction.STORE: _Pipe(device, self._capacity, ring, 0, dma_streams, ids),
+                Direction.STORE: _Pipe(
+                    device, self._capacity, ring, 0, dma_streams, ids, blocking=True
+                ),
                 Direction.LOAD: _Pipe(device, self._capacity, ring, -1, dma_streams, ids),
             }
             self._tables = {g.group_id: self._table(g) for g in layout.groups}
@@ -545,6 +562,21 @@ class CudaEngine:
                 if job_id in self._done:
                     out.append(self._done.pop(job_id))
             return out
+
+    def wait_for_store(self, timeout_s: float) -> None:
+        """Wait out the oldest STORE in flight: stores finish in submission order, so it is
+        the next to complete. No timeout on the GPU (a copy ends; ``timeout_s`` is not used):
+        the caller's thread blocks in the driver without the GIL. The result stays for poll."""
+        with self._lock:
+            if self._closed:
+                return
+            pipe = self._pipes[Direction.STORE]
+            job = next((j for j in self._jobs.values() if j.pipe is pipe), None)
+        if job is not None:
+            # this thread's current device: a runtime call elsewhere would open a context on
+            # device 0 in every rank's process
+            with self._torch.cuda.device(self._device):
+                job.end.synchronize()
 
     def shutdown(self) -> None:
         with self._lock:
