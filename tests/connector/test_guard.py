@@ -1,4 +1,4 @@
-"""The connector never crashes vLLM (configuration, imports, unsupported models and versions, bad keys).
+"""The connector never crashes vLLM: bad configuration, imports, models, versions or keys.
 
 A chunk that does not fit the engine's block size is rounded up; anything that goes wrong while
 the connector is built (bad config, a package that cannot import, an unsupported model or vLLM
@@ -175,8 +175,8 @@ def test_bad_config_value_disables_and_says_why_once(tmp_path, fresh_guard, capl
 @pytest.mark.parametrize("key", ["inline_lookup_ms", "refresh_steps", "store_threshold"])
 @pytest.mark.parametrize(("value", "says"), [(-1, "must be >= 0"), ("soon", "must be an integer")])
 def test_the_serving_keys_reject_bad_values_by_name(key, value, says):
-    """The load and lookup tuning keys go through the same validated parser: a clear error naming the key
-    (the guard above turns it into serving without the pool, said once)."""
+    """The load and lookup tuning keys go through the same validated parser: a clear error
+    naming the key (the guard above turns it into serving without the pool, said once)."""
     with pytest.raises(ValueError) as e:
         parse_extra_config({key: value}, 16)
     assert f"['{key}']" in str(e.value) and says in str(e.value)

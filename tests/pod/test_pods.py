@@ -590,12 +590,12 @@ def _serving_stats(pod: harness.Pod, socket: str, max_s: float = 30) -> dict[str
 def test_fault_sidecar_sigkill_under_load_keeps_the_pool_for_a_fresh_engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Restarts lose nothing in a pod: the sidecar container SIGKILLed with requests in flight and restarted
-    by the kubelet adopts the pool file it left in the pod's emptyDir (the committed blocks
-    visible again, same generation), and a vLLM container started afterwards (a fresh engine,
-    same args and uid) gets pool hits with the tokens of the pod without kvoffload for the
-    prompts stored before the kill. The sidecar and vLLM run as different non-root uids, the
-    pool dir is the injector's size-limited memory emptyDir."""
+    """Restarts lose nothing in a pod: the sidecar container SIGKILLed with requests in
+    flight and restarted by the kubelet adopts the pool file it left in the pod's emptyDir
+    (the committed blocks visible again, same generation), and a vLLM container started
+    afterwards (a fresh engine, same args and uid) gets pool hits with the tokens of the pod
+    without kvoffload for the prompts stored before the kill. The sidecar and vLLM run as
+    different non-root uids, the pool dir is the injector's size-limited memory emptyDir."""
     wd = workdir_for(tmp_path_factory, "adopt")
     want = baseline(FAULT_FIXTURE, wd)
     (doc,) = inject(FAULT_FIXTURE)
