@@ -32,7 +32,7 @@ side: 16 MiB stores 0.3-0.4 GB/s faster at 16-32 KiB pages, loads alike).
   (the host never waits). Layer L's attention runs while layers L+1.. still cross PCIe, so the
   step costs about max(load, compute), not their sum. All the step's layered loads (one job per
   request) start together (``start_layered``): one kernel per layer over every job's blocks,
-  so layer 0 of every request lands first. Why 8 CTAs (``bench/overlap.py``, H100,
+  so layer 0 of every request lands first. Why 8 CTAs (measured on an H100,
   a 1.22 GiB load beside 32 layers of Llama-3-8B GEMMs): alone, 4-32 CTAs all load at 47-50
   GB/s; beside a 4,096-token forward the copy CTAs take SMs from the GEMMs, and the forward
   grew by 16 ms with 32 CTAs, 9 with 16, 7 with 8 and 11 with 4 (2 CTAs starve the copy).
