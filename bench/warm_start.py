@@ -1,4 +1,4 @@
-"""Warm start after a vLLM restart (issue 18: "Restarts lose nothing"), side by side.
+"""Warm start after a vLLM restart ("restarts lose nothing"), side by side.
 
 Every engine is a fresh child process (a vLLM restart: clean GPU and host memory), all against
 one real `kvoffload sidecar` that this script owns (so it can SIGKILL and restart it). Two

@@ -397,8 +397,8 @@ class OffloadScheduler:
         requests' path, which was answered already. Not while a request waits for its first
         token: an idle engine takes no steps, so the first step after `miss_report_ms` is
         mostly the one that schedules the next prefill, and the round trip and the sidecar's
-        answer would run beside its launch (session 28: kvoffload's requests fell into the GPU
-        VM's slow TTFT mode more often than the others'). Held twice `miss_report_ms` at most."""
+        answer would run beside its launch (measured: kvoffload's requests fell into the GPU VM's
+        slow TTFT mode more often than the others'). Held twice `miss_report_ms` at most."""
         if not self._presence_missed:
             return
         now = self._clock()

