@@ -19,7 +19,7 @@ MIN_FREE_GIB ?= 7
 # deleting a clone frees it instead of growing /tmp run after run.
 export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/.cache/torchinductor
 
-.PHONY: help venv protos protos-check test model-check test-fast test-gpu test-cluster demo lint fmt \
+.PHONY: help venv protos protos-check test soak model-check test-fast test-gpu test-cluster demo lint fmt \
         imports bench chart-test crds-sync images clean
 
 help:
@@ -60,6 +60,9 @@ test: $(STAMP) $(NATIVE) ## unit + process + CPU vLLM tests (what CI runs)
 	@$(MAKE) --no-print-directory imports
 	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -m "not gpu and not cluster" $(PYTEST_ARGS)
+
+soak: $(STAMP) $(NATIVE) ## the drills at soak scale: 200 quick SIGKILLs; 10 min of freezes and kills
+	KVO_FAULT_DRILL_KILLS=200 KVO_CHAOS_S=600 $(PY) -m pytest tests/drill $(PYTEST_ARGS)
 
 test-fast: $(STAMP) $(NATIVE) ## unit + process tests only
 	$(PY) -m pytest -m "not gpu and not cluster and not vllm and not slow" $(PYTEST_ARGS)

