@@ -8,6 +8,12 @@ connector's `PoolClient` (every call's encoding and decoding, `ensure`), `Offloa
 What is replaced, and how:
 - the transport: `InProcessSession` hands each `SessionRequest` to the servicer in-process;
   ending it is what the server sees when a stream ends (`end_session`: the client detaches).
+- registration: `InProcessClient._register` builds the same `RegisterRequest` (the engine key)
+  and reads the same `RegisterResult` (epoch, engine, lock base, slot table) as
+  `PoolClient._register`, calling the servicer's handler instead of the gRPC stub.
+- engine liveness: the worker and the other engine take real OFD locks on the pool file
+  (`EngineLock`), and the pool probes them with its real `FileLocks` through `ModelLiveness`
+  (the injectable `liveness` hook), which a `Broken` switch can override.
 - the RPC threads: `ManualRpc` queues calls until the model checker runs them.
 - the transfer engine: `StepEngine` copies bytes between a dict of GPU blocks and the pool
   file only when the checker says so (`copy`), and reports completion at the next poll.
@@ -17,15 +23,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload_connector.client import Backoff, PoolClient, RankRegion, RegisterResult
+from kvoffload_connector.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.errors import PoolUnavailable
 from kvoffload_connector.session import OrderedSession
 from kvoffload_connector.transfer import Direction, JobResult
+from kvoffload_sidecar.engine_locks import ENGINE_SHIFT, MAX_ENGINE, FileLocks
 from kvoffload_sidecar.metrics import SidecarMetrics
 from kvoffload_sidecar.pool import Pool, PoolSettings
 from kvoffload_sidecar.server import PoolServicer
@@ -70,21 +79,66 @@ class ManualRpc:
         self.queue.clear()
 
 
+class Broken(enum.Flag):
+    """Protocol guarantees a negative control switches off (the checker must then fail).
+
+    NO_VERSION_CHECK: the worker does not re-read its load's slot versions after the copy.
+    TIMER_RECLAIM: an engine counts as dead once the grace has passed since one of its
+    sessions ended (reservations reclaimed by a timer, as if they rested on the session)."""
+
+    NONE = 0
+    NO_VERSION_CHECK = enum.auto()
+    TIMER_RECLAIM = enum.auto()
+
+
+def break_worker(worker, broken: Broken) -> None:
+    """Apply the worker-side switches to an `OffloadWorker` (NO_VERSION_CHECK: every load's
+    versions "still hold" after its copy)."""
+    if Broken.NO_VERSION_CHECK in broken:
+        worker._versions_held = lambda job_id: True
+
+
+class ModelLiveness:
+    """The pool's `liveness` hook: the real `F_OFD_GETLK` probe of the pool file, unless the
+    `TIMER_RECLAIM` switch declares an engine dead by the clock."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+        self.real = FileLocks(lambda: sidecar.pool._region._fd if sidecar.pool else -1)
+
+    def __call__(self, start: int, length: int) -> bool:
+        sc = self.sidecar
+        pool = sc.pool
+        if Broken.TIMER_RECLAIM in sc.broken and pool is not None and length <= 256:
+            engine = (start - pool.lock_base) >> ENGINE_SHIFT
+            lost = sc.engine_detached_at.get(engine)
+            expired = lost is not None and sc.clock() - lost >= pool.settings.detach_grace_s
+            if 0 < engine < MAX_ENGINE and expired:
+                return False
+        return self.real(start, length)
+
+
 class Sidecar:
     """One sidecar process at a time on one pool directory: `kill` then `start` is a restart
     that adopts the pool file (a new `Pool` on the same file)."""
 
-    def __init__(self, settings: PoolSettings, clock: FakeClock) -> None:
+    def __init__(self, settings: PoolSettings, clock: FakeClock, broken: Broken = Broken.NONE):
         self.settings = settings
         self.clock = clock
+        self.broken = broken
         self.pool: Pool | None = None
         self.servicer: PoolServicer | None = None
         self.sessions: list[InProcessSession] = []
         self.boots = 0
+        self.epochs: list[int] = []  # every instance's epoch, in boot order
+        # TIMER_RECLAIM: per engine key, when a session of one of its clients last ended
+        self.engine_detached_at: dict[int, float] = {}
+        self.liveness = ModelLiveness(self)
 
     def start(self) -> None:
-        self.pool = Pool(self.settings, clock=self.clock)
+        self.pool = Pool(self.settings, clock=self.clock, liveness=self.liveness)
         self.pool.start()
+        self.epochs.append(self.pool.epoch)
         self.servicer = PoolServicer(self.pool, SidecarMetrics(self.pool))
         self.boots += 1
 
@@ -101,6 +155,11 @@ class Sidecar:
         """The reaper's tick (runtime.reap_forever)."""
         if self.pool is not None:
             self.pool.reap_idle_clients()
+            if Broken.TIMER_RECLAIM in self.broken:  # the timer fired once: forget it
+                grace, now = self.settings.detach_grace_s, self.clock()
+                for engine, t in list(self.engine_detached_at.items()):
+                    if now - t >= grace:
+                        del self.engine_detached_at[engine]
 
     @property
     def path(self) -> Path:
@@ -152,6 +211,10 @@ class InProcessSession(OrderedSession):
         self._mark_ended()
         if self in self.sidecar.sessions:
             self.sidecar.sessions.remove(self)
+            pool = self.sidecar.pool
+            client = pool._clients.get(self.client_id) if pool is not None else None
+            if client is not None:  # Broken.TIMER_RECLAIM's clock starts here
+                self.sidecar.engine_detached_at[client.engine] = self.sidecar.clock()
             self.servicer.end_session(self.client_id)
             self.servicer.session_closed()
 
@@ -166,8 +229,8 @@ class InProcessSession(OrderedSession):
 class InProcessClient(PoolClient):
     """The real `PoolClient` with registration and the session in-process."""
 
-    def __init__(self, sidecar: Sidecar, client_name: str) -> None:
-        super().__init__(f"inproc:{client_name}", client_name, keep_attached=False)
+    def __init__(self, sidecar: Sidecar, client_name: str, engine: int = 0) -> None:
+        super().__init__(f"inproc:{client_name}", client_name, keep_attached=False, engine=engine)
         self.sidecar = sidecar
         self.backoff = Backoff(0.0, 0.0)  # the checker decides when a reconnect happens
 
@@ -194,6 +257,7 @@ class InProcessClient(PoolClient):
                 num_ranks=num_ranks,
                 slot_bytes_per_rank=slot_bytes,
                 client_name=self.client_name,
+                engine=self.engine,
             )
             try:
                 servicer._register(request, 0, resp)
@@ -217,6 +281,11 @@ class InProcessClient(PoolClient):
             pool_ready=resp.pool_ready,
             committed_blocks=resp.committed_blocks,
             generation=resp.pool_generation,
+            epoch=resp.sidecar_epoch,
+            engine=resp.engine,
+            engine_lock_base=resp.engine_lock_base,
+            slot_table_offset=resp.slot_table_offset,
+            slot_record_bytes=resp.slot_record_bytes,
         )
         return self.registration
 
@@ -228,6 +297,46 @@ class InProcessClient(PoolClient):
     def lose_next_answer(self) -> None:
         if self._session is not None and self._session.alive:
             self._session.lose_next_answer = True  # type: ignore[union-attr]
+
+
+class OtherEngine:
+    """Another engine of the same model, one rank, in this process: its client, and the rank's
+    real engine lock, taken for each registration's lock range before it stores (the sidecar
+    grants reservations only then). `die` is its process exiting: the kernel drops the lock."""
+
+    def __init__(self, sidecar: Sidecar, engine: int, spec, slot_bytes: int) -> None:
+        self.client = InProcessClient(sidecar, f"other-{engine:x}/rank-0", engine=engine)
+        self.client.remember(spec, 1, slot_bytes)  # what ensure() registers with
+        self.lock: EngineLock | None = None
+        self._locked_for: tuple[str, int] | None = None
+
+    def ready(self) -> bool:
+        """Registered, with its lock held for the registration's range."""
+        if not self.client.ensure():
+            return False
+        reg = self.client.registration
+        key = (reg.regions[0].path, reg.engine_lock_base)
+        if self._locked_for != key:
+            self.release()
+            self.lock = EngineLock(key[0], lock_offset(key[1], reg.engine, 0))
+            self._locked_for = key
+        return True
+
+    def commit(self, store_id: int) -> bool:
+        reg = self.client.registration
+        return self.client.commit_store(
+            reg.namespace_id, store_id, 0, epoch=reg.epoch, engine=reg.engine
+        )
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+        self.lock, self._locked_for = None, None
+
+    def die(self) -> None:
+        """The process exits mid-store: its sessions end, its lock goes, nothing commits."""
+        self.release()
+        self.client.lose_session()
 
 
 @dataclass
