@@ -90,6 +90,7 @@ def start(pool_dir: Path, sock: Path, log: Path, *extra: str) -> subprocess.Pope
         f"--pool-dir={pool_dir}",
         f"--socket={sock}",
         "--on-pool-error=degrade",  # what the injector sets
+        "--file-mode=0666",  # what the injector sets too: vLLM runs as another uid of the pod
         *extra,
     ]
     with open(log, "ab") as err:
