@@ -59,7 +59,7 @@ test: $(STAMP) $(NATIVE) ## unit + process + CPU vLLM tests (what CI runs)
 	@$(MAKE) --no-print-directory crds-check
 	@$(MAKE) --no-print-directory imports
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -m "not gpu and not cluster" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not cluster" --durations=25 $(PYTEST_ARGS)
 
 soak: $(STAMP) $(NATIVE) ## the drills at soak scale: 200 quick SIGKILLs; 10 min of freezes and kills
 	KVO_FAULT_DRILL_KILLS=200 KVO_CHAOS_S=600 $(PY) -m pytest tests/drill $(PYTEST_ARGS)
