@@ -7,7 +7,7 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
 - **Pod sandbox**: a "pause" process `unshare --mount --net --propagation private sleep infinity`;
   every mount and container process enters it (`nsenter -t PAUSE -m -n`). Each pod thus gets its
   own `/kvoffload/...` paths, its own `/tmp` (a tmpfs) and its own loopback network (ports as the
-  manifest says, no clashes with other tests). All containers of a pod share this one mount
+  manifest says, no clashes with other tests) with the pod IP (`pod_translate.POD_IP`) on it. All containers of a pod share this one mount
   namespace: each emptyDir is mounted once, at its mountPath, which must agree between the
   containers that mount it (checked); `readOnly` and `subPath` are not emulated.
 - **Volumes**: every `emptyDir` is a real tmpfs, `size=<sizeLimit>` (default 1Gi), `mode=0777`.
@@ -20,13 +20,13 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
   `/payload` is bind-mounted at `/payload`; any other image is a stock vLLM (a venv without
   kvoffload) whose ENTRYPOINT is `vllm serve`.
 - **Containers**: init containers in order; a native sidecar (`restartPolicy: Always`) starts and
-  its startupProbe (exec; grpc as a health check over the pod's loopback) is polled like the
+  its startupProbe (exec; grpc as a health check to the pod IP) is polled like the
   kubelet does (periodSeconds, timeoutSeconds, failureThreshold; a failed probe restarts it, as
   the kubelet would) before the next container starts. Each runs via `setpriv --reuid --regid
   --clear-groups` as its securityContext.runAsUser (pod's, else the image's USER: 65532 for
   kvoffload images, 1000 for vLLM), group runAsGroup (else the uid; `# harness-uid: U:G` in the
   manifest overrides, e.g. OpenShift's arbitrary uid with gid 0), env only from the manifest
-  (literal values) plus PATH and HOME=/tmp when unset. `restart_always(name)` restarts a
+  (literal values, `$(VAR)` in them, pod-field `fieldRef`s) plus PATH and HOME=/tmp. `restart_always(name)` restarts a
   container whenever it exits (restartPolicy Always); `restart(name)` stops one with a signal
   and starts it again (a liveness failure, a rollout of the same pod's process).
 - **Memory limits**: kvoffload's own containers (sidecar, installer) run in a cgroup v1 memory
@@ -154,6 +154,7 @@ class Pod:
                 raise RuntimeError("pause process never entered its namespace")
             time.sleep(0.01)
         self.ns(["ip", "link", "set", "lo", "up"])
+        self.ns(["ip", "addr", "add", f"{translate.POD_IP}/32", "dev", "lo"])
         self._reach_checkout()
         self._private_tmp()
         self._mount_volumes()
@@ -258,7 +259,7 @@ class Pod:
         kind = self._image_kind(c)
         bin_dir = self.images.vllm_bin if kind == "vllm" else self.images.sidecar_bin
         env = {"PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp"}
-        env.update({e["name"]: str(e["value"]) for e in c.get("env") or [] if "value" in e})
+        env.update(translate.container_env(c))
         if kind == "vllm":
             env.update(
                 VLLM_CPU_KVCACHE_SPACE="1",
@@ -343,7 +344,7 @@ class Pod:
             port = probe["grpc"]["port"]
             code = (
                 "import grpc,sys;from grpc_health.v1 import health_pb2 as h,health_pb2_grpc as g;"
-                f"ch=grpc.insecure_channel('127.0.0.1:{port}');"
+                f"ch=grpc.insecure_channel('{probe['grpc'].get('host', translate.POD_IP)}:{port}');"
                 f"r=g.HealthStub(ch).Check(h.HealthCheckRequest(),timeout={timeout});"
                 "sys.exit(0 if r.status==h.HealthCheckResponse.SERVING else 1)"
             )

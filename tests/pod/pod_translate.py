@@ -1,7 +1,7 @@
 """The vLLM container's command as the kubelet assembles it, translated to run on this CPU box.
 
 Kubelet part: `command` (else the image ENTRYPOINT: `vllm serve` for every vLLM image here) plus
-`args`, `$(VAR)` expanded from the container's literal env. Translation (applied identically to a
+`args`, `$(VAR)` expanded from the container's env (literal values and pod fieldRefs). Translation (applied identically to a
 pod with and without kvoffload, so the two runs differ only by what the injection added):
 - the model (positional after `serve`, or `--model`) becomes the local tiny model dir;
 - only flags on `KEEP` survive (everything else is GPU, download, network or size tuning that
@@ -70,15 +70,51 @@ FIXED = (
 _OPS = {";", "&&", "||", "|", "&", "\n"}
 
 
+POD_IP = "10.88.0.2"  # the harness pod's IP, on its own loopback (see harness.py)
+FIELDS = {
+    "status.podIP": POD_IP,
+    "status.podIPs": POD_IP,
+    "status.hostIP": POD_IP,
+    "metadata.name": "pod",
+    "metadata.namespace": "default",
+    "spec.nodeName": "node",
+    "spec.serviceAccountName": "default",
+}
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(word: str, env: Mapping[str, str]) -> str:
+    """The kubelet's `$(VAR)` expansion: a defined VAR is replaced, `$$` is a literal `$`,
+    an undefined `$(VAR)` stays as written."""
+
+    def one(m: re.Match[str]) -> str:
+        if m[0] == "$$":
+            return "$"
+        return env.get(m[1], m[0])
+
+    return _VAR.sub(one, word)
+
+
+def container_env(container: Mapping[str, Any]) -> dict[str, str]:
+    """The container's env as the kubelet sets it: literal values (which may use earlier
+    variables as `$(VAR)`) and `valueFrom.fieldRef` of the pod fields the harness knows.
+    Other `valueFrom` sources (Secrets, ConfigMaps, resourceFieldRef) are left unset."""
+    env: dict[str, str] = {}
+    for e in container.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = expand(str(e["value"]), env)
+            continue
+        ref = ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+        if ref in FIELDS:
+            env[e["name"]] = FIELDS[ref]
+    return env
+
+
 def kubelet_argv(container: Mapping[str, Any]) -> list[str]:
-    """command + args with `$(VAR)` expanded from the container's literal env (as the kubelet)."""
-    env = {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+    """command + args with `$(VAR)` expanded from the container's env (as the kubelet)."""
+    env = container_env(container)
     words = list(container.get("command") or IMAGE_ENTRYPOINT) + list(container.get("args") or [])
-
-    def expand(w: str) -> str:
-        return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), w)
-
-    return [expand(w) for w in words]
+    return [expand(w, env) for w in words]
 
 
 def _engine_start(words: Sequence[str]) -> int | None:
