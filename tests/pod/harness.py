@@ -7,9 +7,10 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
 - **Pod sandbox**: a "pause" process `unshare --mount --net --propagation private sleep infinity`;
   every mount and container process enters it (`nsenter -t PAUSE -m -n`). Each pod thus gets its
   own `/kvoffload/...` paths, its own `/tmp` (a tmpfs) and its own loopback network (ports as the
-  manifest says, no clashes with other tests) with the pod IP (`pod_translate.POD_IP`) on it. All containers of a pod share this one mount
-  namespace: each emptyDir is mounted once, at its mountPath, which must agree between the
-  containers that mount it (checked); `readOnly` and `subPath` are not emulated.
+  manifest says, no clashes with other tests) with the pod IP (`pod_translate.POD_IP`) on it.
+  All containers of a pod share this one mount namespace: each emptyDir is mounted once, at its
+  mountPath, which must agree between the containers that mount it (checked); `readOnly` and
+  `subPath` are not emulated.
 - **Volumes**: every `emptyDir` is a real tmpfs, `size=<sizeLimit>` (default 1Gi), `mode=0777`.
   Other volume kinds (PVCs, Secrets) are ignored. Mount points missing on the host are created
   and removed at stop.
@@ -26,9 +27,10 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
   --clear-groups` as its securityContext.runAsUser (pod's, else the image's USER: 65532 for
   kvoffload images, 1000 for vLLM), group runAsGroup (else the uid; `# harness-uid: U:G` in the
   manifest overrides, e.g. OpenShift's arbitrary uid with gid 0), env only from the manifest
-  (literal values, `$(VAR)` in them, pod-field `fieldRef`s) plus PATH and HOME=/tmp. `restart_always(name)` restarts a
-  container whenever it exits (restartPolicy Always); `restart(name)` stops one with a signal
-  and starts it again (a liveness failure, a rollout of the same pod's process).
+  (literal values, `$(VAR)` in them, pod-field `fieldRef`s) plus PATH and HOME=/tmp.
+  `restart_always(name)` restarts a container whenever it exits (restartPolicy Always);
+  `restart(name)` stops one with a signal and starts it again (a liveness failure, a rollout of
+  the same pod's process).
 - **Memory limits**: kvoffload's own containers (sidecar, installer) run in a cgroup v1 memory
   cgroup of their own with `limit_in_bytes` = `resources.limits.memory`, where this box lets root
   make one: pages of a memory emptyDir are charged to the container that first touches them,

@@ -1,8 +1,9 @@
 """The vLLM container's command as the kubelet assembles it, translated to run on this CPU box.
 
 Kubelet part: `command` (else the image ENTRYPOINT: `vllm serve` for every vLLM image here) plus
-`args`, `$(VAR)` expanded from the container's env (literal values and pod fieldRefs). Translation (applied identically to a
-pod with and without kvoffload, so the two runs differ only by what the injection added):
+`args`, `$(VAR)` expanded from the container's env (literal values and pod fieldRefs).
+Translation (applied identically to a pod with and without kvoffload, so the two runs differ
+only by what the injection added):
 - the model (positional after `serve`, or `--model`) becomes the local tiny model dir;
 - only flags on `KEEP` survive (everything else is GPU, download, network or size tuning that
   does not apply here: `--gpu-memory-utilization`, `--max-num-batched-tokens`, `--dtype`, ...);

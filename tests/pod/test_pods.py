@@ -394,12 +394,6 @@ def test_fault_sidecar_killed_mid_load(fault_pod: Any) -> None:
 
 
 @_mark
-@pytest.mark.xfail(
-    reason="known regression of engine-owned reservations: after a sidecar SIGKILL mid-store in "
-    "a pod, the restarted sidecar drops this engine's stores (stores_dropped) so no new hits "
-    "come; serving stays exact",
-    strict=False,
-)
 def test_fault_sidecar_restarted_serves_again(fault_pod: Any) -> None:
     """After the kubelet restarted the sidecar, the engine uses the fresh pool again."""
     pod, (engine, want) = fault_pod
