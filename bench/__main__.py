@@ -26,7 +26,6 @@ BENCHMARKS = {
     "serve_paired": "what kvoffload costs at 0% hits and light load, paired against vLLM alone",
     "serve_report": "the merged serving report over calls: tables, verdicts, plots",
     "serve_chat": "a multi-turn chat client against a running vLLM server",
-    "tp_check": "tensor parallel: same tokens from a pool hit, every rank loading",
     "warm_start": "the first long request after a vLLM restart",
     "fault_drill": "SIGKILLing the sidecar under load: no failed request, no wrong token",
     "router": "routing on the host tier (Dynamo's KV indexer) against round-robin",

