@@ -29,7 +29,6 @@ BENCHMARKS = {
     "warm_start": "the first long request after a vLLM restart",
     "fault_drill": "SIGKILLing the sidecar under load: no failed request, no wrong token",
     "router": "routing on the host tier (Dynamo's KV indexer) against round-robin",
-    "protocol_cost": "the slot protocol against an earlier tree: pool-hit TTFT and serving",
 }
 
 
