@@ -1,7 +1,7 @@
 """One entry point for every benchmark: `python -m bench NAME [args]`; `python -m bench` lists them.
 
 Each NAME is a script beside this file, run as its own `__main__` with its own flags (`python -m
-bench NAME --help`). The GPU-machine wrappers (`bench/*_gpu_run.sh`) call the same scripts there;
+bench NAME --help`). `bash bench/gpu_run.sh NAME` runs the same scripts on the GPU machine;
 bench/README.md says which machine each benchmark needs and how long it takes.
 """
 
@@ -28,6 +28,7 @@ BENCHMARKS = {
     "serve_chat": "a multi-turn chat client against a running vLLM server",
     "warm_start": "the first long request after a vLLM restart",
     "fault_drill": "SIGKILLing the sidecar under load: no failed request, no wrong token",
+    "chaos_drill": "the sidecar frozen, killed, its pool scribbled on under load: no wrong token",
     "router": "routing on the host tier (Dynamo's KV indexer) against round-robin",
 }
 

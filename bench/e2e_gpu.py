@@ -38,7 +38,7 @@ scheduler's and the connector's state plus every thread's stack, and exits (the 
 On vLLM 0.26 the connector runs as shipped: its two 0.26 fixes (the result type's fallback in
 `compat.py`, stores of steps without `wait_for_save` submitted from `get_finished`) are in the
 connector itself.
-`bench/e2e_gpu_run.sh` is the GPU-machine wrapper (vLLM 0.26 carry, sidecar).
+`bash bench/gpu_run.sh e2e_gpu BUDGET_S [flags]` runs it on the GPU machine.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ than --kills kills fit in --budget-s.
         [--block-size N] [--chunk N] [--gpu-memory-utilization F] [--max-model-len N]
         [--device-agnostic] ...
 
-On the GPU machine (vLLM 0.26; bench/e2e_gpu_run.sh's PYTHONPATH, VLLM_ENABLE_V1_MULTIPROCESSING=0:
+On the GPU machine (vLLM 0.26; bench/gpu_env.sh's PYTHONPATH, VLLM_ENABLE_V1_MULTIPROCESSING=0:
 the engine lives in this process, so it and the reference get --gpu-memory-utilization 0.4):
     python3 bench/fault_drill.py --model bench/e2e_models/llama-small --gpu-memory-utilization 0.4
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds .gpu/: what the GPU-machine wrappers (bench/*_gpu_run.sh, warm_start_run.sh,
-# gpu_check.sh, sourced gpu_env.sh) need there and the GPU image lacks. The GPU machine has no
+# Builds .gpu/: what the GPU-machine wrappers (bench/gpu_run.sh, gpu_check.sh, sourced
+# gpu_env.sh) need there and the GPU image lacks. The GPU machine has no
 # network: name `.gpu` in the device call's `carry` (it is git-ignored). Run it here, once, on a
 # machine with pip and the package index:
 #
@@ -16,7 +16,7 @@
 #   .gpu/whl/   ~8 MiB   grpcio 1.85.1, grpcio-health-checking 1.85.1, protobuf 7.36.2: the
 #        generated stubs need grpcio >= 1.85.1 and the image has no grpc_health.
 #   .gpu/whl2/  ~2 MiB   the packages `vllm serve` and `vllm bench serve` import that the image
-#        lacks (serve_gpu_run.sh installs only the missing ones).
+#        lacks (gpu_run.sh installs only the missing ones).
 # With the checkout the carried tree must stay under the device call's 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."

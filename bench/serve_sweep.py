@@ -34,7 +34,7 @@ printed last. `bench/serve_report.py` merges calls (spread) and draws the plots.
 
     python -m bench serve_sweep --configs none,offloading,simple,kvo-eager,kvo-lazy \
         --rates 2,4,8,16,32 --out bench/out/serve/call1.json
-`bench/serve_gpu_run.sh` is the GPU-machine wrapper.
+`bash bench/gpu_run.sh serve_sweep BUDGET_S [flags]` runs it on the GPU machine.
 """
 
 from __future__ import annotations

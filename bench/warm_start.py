@@ -30,7 +30,7 @@ a restarted engine's keys would then never match the pool's.
     python bench/warm_start.py --model bench/e2e_models/llama3-8b --tokens 100000 \
         [--reps 3] [--sidecar-restart] [--budget-s 520] [--out bench/results/warm_start.json]
 
-`bench/warm_start_run.sh` is the GPU-machine wrapper (vLLM 0.26 carry).
+`bash bench/gpu_run.sh warm_start BUDGET_S [flags]` runs it on the GPU machine.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """bench/serve_sweep.py end to end on the CPU build: real `vllm serve` processes, vLLM's own
 `vllm bench serve` client, the kvoffload sidecar; and the served model's tokenizer.
 
-The sweep's GPU numbers come from the same code (bench/serve_gpu_run.sh); here a tiny Llama
+The sweep's GPU numbers come from the same code (`bench/gpu_run.sh serve_sweep`); a tiny Llama
 with a GPU KV cache of a dozen 128-token blocks makes the prefixes leave the GPU cache, so the
 kvoffload server must serve hits from the host tier while the one without a connector cannot.
 """

