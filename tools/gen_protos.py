@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import importlib.resources
 import re
 import sys
 import tempfile
@@ -71,9 +72,12 @@ def generate(src: Path, out: Path) -> list[Path]:
     if not protos:
         sys.exit(f"no .proto files under {src}/kvoffload")
     out.mkdir(parents=True, exist_ok=True)
+    # protobuf's own .proto files (descriptor, wrappers, timestamp: the vendored csi.proto)
+    well_known = importlib.resources.files("grpc_tools") / "_proto"
     args = [
         "grpc_tools.protoc",
         f"-I{src}",
+        f"-I{well_known}",
         f"--python_out={out}",
         f"--pyi_out={out}",
         f"--grpc_python_out={out}",
