@@ -1,7 +1,7 @@
-"""Merge the JSON of several `bench/serve_sweep.py` calls into one report: tables, verdicts, plots.
+"""Merge the JSON of several `serve_sweep` calls into one report: tables, verdicts, plots.
 
     python -m bench serve_report bench/out/serve/a1.json a2.json b1.json \\
-        --md docs/serve_sweep.md --plots docs/img/serve [--json merged.json]
+        --md docs/SERVE_SWEEP.md --plots docs/img/serve
 
 Rows merge by (workload, rate, config) across calls (rows whose client failed are left out and
 listed). Per metric: the median over calls, the min-max over calls (the spread) and n calls;
@@ -26,14 +26,6 @@ req/s, lower TTFT p50/p99), at one point; the least favourable of the two is rep
     1 call           both sides are `point` intervals: no spread to judge by
     within spread    otherwise (the intervals overlap: noise can decide the ranking)
 
-0% hits (random@*): each kvo-* configuration against `none`, the ratio kvo/none of request
-throughput and of TTFT p50. The TTFT ratio's interval is a bootstrap (each call resampled, the
-median over calls of the per-call medians, per resample); without per-request lists, and for
-throughput, the interval is lo_kvo/hi_none .. hi_kvo/lo_none over calls. The target is
-1%: throughput ratio >= 0.99 and TTFT ratio <= 1.01. "meets" when the whole interval is on the
-good side, "misses" when it is wholly on the bad side, "undecided" when it straddles the bound,
-and "1 call (point meets|misses)" when there is no interval.
-
 Plots (matplotlib, Agg) for the prefix workload: throughput, TTFT p50/p99 (log y), TPOT p50/p99,
 host hit rate against the offered rate, a line per configuration, bars the interval above.
 """
@@ -50,7 +42,7 @@ import shlex
 import sys
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +56,6 @@ KNOWN_CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy")
 RIVALS = ("offloading", "simple")
 WORKLOAD_ORDER = ("random", "prefix", "chat")
 RESAMPLES = 1000
-TARGET = 0.01  # within 1% of no offloading at 0% hits
 
 
 @dataclass(frozen=True)
@@ -390,67 +381,6 @@ def verdicts(point: dict[str, Cell]) -> list[Verdict]:
     return out
 
 
-@dataclass
-class Ratio:
-    """kvo/none at a 0% hit point, for one metric."""
-
-    point: str
-    config: str
-    metric: str
-    ratio: float
-    lo: float
-    hi: float
-    basis: str  # bootstrap | calls | 1 call
-    flag: str
-
-
-def _flag(ratio: float, lo: float, hi: float, basis: str, higher_is_better: bool) -> str:
-    bound = 1 - TARGET if higher_is_better else 1 + TARGET
-
-    def good(x: float) -> bool:
-        return x >= bound if higher_is_better else x <= bound
-
-    if basis == "1 call":
-        return f"1 call (point {'meets' if good(ratio) else 'misses'})"
-    if good(lo) and good(hi):
-        return "meets"
-    if not good(lo) and not good(hi):
-        return "misses"
-    return "undecided"
-
-
-def zero_hit_ratios(point: dict[str, Cell]) -> list[Ratio]:
-    """kvo vs none on request throughput and TTFT p50 (module docstring)."""
-    base = point.get("none")
-    if base is None:
-        return []
-    out = []
-    for config, cell in point.items():
-        if not is_kvo(config):
-            continue
-        for key in ("request_throughput", "median_ttft_ms"):
-            a, b = cell.stats.get(key), base.stats.get(key)
-            if a is None or b is None or not b.median:
-                continue
-            ratio = a.median / b.median
-            m = BY_KEY[key]
-            sa = cell.samples(m.per_request) if m.per_request else None
-            sb = base.samples(m.per_request) if m.per_request else None
-            if sa and sb:
-                rng = np.random.default_rng(_seed(cell.point, config, "none", key))
-                r = bootstrap_stats(sa, m.q, rng) / bootstrap_stats(sb, m.q, rng)
-                lo, hi = (float(x) for x in np.percentile(r, [2.5, 97.5]))
-                lo, hi, basis = min(lo, ratio), max(hi, ratio), "bootstrap"
-            elif a.n == b.n == 1:
-                lo = hi = ratio
-                basis = "1 call"
-            else:
-                lo, hi, basis = a.lo / b.hi, a.hi / b.lo, "calls"
-            flag = _flag(ratio, lo, hi, basis, m.higher_is_better)
-            out.append(Ratio(cell.point, config, key, ratio, lo, hi, basis, flag))
-    return out
-
-
 # -- formatting ------------------------------------------------------------------------------------
 
 
@@ -501,36 +431,6 @@ def command_line(args: dict[str, Any]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-# args that shape a point's load: calls merged into one point should agree on them
-SHAPE_ARGS = ("tp", "dtype", "gpu_blocks", "cpu_gib", "max_num_seqs", "max_model_len", "graphs")
-WORKLOAD_ARGS = {
-    "random": ("random_input_len", "output_len"),
-    "prefix": ("prefix_len", "suffix_len", "num_prefixes", "output_len"),
-    "chat": (
-        "chat_conversations",
-        "chat_turns",
-        "chat_system_tokens",
-        "chat_first_user_tokens",
-        "chat_user_tokens",
-        "chat_reply_tokens",
-        "chat_think_s",
-    ),
-}
-
-
-def shape_conflicts(calls: Sequence[Call], point: dict[str, Cell]) -> list[str]:
-    """The args that differ between the calls merged into `point` ("k: call=v, ...")."""
-    names = {n for c in point.values() for n in c.calls}
-    used = [c for c in calls if c.name in names]
-    workload = next(iter(point.values())).workload
-    out = []
-    for k in SHAPE_ARGS + WORKLOAD_ARGS.get(workload, ()):
-        seen = {json.dumps(c.args.get(k)) for c in used if k in c.args}
-        if len(seen) > 1:
-            out.append(f"{k}: " + ", ".join(f"{c.name}={c.args.get(k)}" for c in used))
-    return out
-
-
 def machine_line(calls: Sequence[Call]) -> tuple[str, str]:
     gpus = sorted({g for c in calls for g in c.machine.get("gpu") or []}) or ["no GPU recorded"]
     versions = sorted({c.vllm_version for c in calls if c.vllm_version})
@@ -557,7 +457,6 @@ class Report:
     points: dict[str, dict[str, Cell]]
     dropped: list[str]
     verdicts: list[Verdict]
-    ratios: list[Ratio]
     plots: list[Path] = field(default_factory=list)
 
 
@@ -565,13 +464,7 @@ def build(paths: Sequence[str | Path], min_requests: int = 0) -> Report:
     calls = load_calls(paths)
     points, dropped = merge(calls, min_requests)
     vs = [v for p in points.values() for v in verdicts(p)]
-    rs = [
-        r
-        for p in points.values()
-        if next(iter(p.values())).workload == "random"
-        for r in zero_hit_ratios(p)
-    ]
-    return Report(calls, points, dropped, vs, rs)
+    return Report(calls, points, dropped, vs)
 
 
 def markdown(rep: Report, md_path: Path, command: str) -> str:
@@ -645,9 +538,6 @@ def markdown(rep: Report, md_path: Path, command: str) -> str:
             f"{', '.join(completed)}; calls: {', '.join(names)}",
             "",
         ]
-        conflicts = shape_conflicts(rep.calls, point)
-        if conflicts:
-            lines += [f"> **Warning**: the calls merged here differ in {'; '.join(conflicts)}", ""]
         header = ["config", "calls"] + [m.label for m in METRICS]
         body = [
             [cell.config, str(len(cell.calls))]
@@ -669,28 +559,6 @@ def markdown(rep: Report, md_path: Path, command: str) -> str:
             body = [[c] + [d.get(k, "-") for k in VERDICT_METRICS] for c, d in cells.items()]
             lines += ["Verdict (kvo vs each of offloading/simple, the less favourable shown):", ""]
             lines += md_table(header, body) + [""]
-    if rep.ratios:
-        lines += [
-            "## 0% hits: kvo vs no offloading",
-            "",
-            f"Ratio kvo/none (target: throughput >= {1 - TARGET:.2f}, TTFT p50 <= "
-            f"{1 + TARGET:.2f}); interval: bootstrap 95% of the per-request values for TTFT, "
-            "min–max over calls for throughput.",
-            "",
-        ]
-        body = [
-            [
-                r.point,
-                r.config,
-                BY_KEY[r.metric].label,
-                f"{r.ratio:.3f}",
-                "-" if r.basis == "1 call" else f"{r.lo:.3f}–{r.hi:.3f} ({r.basis})",
-                r.flag,
-            ]
-            for r in rep.ratios
-        ]
-        lines += md_table(("point", "config", "metric", "ratio", "interval", "1% target"), body)
-        lines += [""]
     if rep.verdicts:
         lines += ["## Summary", ""]
         for config in sorted({v.config for v in rep.verdicts}, key=config_key):
@@ -716,37 +584,6 @@ def fmt_rate(workload: str, rate: float) -> str:
     if workload == "chat":
         return f"{rate:g} concurrent conversations"
     return "all requests at once" if math.isinf(rate) else f"{rate:g} req/s offered"
-
-
-def to_json(rep: Report) -> dict[str, Any]:
-    return {
-        "calls": [
-            {
-                "name": c.name,
-                "path": c.path,
-                "machine": c.machine,
-                "vllm_version": c.vllm_version,
-                "command": command_line(c.args),
-            }
-            for c in rep.calls
-        ],
-        "points": {
-            label: {
-                config: {
-                    "workload": cell.workload,
-                    "rate": cell.rate,
-                    "calls": cell.calls,
-                    "stats": {k: asdict(s) for k, s in cell.stats.items()},
-                }
-                for config, cell in point.items()
-            }
-            for label, point in rep.points.items()
-        },
-        "verdicts": [asdict(v) | {"line": v.line()} for v in rep.verdicts],
-        "zero_hit_ratios": [asdict(r) for r in rep.ratios],
-        "dropped": rep.dropped,
-        "plots": [str(p) for p in rep.plots],
-    }
 
 
 # -- plots -----------------------------------------------------------------------------------------
@@ -866,7 +703,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("files", nargs="+", help="serve_sweep.py JSON files (one per call)")
     p.add_argument("--md", required=True, help="the markdown report to write")
     p.add_argument("--plots", help="folder for the PNG plots (none drawn without it)")
-    p.add_argument("--json", help="the merged numbers and verdicts as JSON")
     p.add_argument(
         "--min-requests",
         type=int,
@@ -891,17 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(text + "\n")
     print(text)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(to_json(rep), indent=1, default=str) + "\n")
     print("\nverdicts:")
     for v in rep.verdicts:
         print(f"  {v.line()}")
-    for r in rep.ratios:
-        print(
-            f"  {r.point} {r.config} {BY_KEY[r.metric].label} vs none: {r.ratio:.3f} "
-            f"[{r.lo:.3f}–{r.hi:.3f}, {r.basis}]: {r.flag}"
-        )
     return 0
 
 
