@@ -351,96 +351,6 @@ def engine_cells(
     return row
 
 
-def explore(pool_file, kind: str, page: int, total: int, reps: int) -> list[dict]:
-    """Both directions at once under engine variants (ring depth, piece size, DMA streams,
-    CTAs, submit order): which knob moves full-duplex throughput."""
-    setup, layout, pool, nb, cb, n_slots = _cell_setup(pool_file, kind, page, total)
-    rng = np.random.default_rng(page + 1)
-    perm = rng.permutation(3 * nb)
-    slots = rng.permutation(n_slots)
-    idx = np.arange(nb)
-    a = TransferBatch(0, perm[:nb], slots[: n_slots // 2][idx // cb], idx % cb)
-    b = TransferBatch(0, perm[nb : 2 * nb], slots[n_slots // 2 :][idx // cb], idx % cb)
-    nbytes = nb * layout.groups[0].block_bytes
-    variants = [
-        ("default", {}, False),
-        ("load first", {}, True),
-        ("ring 5", {"ring": 5}, False),
-        ("16 MiB pieces, ring 4", {"piece_bytes": 16 * MiB, "ring": 4}, False),
-        ("64 MiB pieces", {"piece_bytes": 64 * MiB}, False),
-        ("2 DMA streams", {"dma_streams": 2}, False),
-        ("load 32 CTAs", {"load_ctas": 32}, False),
-        ("store 4 CTAs", {"store_ctas": 4}, False),
-    ]
-    out = []
-    for name, kw, load_first in variants:
-        engine = CudaEngine(layout, pool, torch.device("cuda"), **kw)
-        jid = iter(range(1 << 30))
-        engine.submit(next(jid), Direction.STORE, [b])
-        engine.wait(range(1))
-
-        def both(engine=engine, jid=jid, load_first=load_first):
-            j1, j2 = next(jid), next(jid)
-            order = [(j2, Direction.LOAD, b), (j1, Direction.STORE, a)]
-            for j, d, batch in order if load_first else order[::-1]:
-                engine.submit(j, d, [batch])
-            assert all(r.ok for r in engine.wait([j1, j2]))
-
-        row = {
-            "layout": kind,
-            "page_bytes": page,
-            "variant": name,
-            "both_gbps": 2 * nbytes / timed(both, reps) / 1e9,
-        }
-        engine.shutdown()
-        out.append(row)
-        print(json.dumps(row), flush=True)
-    pool.close()
-    del setup, layout
-    torch.cuda.empty_cache()
-    return out
-
-
-def edge_sweep(pool_file, kind: str, page: int, total: int, reps: int, edges: list[int]) -> list:
-    """STORE and LOAD wall/device GB/s per ``edge_bytes`` (first STORE piece, last LOAD piece),
-    engines side by side and repetitions interleaved so machine drift hits every variant alike."""
-    setup, layout, pool, nb, cb, n_slots = _cell_setup(pool_file, kind, page, total)
-    rng = np.random.default_rng(page + 7)
-    a = scattered_batches(layout, nb, rng.permutation(n_slots)[: n_slots // 2], rng)
-    nbytes = nb * layout.groups[0].block_bytes
-    engines = [CudaEngine(layout, pool, torch.device("cuda"), edge_bytes=e) for e in edges]
-    jid = iter(range(1 << 30))
-    wall: dict = {(e, d): [] for e in edges for d in Direction}
-    dev: dict = {(e, d): [] for e in edges for d in Direction}
-    for rep in range(reps + 1):
-        for e, engine in zip(edges, engines, strict=True):
-            for d in (Direction.STORE, Direction.LOAD):
-                j = next(jid)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                engine.submit(j, d, [a])
-                [r] = engine.wait([j])
-                t = time.perf_counter() - t0
-                assert r.ok, r.error
-                if rep:  # the first round warms up
-                    wall[e, d].append(t)
-                    dev[e, d].append(r.seconds)
-    rows = []
-    for e, engine in zip(edges, engines, strict=True):
-        engine.shutdown()
-        row = {"layout": kind, "page_bytes": page, "edge_mib": e / MiB}
-        for d in Direction:
-            name = d.name.lower()
-            row[f"{name}_gbps"] = nbytes / statistics.median(wall[e, d]) / 1e9
-            row[f"{name}_device_gbps"] = nbytes / statistics.median(dev[e, d]) / 1e9
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    pool.close()
-    del setup, layout
-    torch.cuda.empty_cache()
-    return rows
-
-
 def kernel_rates(engine, layout, batch, pool) -> dict:
     """HBM-side rate of the gather (store, 8 CTAs) and scatter (load, 16 CTAs) kernels alone
     on one staging piece: the headroom they leave over PCIe."""
@@ -536,12 +446,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pages", default="16K,32K,64K,256K,2M")
     ap.add_argument("--out", default="bench/out/transfer.json")
-    ap.add_argument("--explore", action="store_true", help="also try engine variants")
-    ap.add_argument(
-        "--edge-sweep",
-        default="",
-        help="also compare these first-STORE/last-LOAD piece sizes, MiB (e.g. 8,16,32)",
-    )
     ap.add_argument("--no-10k", action="store_true", help="skip the 10K-token load")
     ap.add_argument(
         "--store-ctas",
@@ -585,18 +489,6 @@ def main() -> None:
                         rows.append({"layout": kind, "page_bytes": page, "error": repr(exc)})
                     print(json.dumps(rows[-1]), flush=True)
         result["rows"] = rows
-        result["explore_both"] = []
-        if args.explore:
-            for kind, page in (("BLHNC", 2 * MiB), ("LBHNC", 64 * KiB)):
-                result["explore_both"] += explore(pool_file, kind, page, total, args.reps)
-        result["edge_sweep"] = []
-        if args.edge_sweep:
-            edges = [int(float(x) * MiB) for x in args.edge_sweep.split(",")]
-            for page in pages:
-                for kind in ("LBHNC", "BLHNC"):
-                    result["edge_sweep"] += edge_sweep(
-                        pool_file, kind, page, total, max(args.reps, 7), edges
-                    )
         result["llama_10k_load"] = []
         for kind, dmas in () if args.no_10k else (("LBHNC", 1), ("BLHNC", 1), ("LBHNC", 2)):
             try:
@@ -654,17 +546,6 @@ def print_table(r: dict) -> None:
         if "store_trace_ms" in row:
             print(f"{'':>20} store trace {row['store_trace_ms']}")
             print(f"{'':>20} load trace {row['load_trace_ms']}")
-    for row in r.get("explore_both", []):
-        print(
-            f"both at once, {row['layout']} {row['page_bytes'] // KiB}K, {row['variant']}: "
-            f"{row['both_gbps']:.1f} GB/s"
-        )
-    for row in r.get("edge_sweep", []):
-        print(
-            f"edge {row['edge_mib']:g} MiB, {row['layout']} {row['page_bytes'] // KiB}K: store "
-            f"{row['store_gbps']:.1f} ({row['store_device_gbps']:.1f} device), load "
-            f"{row['load_gbps']:.1f} ({row['load_device_gbps']:.1f} device) GB/s"
-        )
     for row in r["llama_10k_load"]:
         if "error" in row:
             print(f"10K-token load {row['layout']}: ERROR {row['error'][:100]}")
