@@ -25,11 +25,9 @@ Sections (each child runs the ones asked for, in this order, within its deadline
                conversation's next prompt (history + a new user turn) in one `LLM.generate`
                call; the replies (max_tokens=M) join the history. Throughput and TTFT (vLLM's
                first_token_latency: arrival to first token, queueing included).
-    decode     B new 1,024-token prompts at once, 256 generated tokens each, nothing to hit:
-               output tokens/s, inter-token latency and TTFT: the 0%-hit cost.
 
     python -m bench e2e_gpu --model bench/e2e_models/llama3-8b \
-        --configs none,offloading,simple,kvo-layer --sections ttft,multiturn,decode \
+        --configs none,offloading,simple,kvo-layer --sections ttft,multiturn \
         [--socket PATH | --pool-gib 40] [--budget-s 540] [--out bench/out/e2e_gpu.json]
 
 Writes the JSON after every finished section (a timeout leaves what was measured) and prints
@@ -64,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PCIE_GBPS = 52.0  # measured H2D ceiling on the H100 host (DESIGN.md; 52.5 in bench/transfer.py)
 TARGET_SLACK = 1.1  # target: pool hit within 1.1 x (GPU-hit time + KV bytes / 52 GB/s)
 CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy", "kvo-layer")
-SECTIONS = ("ttft", "multiturn", "decode")
+SECTIONS = ("ttft", "multiturn")
 CHILD_START_S = 60.0  # import + engine start + warm-up: do not start a child with less left
 
 
@@ -592,42 +590,6 @@ class Child:
         sec["complete"] = len(sec["rounds"]) == a.mt_turns
         self.save()
 
-    def section_decode(self) -> None:
-        a = self.args
-        sec: dict[str, Any] = {
-            "batch": a.dec_batch,
-            "prompt_tokens": a.dec_prompt,
-            "max_tokens": a.dec_tokens,
-            "runs": [],
-        }
-        self.result["sections"]["decode"] = sec
-        for rep in range(a.dec_reps):
-            if self.left() < a.reserve_s + 15:
-                break
-            batch = [self.prompt(a.dec_prompt, "dec", rep, i) for i in range(a.dec_batch)]
-            time.sleep(a.settle_s)
-            outs, wall = self.generate(batch, a.dec_tokens)
-            itl, ttft = [], []
-            for o in outs:
-                m = o.metrics
-                n = len(o.outputs[0].token_ids)
-                if m is not None and n > 1 and m.last_token_ts > m.first_token_ts:
-                    itl.append(1e3 * (m.last_token_ts - m.first_token_ts) / (n - 1))
-                if m is not None and m.first_token_latency:
-                    ttft.append(1e3 * m.first_token_latency)
-            generated = sum(len(o.outputs[0].token_ids) for o in outs)
-            sec["runs"].append(
-                {
-                    "wall_s": wall,
-                    "generated_tokens": generated,
-                    "output_tok_s": generated / wall,
-                    "itl_ms_mean": statistics.fmean(itl) if itl else None,
-                    "ttft_ms_mean": statistics.fmean(ttft) if ttft else None,
-                    "cached_tokens": sum(int(o.num_cached_tokens or 0) for o in outs),
-                }
-            )
-            self.save()
-
     def run(self) -> int:
         try:
             self.log("starting engine")
@@ -689,10 +651,6 @@ def child_argv(
         "mt_turn",
         "mt_reply",
         "mt_turns",
-        "dec_batch",
-        "dec_prompt",
-        "dec_tokens",
-        "dec_reps",
     )
     flags = ("cuda_graphs",)
     argv = [
@@ -812,36 +770,6 @@ def run_parent(args: argparse.Namespace) -> int:
     return 0
 
 
-def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
-    """One report from several calls of the same model: per configuration the run with the most
-    data (ok with sections > any sections > ok > none), the later one on a tie.
-
-    Each run keeps where it came from (`call`: start time and host), since separate device
-    calls may land on different machines of the same kind.
-    """
-    models = {r["model"] for r in reports}
-    if len(models) != 1:
-        raise ValueError(f"cannot merge reports of different models: {sorted(models)}")
-    merged = {k: v for k, v in reports[0].items() if k not in ("runs", "tables")}
-    merged["calls"] = [{k: r.get(k) for k in ("started", "host", "gpu", "argv")} for r in reports]
-    merged["runs"] = {}
-
-    def score(run: dict[str, Any]) -> float:  # ok with data > any data > ok > nothing
-        data = any(run.get("sections", {}).values())
-        return 2.0 * data + 0.5 * (run.get("status") == "ok") + (data and run.get("status") == "ok")
-
-    for r in reports:
-        for config, run in r["runs"].items():
-            old = merged["runs"].get(config)
-            if old is None or score(run) >= score(old):
-                merged["runs"][config] = {
-                    **run,
-                    "call": {"started": r.get("started"), "host": r.get("host")},
-                }
-    merged["tables"] = tables(merged)
-    return merged
-
-
 # -- tables ------------------------------------------------------------------------------------
 
 
@@ -953,26 +881,6 @@ def tables(report: dict[str, Any]) -> list[str]:
         )
     if len(mt_rows) > 1:
         lines += ["", *_format(mt_rows)]
-    ref = max([s for s in sizes if s <= 10_000] or sizes or [0])
-    dec_rows = [
-        ["0% hits", "output tok/s", "vs none", "ITL ms", "TTFT mean ms", f"cold {ref:,} ms"]
-    ]
-    base = None
-    for c in configs:
-        sec = runs[c].get("sections", {}).get("decode")
-        if not sec or not sec.get("runs"):
-            continue
-        tps = spread([r["output_tok_s"] for r in sec["runs"]])
-        if c == "none":
-            base = tps
-        itl = spread([r["itl_ms_mean"] for r in sec["runs"] if r["itl_ms_mean"]])
-        ttft = spread([r["ttft_ms_mean"] for r in sec["runs"] if r["ttft_ms_mean"]])
-        rel = f"{tps['median'] / base['median'] - 1:+.1%}" if base and tps else "-"
-        cold = summaries[c].get(f"{ref}/cold")
-        dec_rows.append([c, _cell(tps), rel, _cell(itl, 1), _cell(ttft), _cell(cold)])
-    if len(dec_rows) > 1:
-        lines += ["", *_format(dec_rows)]
-    lines += paired_decode_lines(runs)
     bad = [
         f"{c}: {runs[c].get('status')} {runs[c].get('error', '')}".strip()
         for c in runs
@@ -981,41 +889,6 @@ def tables(report: dict[str, Any]) -> list[str]:
     if bad:
         lines += ["", "not ok: " + "; ".join(bad)]
     return lines
-
-
-def paired_decode_lines(runs: dict[str, Any]) -> list[str]:
-    """With --rounds: decode tok/s per round and each configuration's ratio to `none` in the
-    same round (paired), then the median of those ratios: drift between rounds cancels."""
-    by_round: dict[int, dict[str, float]] = {}
-    for key, run in runs.items():
-        dec = run.get("sections", {}).get("decode", {}).get("runs")
-        if dec:
-            tps = statistics.median(r["output_tok_s"] for r in dec)
-            by_round.setdefault(int(run.get("round", 1)), {})[key.split("#")[0]] = tps
-    if len(by_round) < 2 or not any("none" in r for r in by_round.values()):
-        return []
-    configs = ordered_configs({c: None for r in by_round.values() for c in r})
-    rows = [["round", *configs]]
-    ratios: dict[str, list[float]] = {c: [] for c in configs}
-    for rnd in sorted(by_round):
-        row = [str(rnd)]
-        base = by_round[rnd].get("none")
-        for c in configs:
-            v = by_round[rnd].get(c)
-            if v is None:
-                row.append("-")
-                continue
-            row.append(f"{v:,.0f}")
-            if base and c != "none":
-                ratios[c].append(v / base - 1)
-        rows.append(row)
-    rows.append(
-        [
-            "paired vs none",
-            *(f"{statistics.median(ratios[c]):+.1%}" if ratios[c] else "-" for c in configs),
-        ]
-    )
-    return ["", "0% hits, output tok/s by round (configurations interleaved)", *_format(rows)]
 
 
 def _format(rows: list[list[str]]) -> list[str]:
@@ -1095,11 +968,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mt-turn", type=int, default=500)
     p.add_argument("--mt-reply", type=int, default=32)
     p.add_argument("--mt-turns", type=int, default=4)
-    p.add_argument("--dec-batch", type=int, default=32)
-    p.add_argument("--dec-prompt", type=int, default=1024)
-    p.add_argument("--dec-tokens", type=int, default=256)
-    p.add_argument("--dec-reps", type=int, default=2)
-    p.add_argument("--merge", nargs="+", default=[], help="merge these reports into --out")
     # child-only
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", default="none", help=argparse.SUPPRESS)
@@ -1111,11 +979,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.merge:
-        merged = merge_reports([json.loads(Path(p).read_text()) for p in args.merge])
-        Path(args.out).write_text(json.dumps(merged, indent=1))
-        print("\n".join(merged["tables"]))
-        return 0
     if args.reps < 1 or not args.sizes or min(args.sizes) < 16:
         raise SystemExit("--reps must be >= 1 and every --sizes entry >= 16 tokens")
     if max(args.sizes) >= args.max_model_len or args.filler_tokens >= args.max_model_len:

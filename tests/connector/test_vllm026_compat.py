@@ -105,27 +105,6 @@ def test_bad_command_lines_are_refused_with_a_reason(capsys):
         e2e.main(["--sizes", "50000", "--max-model-len", "40960"])
 
 
-def test_interleaved_rounds_compare_each_config_with_none_of_the_same_round():
-    def run(rnd, *tok_s):
-        return {
-            "round": rnd,
-            "sections": {"decode": {"runs": [{"output_tok_s": t} for t in tok_s]}},
-        }
-
-    # round 2 ran on a slower machine state: every configuration dropped ~40% together
-    runs = {
-        "none": run(1, 1000, 1000),
-        "kvo-eager": run(1, 990),
-        "none#2": run(2, 600),
-        "kvo-eager#2": run(2, 597, 591),
-    }
-    lines = e2e.paired_decode_lines(runs)
-    assert any(line.split()[:2] == ["2", "600"] for line in lines), lines
-    paired = next(line for line in lines if line.startswith("paired"))
-    assert paired.split()[-1] == "-1.0%"  # median of -1.0% and -1.0%, not the -20% of the means
-    assert e2e.paired_decode_lines({"none": run(1, 1000), "kvo-eager": run(1, 990)}) == []
-
-
 def test_run_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu_run.sh")], check=True, timeout=30)
 
@@ -145,14 +124,12 @@ def test_tables_put_the_target_beside_the_pool_hits_and_name_failures():
             "10000/pool_hit": _samples([60, 55, 57], 9984, 10_000),
         }
     }
-    decode = {"runs": [{"output_tok_s": 1000.0, "itl_ms_mean": 30.0, "ttft_ms_mean": 100.0}]}
-    slower = {"runs": [{"output_tok_s": 990.0, "itl_ms_mean": 30.3, "ttft_ms_mean": 101.0}]}
     report = {
         "model": "llama3-8b",
         "shape": vars(e2e.model_shape(MODELS / "llama3-8b")),
         "runs": {
-            "none": {"status": "ok", "sections": {"decode": decode}},
-            "kvo-eager": {"status": "ok", "sections": {"ttft": ttft, "decode": slower}},
+            "none": {"status": "ok", "sections": {}},
+            "kvo-eager": {"status": "ok", "sections": {"ttft": ttft}},
             "simple": {"status": "error", "error": "ValueError: boom"},
         },
     }
@@ -161,12 +138,6 @@ def test_tables_put_the_target_beside_the_pool_hits_and_name_failures():
     # target = 1.1 x (28 ms GPU hit + 1.31 GB / 52 GB/s) = 58.52 ms
     assert "57 (55-60)" in pool_row and "<= 59" in pool_row
     assert "kvo-eager 10000: 100%" in text
-    decode_row = next(
-        line
-        for line in text.splitlines()
-        if line.strip().startswith("kvo-eager") and "-1.0%" in line
-    )
-    assert "290 (280-300)" in decode_row  # the 0%-hit TTFT: the cold 10K median
     assert "not ok: simple: error ValueError: boom" in text
 
 
@@ -262,11 +233,10 @@ def test_driver_on_cpu_evicts_with_fillers_and_hits_the_pool(tmp_path):
     cmd = [
         sys.executable, str(ROOT / "bench" / "e2e_gpu.py"),
         "--model", str(ROOT / "tests" / "connector" / "models" / "tiny-llama"),
-        "--configs", "none,kvo-eager", "--sections", "ttft,decode",
+        "--configs", "none,kvo-eager", "--sections", "ttft",
         "--sizes", "256,1024", "--reps", "2", "--max-model-len", "2048", "--gpu-blocks", "72",
         "--filler-tokens", "1024", "--dtype", "float32", "--block-size", "32",
-        "--kvo-chunk", "256", "--pool-gib", "1", "--cpu-gib", "0.25", "--dec-batch", "4",
-        "--dec-prompt", "128", "--dec-tokens", "8", "--dec-reps", "1", "--settle-s", "0.05",
+        "--kvo-chunk", "256", "--pool-gib", "1", "--cpu-gib", "0.25", "--settle-s", "0.05",
         "--budget-s", "240", "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
@@ -298,34 +268,7 @@ def test_driver_on_cpu_evicts_with_fillers_and_hits_the_pool(tmp_path):
         assert not s["counters"].get("vllm:prefix_cache_hits")
     stats = runs["kvo-eager"]["sidecar_stats"]["namespaces"][0]
     assert int(stats["loadedBlocks"]) >= 2 * 3  # two prompts x three 256-token chunks
-    assert runs["kvo-eager"]["sections"]["decode"]["runs"][0]["generated_tokens"] == 4 * 8
     assert "pool_hit" in "\n".join(report["tables"])
-
-
-def test_merge_keeps_the_successful_run_and_its_origin():
-    shape = vars(e2e.model_shape(MODELS / "llama3-8b"))
-    ok = {"status": "ok", "sections": {}}
-    first = {
-        "model": "llama3-8b",
-        "shape": shape,
-        "started": "t1",
-        "host": "a",
-        "runs": {"none": ok, "kvo-eager": {"status": "error", "error": "ImportError: x"}},
-    }
-    second = {
-        "model": "llama3-8b",
-        "shape": shape,
-        "started": "t2",
-        "host": "b",
-        "runs": {"kvo-eager": ok, "none": {"status": "error", "error": "late failure"}},
-    }
-    merged = e2e.merge_reports([first, second])
-    assert merged["runs"]["none"]["call"] == {"started": "t1", "host": "a"}
-    assert merged["runs"]["kvo-eager"]["call"] == {"started": "t2", "host": "b"}
-    assert [c["host"] for c in merged["calls"]] == ["a", "b"]
-    assert not any(line.startswith("not ok") for line in merged["tables"])
-    with pytest.raises(ValueError, match="different models"):
-        e2e.merge_reports([first, {**second, "model": "gemma3-12b-hybrid"}])
 
 
 # vLLM 0.26's GPU model runner (v1/worker/gpu/kv_connector.py) skips `wait_for_save` in steps
