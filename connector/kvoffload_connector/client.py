@@ -108,6 +108,25 @@ class RegisterResult:
     slot_table_offset: int = 0  # slot i's version: the u64 at offset + i * record_bytes
     slot_record_bytes: int = 0
 
+    @classmethod
+    def from_response(cls, resp: pool_pb2.RegisterResponse) -> RegisterResult:
+        return cls(
+            namespace_id=resp.namespace_id,
+            client_id=resp.client_id,
+            regions=tuple(
+                RankRegion(r.rank, r.path, r.offset, r.slot_bytes, r.slot_count)
+                for r in resp.regions
+            ),
+            pool_ready=resp.pool_ready,
+            committed_blocks=resp.committed_blocks,
+            generation=resp.pool_generation,
+            epoch=resp.sidecar_epoch,
+            engine=resp.engine,
+            engine_lock_base=resp.engine_lock_base,
+            slot_table_offset=resp.slot_table_offset,
+            slot_record_bytes=resp.slot_record_bytes,
+        )
+
 
 @dataclass(frozen=True)
 class StoreReservation:
@@ -388,19 +407,12 @@ class PoolClient:
 
     def _register(self) -> RegisterResult:
         assert self._register_args is not None
-        spec, num_ranks, slot_bytes = self._register_args
+        spec = self._register_args[0]
         stub = self._open()
         socket_id = self._socket_now()
         try:
             resp = stub.Register(
-                pool_pb2.RegisterRequest(
-                    spec=spec.to_proto(),
-                    num_ranks=num_ranks,
-                    slot_bytes_per_rank=slot_bytes,
-                    client_name=self.client_name,
-                    engine=self.engine,
-                ),
-                timeout=max(self.rpc_timeout_s, REGISTER_TIMEOUT_S),
+                self._register_request(), timeout=max(self.rpc_timeout_s, REGISTER_TIMEOUT_S)
             )
             self._session = self._open_session(stub, resp)
         except (grpc.RpcError, PoolUnavailable) as e:
@@ -416,23 +428,20 @@ class PoolClient:
         # each registration names its sidecar's map: a restarted one writes a new file
         self.presence = open_presence(self.socket_path, resp.presence_map)
         self.registrations += 1
-        self.registration = RegisterResult(
-            namespace_id=resp.namespace_id,
-            client_id=resp.client_id,
-            regions=tuple(
-                RankRegion(r.rank, r.path, r.offset, r.slot_bytes, r.slot_count)
-                for r in resp.regions
-            ),
-            pool_ready=resp.pool_ready,
-            committed_blocks=resp.committed_blocks,
-            generation=resp.pool_generation,
-            epoch=resp.sidecar_epoch,
-            engine=resp.engine,
-            engine_lock_base=resp.engine_lock_base,
-            slot_table_offset=resp.slot_table_offset,
-            slot_record_bytes=resp.slot_record_bytes,
-        )
+        self.registration = RegisterResult.from_response(resp)
         return self.registration
+
+    def _register_request(self) -> pool_pb2.RegisterRequest:
+        """The `Register` call for the remembered layout (every transport sends this one)."""
+        assert self._register_args is not None
+        spec, num_ranks, slot_bytes = self._register_args
+        return pool_pb2.RegisterRequest(
+            spec=spec.to_proto(),
+            num_ranks=num_ranks,
+            slot_bytes_per_rank=slot_bytes,
+            client_name=self.client_name,
+            engine=self.engine,
+        )
 
     def _open_session(
         self, stub: pool_pb2_grpc.KVPoolStub, resp: pool_pb2.RegisterResponse

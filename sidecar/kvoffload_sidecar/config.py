@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from kvoffload_sidecar.filemode import DEFAULT_MODE, parse_mode
+from kvoffload_sidecar.host import free_bytes, mount_of
 from kvoffload_sidecar.keymap import native_enabled
+from kvoffload_sidecar.region import POOL_FILE_NAME
 from kvoffload_sidecar.tenants import TenantsConfig, parse_tenants
 from kvoffload_sidecar.units import format_bytes, parse_size
 
@@ -28,11 +30,9 @@ ENV_PREFIX = "KVOFFLOAD_"
 EVICTION_POLICIES = ("lru", "arc")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
-POOL_FILE_NAME = "pool-0.shm"  # the Pool's file name (see docs/ARCHITECTURE.md, Contract 1)
 MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL on Linux
 FRAMED_SUFFIX = ".session"  # the framed session socket sits beside the gRPC one (frames.py)
 NUMA_ROOT = Path("/sys/devices/system/node")
-PROC_MOUNTS = Path("/proc/mounts")
 
 
 ON_POOL_ERROR = ("exit", "degrade")
@@ -342,21 +342,6 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str] | None = None) 
     return SidecarConfig(**fields)
 
 
-def _mount_of(path: Path, mounts_text: str) -> tuple[str, str]:
-    """(mount point, filesystem type) of the longest mount containing `path`."""
-    best = ("/", "unknown")
-    resolved = str(path.resolve())
-    for line in mounts_text.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ")
-        inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best[0]):
-            best = (point, parts[2])
-    return best
-
-
 def resident_pool_bytes(pool_dir: Path) -> int:
     """The bytes a pool file left in `pool_dir` already holds in memory (a restarted sidecar
     adopts them, so they count as room); 0 without one."""
@@ -380,12 +365,7 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
         raise _error(flag["pool_dir"], where, f"{str(pool_dir)!r} is not a directory")
     if not os.access(pool_dir, os.W_OK | os.X_OK):
         raise _error(flag["pool_dir"], where, f"{str(pool_dir)!r} is not writable")
-    if mounts_text is None:
-        try:
-            mounts_text = PROC_MOUNTS.read_text()
-        except OSError:
-            mounts_text = ""
-    point, fstype = _mount_of(pool_dir, mounts_text)
+    point, fstype = mount_of(pool_dir, mounts_text)
     if config.hugepages and fstype != "hugetlbfs":
         raise _error(
             flag["hugepages"], where, f"{str(pool_dir)!r} is on {fstype} ({point}), not hugetlbfs"
@@ -395,9 +375,9 @@ def check_environment(config: SidecarConfig, *, mounts_text: str | None = None) 
             f"--pool-dir {str(pool_dir)!r} is on {fstype} ({point}), not tmpfs/hugetlbfs: "
             "the pool may be written back to disk"
         )
-    fs = os.statvfs(pool_dir)
-    available = fs.f_bavail * fs.f_frsize + resident_pool_bytes(pool_dir)
-    if fs.f_blocks and config.pool_size > available:
+    free = free_bytes(pool_dir)
+    available = 0 if free is None else free + resident_pool_bytes(pool_dir)
+    if free is not None and config.pool_size > available:
         raise _error(
             flag["pool_size"],
             where,

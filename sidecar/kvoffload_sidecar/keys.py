@@ -84,9 +84,9 @@ class NamespaceSpec:
                 raise InvalidArgument(f"spec.{name} is longer than {_MAX_STR} bytes")
         for name in ("block_size", "chunk_blocks", "tp_size"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1 or value >= 1 << 32:
+            if not is_int(value) or value < 1 or value >= 1 << 32:
                 raise InvalidArgument(f"spec.{name} must be an integer >= 1, got {value!r}")
-        if not _is_int(self.key_size) or not 1 <= self.key_size <= MAX_KEY_SIZE:
+        if not is_int(self.key_size) or not 1 <= self.key_size <= MAX_KEY_SIZE:
             raise InvalidArgument(
                 f"spec.key_size must be in 1..{MAX_KEY_SIZE}, got {self.key_size!r}"
             )
@@ -103,7 +103,8 @@ class NamespaceSpec:
             seen.add(k)
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool (JSON and protobuf callers hand either)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -61,7 +61,9 @@ from itertools import repeat
 
 import numpy as np
 
+from kvoffload_sidecar.host import HUGE_PAGE_BYTES
 from kvoffload_sidecar.keys import NamespaceId, NamespaceSpec, derive_namespace
+from kvoffload_sidecar.units import align_down, align_up
 
 __all__ = [
     "FORMAT_VERSION",
@@ -85,7 +87,6 @@ READABLE_VERSIONS = frozenset({2})  # formats this sidecar adopts; others are di
 HEADER_BYTES = 4096
 NS_HEADER_BYTES = 4096
 PAGE = mmap.PAGESIZE
-HUGE_PAGE = 2 << 20
 POOL_MAGIC = b"KVOFFPL\x00"
 NS_MAGIC = b"KVOFFNS\x00"
 FREE, RESERVED, FIRST_SEQ = 0, 1, 2
@@ -103,14 +104,6 @@ _TENANTS_AT = 136  # one u64 outside the check: digest of the --tenants the code
 # slot_bytes_per_rank, slot_count, per_rank_bytes, table_offset, spec_offset, spec_len
 _NS_HDR = struct.Struct("<8sIIIII 16s QQQQQQQ")
 _NS_CHECK_AT = 256
-
-
-def _align_up(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-def _align_down(n: int, a: int) -> int:
-    return n // a * a
 
 
 def _digest(*parts: bytes) -> bytes:
@@ -133,15 +126,15 @@ class PoolGeometry:
 
 
 def geometry(pool_size: int, max_namespaces: int, hugepages: bool) -> PoolGeometry:
-    align = HUGE_PAGE if hugepages else PAGE
+    align = HUGE_PAGE_BYTES if hugepages else PAGE
     usable = max(0, pool_size - HEADER_BYTES)
     return PoolGeometry(
-        pool_size, max_namespaces, _align_down(usable // max_namespaces, align), align
+        pool_size, max_namespaces, align_down(usable // max_namespaces, align), align
     )
 
 
 def record_bytes(key_size: int) -> int:
-    return 24 + _align_up(key_size, 8)
+    return 24 + align_up(key_size, 8)
 
 
 def encode_spec(spec: NamespaceSpec) -> bytes:
@@ -195,14 +188,14 @@ def plan_namespace(
     base = partition * geom.partition_bytes
     end = base + geom.partition_bytes
     header_offset = end - NS_HEADER_BYTES
-    spec_offset = header_offset - _align_up(len(spec_json), PAGE)
+    spec_offset = header_offset - align_up(len(spec_json), PAGE)
     upper = geom.partition_bytes // (num_ranks * slot_bytes_per_rank)  # >= the slots that fit
-    room = spec_offset - _align_up(upper * rec, PAGE) - base
-    per_rank = _align_down(max(0, room) // num_ranks, geom.align)
+    room = spec_offset - align_up(upper * rec, PAGE) - base
+    per_rank = align_down(max(0, room) // num_ranks, geom.align)
     slot_count = min(per_rank // slot_bytes_per_rank, MAX_SLOTS)
     if slot_count < 1:
         return None
-    table_offset = spec_offset - _align_up(slot_count * rec, PAGE)
+    table_offset = spec_offset - align_up(slot_count * rec, PAGE)
     return NamespaceLayout(
         namespace_id=derive_namespace(spec),
         spec=spec,

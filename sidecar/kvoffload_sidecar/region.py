@@ -31,54 +31,29 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvoffload_sidecar import filemode
+from kvoffload_sidecar.host import (
+    HUGE_PAGE_BYTES,
+    can_lock,
+    filesystem_type,
+    free_bytes,
+    free_huge_page_bytes,
+)
 
 __all__ = [
-    "ALIGN_BYTES",
     "HUGE_PAGE_BYTES",
     "POOL_FILE_NAME",
     "PrefaultGate",
     "Region",
-    "align_down",
-    "align_up",
 ]
 
 log = logging.getLogger(__name__)
 
 POOL_FILE_NAME = "pool-0.shm"
-HUGE_PAGE_BYTES = 2 << 20
-ALIGN_BYTES = 2 << 20  # region offsets are 2 MiB aligned (huge-page friendly)
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap module does not name it
 _PROGRESS_EVERY_S = 2.0
 _MPOL_BIND = 2
 _SYSCALL_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
 _NUMA_ROOT = Path("/sys/devices/system/node")
-_CAP_IPC_LOCK = 14
-
-
-def can_lock(size: int) -> tuple[bool, str]:
-    """Whether mlock of ``size`` more bytes may succeed here, and why (or why not): with
-    CAP_IPC_LOCK the limit does not apply; without it RLIMIT_MEMLOCK must cover the pool."""
-    try:
-        with open("/proc/self/status", encoding="utf-8") as f:
-            caps = next((line.split()[1] for line in f if line.startswith("CapEff:")), "0")
-        if int(caps, 16) >> _CAP_IPC_LOCK & 1:
-            return True, "CAP_IPC_LOCK"
-    except (OSError, ValueError):
-        pass
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY or soft >= size:
-        return True, "RLIMIT_MEMLOCK"
-    return False, f"no CAP_IPC_LOCK and RLIMIT_MEMLOCK {soft} bytes < pool {size} bytes"
-
-
-def align_up(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-def align_down(n: int, a: int) -> int:
-    return n // a * a
 
 
 class PrefaultGate:
@@ -289,9 +264,9 @@ class Region:
         """ENOSPC/ENOMEM unless the pool fits: touching a page past a full tmpfs or an empty
         huge-page pool is SIGBUS. `reusable`: bytes the reused file already holds."""
         d = self.pool_dir
-        st = os.statvfs(d)
-        free = st.f_bavail * st.f_frsize + reusable
-        if st.f_blocks and free < self.size:
+        room = free_bytes(d)
+        free = 0 if room is None else room + reusable
+        if room is not None and free < self.size:
             raise OSError(
                 errno.ENOSPC, f"pool dir {d} has {free} bytes free, the pool needs {self.size}"
             )
@@ -585,53 +560,3 @@ class Region:
             )
         else:
             log.info("pool pages bound to numa node %d", self.numa_node)
-
-
-def free_huge_page_bytes() -> int | None:
-    """Unreserved free bytes of the default huge-page pool from /proc/meminfo (None if unknown)."""
-    info: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("HugePages_Free", "HugePages_Rsvd", "Hugepagesize"):
-                    info[name] = int(rest.split()[0])
-    except (OSError, ValueError):
-        return None
-    if len(info) < 3:
-        return None
-    return (info["HugePages_Free"] - info["HugePages_Rsvd"]) * info["Hugepagesize"] * 1024
-
-
-def filesystem_type(path: Path) -> str:
-    """Filesystem type holding `path`, from /proc/self/mounts ("unknown" if unreadable)."""
-    target = os.path.realpath(path)
-    best, best_type = "", "unknown"
-    try:
-        with open("/proc/self/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = _unescape(parts[1])
-                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, best_type = mnt, parts[2]
-    except OSError:
-        return "unknown"
-    return best_type
-
-
-def _unescape(field: str) -> str:
-    """Undo the octal escapes (\\040 for a space) of /proc/mounts."""
-    if "\\" not in field:
-        return field
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and i + 4 <= len(field) and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)

@@ -54,3 +54,13 @@ def format_seconds(seconds: float) -> str:
     if seconds < 1.0:
         return f"{seconds * 1e3:.2f}ms"
     return f"{seconds:.2f}s"
+
+
+def align_up(n: int, a: int) -> int:
+    """`n` rounded up to a multiple of `a`."""
+    return -(-n // a) * a
+
+
+def align_down(n: int, a: int) -> int:
+    """`n` rounded down to a multiple of `a`."""
+    return n // a * a

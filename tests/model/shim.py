@@ -8,9 +8,9 @@ connector's `PoolClient` (every call's encoding and decoding, `ensure`), `Offloa
 What is replaced, and how:
 - the transport: `InProcessSession` hands each `SessionRequest` to the servicer in-process;
   ending it is what the server sees when a stream ends (`end_session`: the client detaches).
-- registration: `InProcessClient._register` builds the same `RegisterRequest` (the engine key)
-  and reads the same `RegisterResult` (epoch, engine, lock base, slot table) as
-  `PoolClient._register`, calling the servicer's handler instead of the gRPC stub.
+- registration: `InProcessClient._register` sends `PoolClient`'s own `RegisterRequest` (the
+  engine key) and reads the answer with `RegisterResult.from_response` (epoch, engine, lock
+  base, slot table), calling the servicer's handler instead of the gRPC stub.
 - engine liveness: the worker and the other engine take real OFD locks on the pool file
   (`EngineLock`), and the pool probes them with its real `FileLocks` through `ModelLiveness`
   (the injectable `liveness` hook), which a `Broken` switch can override.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.v1 import pool_pb2 as pb
-from kvoffload_connector.client import Backoff, PoolClient, RankRegion, RegisterResult
+from kvoffload_connector.client import Backoff, PoolClient, RegisterResult
 from kvoffload_connector.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.errors import PoolUnavailable
 from kvoffload_connector.session import OrderedSession
@@ -245,22 +245,15 @@ class InProcessClient(PoolClient):
 
     def _register(self) -> RegisterResult:
         assert self._register_args is not None
-        spec, num_ranks, slot_bytes = self._register_args
+        spec = self._register_args[0]
         self._close_channel()
         servicer = self.sidecar.servicer
         try:
             if servicer is None:
                 raise PoolUnavailable("register: the sidecar is down")
             resp = pb.RegisterResponse()
-            request = pb.RegisterRequest(
-                spec=spec.to_proto(),
-                num_ranks=num_ranks,
-                slot_bytes_per_rank=slot_bytes,
-                client_name=self.client_name,
-                engine=self.engine,
-            )
             try:
-                servicer._register(request, 0, resp)
+                servicer._register(self._register_request(), 0, resp)
             except Exception as e:  # noqa: BLE001 - the servicer's error table: a status code
                 raise PoolUnavailable(f"register: {e}") from None
             self._session = InProcessSession(self.sidecar, resp.client_id)
@@ -271,22 +264,7 @@ class InProcessClient(PoolClient):
         self.backoff.reset()
         self.key_size = spec.key_size
         self.registrations += 1
-        self.registration = RegisterResult(
-            namespace_id=resp.namespace_id,
-            client_id=resp.client_id,
-            regions=tuple(
-                RankRegion(r.rank, r.path, r.offset, r.slot_bytes, r.slot_count)
-                for r in resp.regions
-            ),
-            pool_ready=resp.pool_ready,
-            committed_blocks=resp.committed_blocks,
-            generation=resp.pool_generation,
-            epoch=resp.sidecar_epoch,
-            engine=resp.engine,
-            engine_lock_base=resp.engine_lock_base,
-            slot_table_offset=resp.slot_table_offset,
-            slot_record_bytes=resp.slot_record_bytes,
-        )
+        self.registration = RegisterResult.from_response(resp)
         return self.registration
 
     def lose_session(self) -> None:

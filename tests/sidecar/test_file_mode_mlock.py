@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from kvoffload_sidecar import filemode
 from kvoffload_sidecar.config import ConfigError, _parse_host_port, parse_config
-from kvoffload_sidecar.region import Region, can_lock
+from kvoffload_sidecar.host import can_lock
+from kvoffload_sidecar.region import Region
 
 from tests.sidecar.procs import sidecar_process, socket_dir
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvoffload_sidecar.host import filesystem_type
 from procs import Client, keys, sidecar_process, socket_dir, wait_ready, wire_slots
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(180)]
@@ -32,11 +33,7 @@ SHM = Path("/dev/shm")
 
 
 def _is_tmpfs(path: Path) -> bool:
-    for line in Path("/proc/mounts").read_text().splitlines():
-        parts = line.split()
-        if len(parts) > 2 and parts[1] == str(path):
-            return parts[2] == "tmpfs"
-    return False
+    return filesystem_type(path) == "tmpfs"
 
 
 def _status_bytes(pid: int) -> dict[str, int]:

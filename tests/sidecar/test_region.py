@@ -12,7 +12,8 @@ import threading
 
 import pytest
 from kvoffload_sidecar import region as region_mod
-from kvoffload_sidecar.region import PrefaultGate, Region, filesystem_type
+from kvoffload_sidecar.host import filesystem_type
+from kvoffload_sidecar.region import PrefaultGate, Region
 
 MiB = 1 << 20
 
