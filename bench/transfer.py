@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,7 +32,9 @@ from kvoffload_connector.layout import canonicalize
 from kvoffload_connector.pool_view import PoolView
 from kvoffload_connector.transfer import Direction, TransferBatch
 from kvoffload_connector.transfer.cuda import CudaEngine
-from kvoffload_connector.transfer.testing import make_kv_caches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test suite's KV builders
+from tests.connector.kv_setup import make_kv_caches  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # page bytes -> (block_size, head_size, layers); 8 KV heads, bf16, K and V packed: 8*N*4*D bytes

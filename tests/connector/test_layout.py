@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 from kvoffload_connector.layout import SLOT_ALIGN, canonicalize
-from kvoffload_connector.transfer.testing import (
+
+from tests.connector.kv_setup import (
     KIND_NAMES,
     block_addresses,
     expected_block,
@@ -188,7 +189,7 @@ def test_vllm_own_views_are_covered():
             kt = kvi.KVCacheTensor(page * num_blocks * 3, layers, page, page * 3)
         raw = torch.zeros(kt.size, dtype=torch.int8)
         views = kvi.create_kv_cache_views(raw, spec, num_blocks, lay, kt)
-        from kvoffload_connector.transfer.testing import KvSetup
+        from tests.connector.kv_setup import KvSetup
 
         setup = KvSetup(dict(zip(layers, views, strict=True)), dict.fromkeys(layers, 0))
         setup.group_views[0] = [(v, 0) for v in views]

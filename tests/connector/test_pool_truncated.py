@@ -30,7 +30,7 @@ _VIEW_AND_ENGINE = textwrap.dedent(
     from kvoffload_connector.pool_view import PoolView
     from kvoffload_connector.transfer import Direction
     from kvoffload_connector.transfer.cpu import CpuTorchEngine
-    from kvoffload_connector.transfer.testing import make_kv_caches, random_batches
+    from tests.connector.kv_setup import make_kv_caches, random_batches
 
     path = sys.argv[1]
     setup = make_kv_caches("LBHNC", num_blocks=24)

@@ -13,7 +13,8 @@ from kvoffload_connector.layout import canonicalize
 from kvoffload_connector.pool_view import PoolView
 from kvoffload_connector.transfer import Direction, TransferBatch, make_engine
 from kvoffload_connector.transfer.cpu import CpuTorchEngine
-from kvoffload_connector.transfer.testing import (
+
+from tests.connector.kv_setup import (
     KIND_NAMES,
     POISON,
     expected_block,
@@ -237,7 +238,8 @@ def test_staged_plan_moves_what_the_reference_moves(capacity_blocks, head, tail,
     """The CUDA engine's plan (pieces + DMA runs), executed with numpy, writes the same pool
     bytes as the reference engine; runs never cross a registration piece and are maximal."""
     from kvoffload_connector.transfer.plan import plan_pieces
-    from kvoffload_connector.transfer.testing import random_batches
+
+    from tests.connector.kv_setup import random_batches
 
     setup, layout, pool = build("LBNHC", pool_factory, groups=2, chunk_blocks=4, num_blocks=40)
     fill_random(layout, seed=5)

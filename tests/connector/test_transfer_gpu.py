@@ -12,7 +12,8 @@ from kvoffload_connector.layout import canonicalize
 from kvoffload_connector.pool_view import PoolView
 from kvoffload_connector.transfer import Direction, TransferBatch, make_engine
 from kvoffload_connector.transfer.cpu import CpuTorchEngine
-from kvoffload_connector.transfer.testing import (
+
+from tests.connector.kv_setup import (
     KIND_NAMES,
     POISON,
     expected_block,
@@ -247,7 +248,7 @@ def test_matches_the_reference_engine(pools):
     setup, layout, pool = build("LBHNC", pools, groups=2, num_layers=4)
     fill_random(layout, seed=9)
     rng = random.Random(9)
-    from kvoffload_connector.transfer.testing import random_batches
+    from tests.connector.kv_setup import random_batches
 
     batches = random_batches(layout, pool.slot_count, rng, max_blocks=20)
     pool.tensor.fill_(POISON)

@@ -27,8 +27,9 @@ from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, StoreJob
 from kvoffload_connector.pool_view import PoolView
 from kvoffload_connector.transfer import Direction, TransferBatch
 from kvoffload_connector.transfer.cpu import CpuTorchEngine
-from kvoffload_connector.transfer.testing import expected_block, fill_random, make_kv_caches
 from kvoffload_connector.worker import OffloadWorker
+
+from tests.connector.kv_setup import expected_block, fill_random, make_kv_caches
 
 CHUNK_BLOCKS = 4
 

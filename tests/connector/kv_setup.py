@@ -1,4 +1,5 @@
-"""Builders of vLLM-shaped KV caches and a slow, obvious oracle; for tests and benchmarks.
+"""Builders of vLLM-shaped KV caches and a slow, obvious oracle (the transfer tests and
+`bench/transfer.py` use them; not shipped).
 
 ``make_kv_caches`` allocates KV caches the way vLLM versions hand them to ``register_kv_caches``
 (0.32/0.33: strided ``[B, H, N, C]`` views into one int8 allocation in any ``KVCacheLayout``;
@@ -18,7 +19,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
-
     from kvoffload_connector.layout import CanonicalLayout
 
 __all__ = ["KIND_NAMES", "KvSetup", "expected_block", "make_kv_caches", "random_batches"]
