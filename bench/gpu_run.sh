@@ -4,7 +4,7 @@
 #   bash bench/gpu_run.sh NAME [BUDGET_S] [NAME's flags...]
 #
 # Prepares Python (bench/gpu_env.sh: the wheels, vLLM 0.26 from the carry, the engine in-process;
-# the serve wheels too for serve_*), builds the sidecar's C key map, records the machine in
+# the serve wheels too for serve), builds the sidecar's C key map, records the machine in
 # $OUT/env.txt (OUT defaults to out/NAME), then runs `python3 -m bench NAME` with NAME's GPU-scale
 # flags below, then the flags given here (later flags win), --out $OUT/NAME.json and, where NAME
 # takes one, --budget-s. BUDGET_S (default 540) bounds the whole call (a device call is at most
@@ -29,7 +29,7 @@ case $name in
     preset=(--model "$model" --tokens 100000 --reps 3 --configs kvo-layer,none,offloading
       --pool-gib 32 --cpu-gib 32 --pool-dir /dev/shm/kvo-warm --sidecar-restart
       --log "$OUT/engines.log" --sidecar-log "$OUT/sidecar.log") ;;
-  serve_sweep | serve_paired) preset=(); env_kind=serve ;;
+  serve) preset=(); env_kind=serve; probe=("${1:-}") ;;  # MODE (sweep|paired) first
   *) preset=() ;;
 esac
 source bench/gpu_env.sh "${env_kind:-vllm}"
@@ -64,7 +64,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 { lscpu; nvidia-smi topo -m; } >>"$OUT/env.txt" 2>&1  # where the CPUs sit against the GPU
 bash bench/build_native.sh >>"$OUT/env.txt" 2>&1  # the sidecar's C key map for this python
 extra=()
-python3 -m bench "$name" --help 2>/dev/null | grep -q -- --budget-s && extra=(--budget-s $((budget - margin)))
+python3 -m bench "$name" ${probe[@]+"${probe[@]}"} --help 2>/dev/null | grep -q -- --budget-s && extra=(--budget-s $((budget - margin)))
 timeout -k 10 $((budget + 30)) python3 -m bench "$name" ${preset[@]+"${preset[@]}"} "$@" \
   --out "$OUT/$name.json" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$OUT/$name.log" \
   | grep -Ev '^(\([^)]*\) )?(INFO|DEBUG)' | tail -120

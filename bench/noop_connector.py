@@ -1,6 +1,6 @@
 """A KV connector that does nothing (a diagnostic for the serving benchmarks).
 
-`serve_sweep.py`/`serve_paired.py --configs noop` start `vllm serve` with it: vLLM then runs
+`python -m bench serve sweep|paired --configs noop` starts `vllm serve` with it: vLLM then runs
 every connector path it owns (the per-layer attention wrapper, the per-step worker and
 scheduler calls, deferred block freeing) while the connector itself adds nothing. Paired with
 `none` it measures vLLM's own floor for any connector; paired with a kvo configuration, the

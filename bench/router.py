@@ -148,7 +148,7 @@ class Replica:
     """`vllm serve` with kvoffload (its own sidecar) and KV events on two ports."""
 
     def __init__(self, a: argparse.Namespace, worker: int, model_dir: Path, logs: Path) -> None:
-        from serve_sweep import free_port
+        from serve import free_port
 
         self.worker = worker
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
@@ -173,7 +173,7 @@ class Replica:
             "topic": "",
         }
         argv = [
-            sys.executable, str(ROOT / "bench" / "vllm_cli.py"), "serve", str(model_dir),
+            sys.executable, str(ROOT / "bench" / "serve.py"), "vllm", "serve", str(model_dir),
             "--served-model-name", MODEL_NAME, "--port", str(self.port), "--host", "127.0.0.1",
             "--load-format", "dummy", "--dtype", "float32", "--seed", "0", "--enforce-eager",
             "--max-model-len", str(a.max_model_len), "--block-size", str(a.block_size),
@@ -307,8 +307,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "router.json"))
     a = ap.parse_args()  # fmt: skip
     from harness import report, rotations
-    from serve_model import build_model_dir
-    from serve_sweep import free_port
+    from serve import build_model_dir, free_port
 
     work = Path(tempfile.mkdtemp(prefix="kvo-router-"))
     model_dir = build_model_dir(a.model_config, work / "model")

@@ -21,7 +21,7 @@ Workload parameters (`ChatWorkload`, written into the JSON under "workload"):
     clients            conversations active at once
     seed               texts and think times are a function of (seed, conversation, turn) only,
                        so every configuration of a sweep sees the same prompts
-    vocab              words are `w{id}`, id uniform in [0, vocab): with bench/serve_model.py's
+    vocab              words are `w{id}`, id uniform in [0, vocab): with bench/serve.py's
                        WordLevel tokenizer a text of N words is N tokens (ids >= 128000 are
                        Llama-3 special tokens, hence the cap)
 
@@ -185,7 +185,7 @@ class TurnRecord:
     sent_words: int  # words of the messages' contents (the prompt less the chat template)
     prompt_tokens: int | None = None
     output_tokens: int = 0
-    reply_words: int = 0  # words of the streamed reply (== output_tokens with serve_model.py)
+    reply_words: int = 0  # words of the streamed reply (== output_tokens with serve.py's model)
     cached_tokens: int | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None

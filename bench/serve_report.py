@@ -1,4 +1,4 @@
-"""Merge the JSON of several `serve_sweep` calls into one report: tables, verdicts, plots.
+"""Merge the JSON of several `serve sweep` calls into one report: tables, verdicts, plots.
 
     python -m bench serve_report bench/out/serve/a1.json a2.json b1.json \\
         --md docs/SERVE_SWEEP.md --plots docs/img/serve
@@ -170,7 +170,7 @@ def load_calls(paths: Sequence[str | Path]) -> list[Call]:
         except (OSError, ValueError, lzma.LZMAError) as e:
             raise SystemExit(f"{p}: cannot read a serve_sweep JSON: {e}") from e
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-            raise SystemExit(f"{p}: no `rows` list: not a bench/serve_sweep.py result")
+            raise SystemExit(f"{p}: no `rows` list: not a `serve sweep` result")
         name = stem if stems.count(stem) == 1 else f"{p.parent.name}/{stem}"
         calls.append(
             Call(
@@ -417,7 +417,7 @@ def md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 def command_line(args: dict[str, Any]) -> str:
     """The serve_sweep command a call ran, rebuilt from its `args` (every flag, as parsed)."""
-    parts = ["python", "-m", "bench", "serve_sweep"]
+    parts = ["python", "-m", "bench", "serve", "sweep"]
     for k, v in args.items():
         flag = "--" + k.replace("_", "-")
         if isinstance(v, bool):
@@ -700,7 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("files", nargs="+", help="serve_sweep.py JSON files (one per call)")
+    p.add_argument("files", nargs="+", help="`serve sweep` JSON files (one per call)")
     p.add_argument("--md", required=True, help="the markdown report to write")
     p.add_argument("--plots", help="folder for the PNG plots (none drawn without it)")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""bench/serve_paired.py: two real `vllm serve` processes (CPU build) at once, paired rounds."""
+"""`bench/serve.py paired`: two real `vllm serve` processes (CPU build) at once, paired rounds."""
 
 from __future__ import annotations
 
@@ -15,16 +15,15 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from harness import bootstrap_median_ci  # noqa: E402
-from serve_paired import (  # noqa: E402
+from serve import (  # noqa: E402
     across_calls,
+    configs_arg,
     main,
     mode_split,
     modes_across_calls,
-    paired_between,
     paired_summary,
     pooled_summary,
 )
-from serve_sweep import configs_arg  # noqa: E402
 
 
 def test_paired_summary_pairs_round_by_round() -> None:
@@ -36,19 +35,6 @@ def test_paired_summary_pairs_round_by_round() -> None:
     assert kvo["ratio_p50"] == pytest.approx(1.1)
     assert kvo["ratio_ci95"] == [pytest.approx(1.1), pytest.approx(1.1)]
     assert kvo["faster_rounds"] == 0
-
-
-def test_two_variants_are_paired_with_each_other_not_only_with_the_baseline() -> None:
-    ttft = {
-        "none": [0.010, 0.020, 0.030],
-        "new": [0.0105, 0.021, 0.0315],  # 5% over the baseline every round
-        "old": [0.011, 0.022, 0.033],  # 10% over it
-    }
-    (row,) = paired_between(ttft, "none")
-    assert (row["config"], row["against"], row["n"]) == ("new", "old", 3)
-    assert row["ratio_p50"] == pytest.approx(1.05 / 1.1, abs=1e-4)
-    assert row["faster_rounds"] == 3
-    assert paired_between({"none": [1.0], "kvo": [1.1]}, "none") == []
 
 
 def test_replicas_pool_per_round_and_show_their_own_offset() -> None:
@@ -93,13 +79,13 @@ def test_bootstrap_interval_holds_the_median_and_narrows_with_more_pairs() -> No
 
 def test_bad_flags_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["--configs", "none"])
+        main(["paired", "--configs", "none"])
     assert "--configs: give a baseline" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["--configs", "none,kvo-eager", "--rounds", "0"])
+        main(["paired", "--configs", "none,kvo-eager", "--rounds", "0"])
     assert "--rounds" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["--configs", "none,kvo-eager", "--warmup-concurrency", "0"])
+        main(["paired", "--configs", "none,kvo-eager", "--warmup-concurrency", "0"])
     assert "--warmup-concurrency" in capsys.readouterr().err
 
 
@@ -107,7 +93,8 @@ def test_two_cpu_servers_pair_rounds_kvo_stores_noop_serves(tmp_path: Path) -> N
     out = tmp_path / "paired.json"
     cmd = [
         sys.executable,
-        str(ROOT / "bench/serve_paired.py"),
+        str(ROOT / "bench/serve.py"),
+        "paired",
         "--model",
         str(ROOT / "tests/connector/models/tiny-llama"),
         "--configs",
@@ -232,14 +219,6 @@ def test_across_calls_takes_one_median_per_call_paired_by_round(tmp_path: Path, 
     assert row["sem"] == pytest.approx(0.0115, abs=2e-4)
     # the start order is the dict order above: "none" first in a and b, "kvo" in d
     assert row["first_started"] == {"kvo": 1, "none": 2}
-    # each start order weighs the same: kvo first (d) 0.99, none first (a, b) sqrt(1.03 * 1.01)
-    assert row["by_order"] == {
-        "kvo first": 0.99,
-        "none first": pytest.approx((1.03 * 1.01) ** 0.5, abs=1e-4),
-    }
-    assert row["order_balanced"] == pytest.approx((0.99 * (1.03 * 1.01) ** 0.5) ** 0.5, abs=1e-4)
-    one_order = across_calls({k: calls[k] for k in ("a", "b")}, "kvo", "none")
-    assert one_order["by_order"]["kvo first"] is None and one_order["order_balanced"] is None
     for name, rep in calls.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(rep))
     out = tmp_path / "merged.json"
@@ -300,8 +279,7 @@ def test_modes_across_calls_split_each_calls_gap_into_slow_share_and_fast_mode_c
 
 def test_calls_started_a_b_b_a_count_as_both_start_orders() -> None:
     """A call that started kvo, none, none#2, kvo#2 is balanced within itself: its pooled
-    ratio (every round the geometric mean of each side's two servers) is one balanced sample,
-    and the order-balanced estimate weighs it as both one-sided orders together."""
+    ratio (every round the geometric mean of each side's two servers) is one balanced sample."""
     abba = _report(
         {
             "kvo": [(1, 1.02), (2, 2.04)],
@@ -315,12 +293,7 @@ def test_calls_started_a_b_b_a_count_as_both_start_orders() -> None:
     row = across_calls({"abba": abba, "k": kvo_first, "n": none_first}, "kvo", "none")
     assert row["per_call"]["abba"] == pytest.approx(1.02**0.5, abs=1e-4)
     assert row["first_started"] == {"kvo": 1, "none": 1, "balanced": 1}
-    assert row["by_order"]["balanced"] == pytest.approx(1.02**0.5, abs=1e-4)
-    expected = (1.03 * 0.99 * 1.02) ** 0.25  # the balanced call's ratio counted twice
-    assert row["order_balanced"] == pytest.approx(expected, abs=1e-4)
-    # balanced calls alone are an order-balanced estimate; a label with #N is that server only
-    alone = across_calls({"abba": abba, "k": kvo_first}, "kvo", "none")
-    assert alone["order_balanced"] == pytest.approx(1.02**0.5, abs=1e-4)
+    assert row["geo_mean"] == pytest.approx((1.03 * 0.99 * 1.02**0.5) ** (1 / 3), abs=1e-4)
     # a replica against its configuration: the other servers of it, not itself
     abba["samples"]["none#2"] = [{"round": r, "ttft_s": t * 1.01} for r, t in ((1, 1.0), (2, 2.0))]
     offset = across_calls({"abba": abba}, "none#2", "none")

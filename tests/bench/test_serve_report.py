@@ -1,6 +1,6 @@
-"""bench/serve_report.py: merging serve_sweep calls, verdicts, plots.
+"""bench/serve_report.py: merging `serve sweep` calls, verdicts, plots.
 
-Synthetic calls are written with serve_sweep.py's JSON schema (machine, args, servers, rows with
+Synthetic calls are written with `serve sweep`'s JSON schema (machine, args, servers, rows with
 the client's summary, per-request ttfts_ms/tpots_ms and the counters' rates); the committed
 calls of an H100 sweep (tests/bench/data/serve/*.json.xz) go through the same command.
 """
@@ -281,7 +281,7 @@ def test_report_writes_markdown_and_small_pngs(tmp_path, capsys):
     positions = [table.index(f"| {c} | 2 |") for c in found]
     assert positions == sorted(positions)
     assert f"| {extra} | **" in text  # a kvo variant gets verdicts too
-    assert "python -m bench serve_sweep --configs kvo-lazy,none," in text
+    assert "python -m bench serve sweep --configs kvo-lazy,none," in text
     assert "2026-11-26 04:00 – 2026-11-27 04:00 UTC" in text
     assert "| simple: cut: no status (the call ended first) |" in text
     assert f"- {extra}: of 15 (point, metric) comparisons: " in text
@@ -338,7 +338,7 @@ def test_committed_h100_calls(tmp_path):
     assert "NVIDIA H100 80GB HBM3" in text and "vLLM 0.26.0" in text
     for p in files:
         data, stem = sr.read_result(p), sr.result_stem(p)
-        assert f"# {stem}\npython -m bench serve_sweep --model" in text
+        assert f"# {stem}\npython -m bench serve sweep --model" in text
         for r in data["rows"]:
             if sr.usable(r):
                 assert f"## {r['point']}\n" in text

@@ -1,7 +1,7 @@
-"""bench/serve_sweep.py end to end on the CPU build: real `vllm serve` processes, vLLM's own
+"""`bench/serve.py sweep` end to end on the CPU build: real `vllm serve` processes, vLLM's own
 `vllm bench serve` client, the kvoffload sidecar; and the served model's tokenizer.
 
-The sweep's GPU numbers come from the same code (`bench/gpu_run.sh serve_sweep`); a tiny Llama
+The sweep's GPU numbers come from the same code (`bench/gpu_run.sh serve`); a tiny Llama
 with a GPU KV cache of a dozen 128-token blocks makes the prefixes leave the GPU cache, so the
 kvoffload server must serve hits from the host tier while the one without a connector cannot.
 """
@@ -19,8 +19,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve_model import build_model_dir, build_tokenizer  # noqa: E402
-from serve_sweep import configs_arg, kv_transfer_config, pool_gib  # noqa: E402
+from serve import (  # noqa: E402
+    build_model_dir,
+    build_tokenizer,
+    configs_arg,
+    kv_transfer_config,
+    pool_gib,
+)
 
 
 def test_the_served_tokenizer_round_trips_every_id_as_one_word(tmp_path: Path) -> None:
@@ -53,7 +58,8 @@ def test_a_cpu_sweep_serves_every_point_and_kvoffload_hits_the_host_tier(tmp_pat
     out = tmp_path / "sweep.json"
     cmd = [
         sys.executable,
-        str(ROOT / "bench/serve_sweep.py"),
+        str(ROOT / "bench/serve.py"),
+        "sweep",
         "--model",
         str(ROOT / "tests/connector/models/tiny-llama"),
         "--configs",
