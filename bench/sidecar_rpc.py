@@ -2,16 +2,16 @@
 
 Starts the sidecar as a subprocess, registers one namespace, commits 1,024 keys, then times
 Lookup, ReserveStore (each undone by an untimed AbortStore) and ReserveLoad (each undone by an
-untimed Release) with 1, 64 and 1,024 keys: as unary calls, inside one Session stream driven
-by a bare loop ("session"), and through the connector's own `PoolClient` (its session object,
+untimed Release) with 1, 64 and 1,024 keys: inside one Session stream driven by a bare loop
+("session"), and through the connector's own `PoolClient` (its session object,
 deadlines and key packing included, in a second namespace): on the gRPC Session stream
 ("client") and on the sidecar's framed session socket ("framed", what the connector uses when
 the sidecar offers it). The target is judged on what the connector pays: "framed".
 
 The floor of the same transport is measured in the same run: an empty bytes-echo server (a
 grpc.aio subprocess on a Unix socket, no pool work, no protobuf) answers a request of the same
-size as the sidecar's with a reply of the same size as the sidecar's, unary or on one kept-open
-stream driven exactly like the Session. Its calls alternate with the sidecar's, one for one, so
+size as the sidecar's with a reply of the same size as the sidecar's, on one kept-open stream
+driven exactly like the Session. Its calls alternate with the sidecar's, one for one, so
 both see the same load; each row shows the floor and the sidecar's cost above it.
 Prints a table and writes JSON (`--out`, default bench/out/sidecar_rpc.json).
 
@@ -170,14 +170,11 @@ def _serve_framed_echo(path: str) -> None:
 
 
 def _serve_echo(address: str, framed_path: str, ready: Any) -> None:
-    """Subprocess: a grpc.aio server (like the sidecar's) with a unary and a stream echo, and
-    the framed echo (like the sidecar's framed socket) in a thread."""
+    """Subprocess: a grpc.aio server (like the sidecar's) with a stream echo, and the framed
+    echo (like the sidecar's framed socket) in a thread."""
     threading.Thread(target=_serve_framed_echo, args=(framed_path,), daemon=True).start()
 
     async def serve() -> None:
-        async def unary(req: bytes, _ctx: Any) -> bytes:
-            return _echo_reply(req)
-
         async def stream(_it: Any, ctx: Any) -> None:  # reads and writes like the Session
             while (req := await ctx.read()) is not grpc.aio.EOF:
                 await ctx.write(_echo_reply(req))
@@ -185,7 +182,6 @@ def _serve_echo(address: str, framed_path: str, ready: Any) -> None:
         handler = grpc.method_handlers_generic_handler(
             ECHO_SERVICE,
             {
-                "Unary": grpc.unary_unary_rpc_method_handler(unary, _ident, _ident),
                 "Stream": grpc.stream_stream_rpc_method_handler(stream, _ident, _ident),
             },
         )
@@ -231,24 +227,16 @@ def echo_server() -> Iterator[tuple[str, str]]:
 
 
 class EchoCaller:
-    """Unary and stream echo calls of given request/reply sizes; the stream is driven like
-    `SessionCaller` (a queue feeds the request iterator, one request in flight)."""
+    """Stream echo calls of given request/reply sizes, driven like `SessionCaller` (a queue
+    feeds the request iterator, one request in flight)."""
 
     def __init__(self, channel: grpc.Channel) -> None:
-        self._unary = channel.unary_unary(f"/{ECHO_SERVICE}/Unary", _ident, _ident)
         self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         stream = channel.stream_stream(f"/{ECHO_SERVICE}/Stream", _ident, _ident)
         self._responses = stream(iter(self._q.get, None))
 
-    def op(self, mode: str, request_bytes: int, reply_bytes: int) -> Callable[[], None]:
+    def op(self, request_bytes: int, reply_bytes: int) -> Callable[[], None]:
         payload = reply_bytes.to_bytes(4, "little") + bytes(max(0, request_bytes - 4))
-        if mode == "unary":
-            unary = self._unary
-
-            def call() -> None:
-                unary(payload)
-
-            return call
         q, responses = self._q, self._responses
 
         def stream_call() -> None:
@@ -353,7 +341,7 @@ Op = Callable[[], Callable[[], None] | None]
 
 
 def _ops(
-    stub: pb_grpc.KVPoolStub, session: SessionCaller, ns: str, cid: int, committed: bytes, n: int
+    session: SessionCaller, ns: str, cid: int, committed: bytes, n: int
 ) -> list[tuple[str, str, Op, tuple[int, int]]]:
     """(op, mode, call, (request bytes, reply bytes)) for n keys: each call does one timed RPC
     and returns its untimed undo; the sizes (from one probe call) size the floor's echo."""
@@ -363,32 +351,9 @@ def _ops(
     store_req = pb.ReserveStoreRequest(namespace_id=ns, client_id=cid, keys=new)
     load_req = pb.ReserveLoadRequest(namespace_id=ns, client_id=cid, keys=hit)
 
-    def abort(store_id: int) -> Callable[[], None]:
-        return lambda: stub.AbortStore(
-            pb.AbortStoreRequest(namespace_id=ns, store_id=store_id, **FENCE)
-        )
-
-    def release(pin_id: int) -> Callable[[], None]:
-        return lambda: stub.Release(
-            pb.ReleaseRequest(namespace_id=ns, client_id=cid, pin_ids=[pin_id])
-        )
-
     def check(cond: bool, what: str) -> None:
         if not cond:
             raise SystemExit(f"unexpected answer: {what}")
-
-    def u_lookup() -> None:
-        check(stub.Lookup(lookup_req).hit_counts[0] == n, "lookup miss")
-
-    def u_store() -> Callable[[], None]:
-        r = stub.ReserveStore(store_req)
-        check(len(unpack_slots(r.slots)) == n, "store not NEW")
-        return abort(r.store_id)
-
-    def u_load() -> Callable[[], None]:
-        r = stub.ReserveLoad(load_req)
-        check(len(unpack_slots(r.slots)) == n, "load miss")
-        return release(r.pin_id)
 
     def s_lookup() -> None:
         check(session.call(lookup=lookup_req).lookup.hit_counts[0] == n, "lookup miss")
@@ -408,13 +373,6 @@ def _ops(
         return lambda: session.call(release=pb.ReleaseRequest(namespace_id=ns, pin_ids=[pid]))
 
     # One probe call per op gives the reply sizes (then undone); session messages carry a seq.
-    u_sizes = {"Lookup": (lookup_req.ByteSize(), stub.Lookup(lookup_req).ByteSize())}
-    r = stub.ReserveStore(store_req)
-    u_sizes["ReserveStore"] = (store_req.ByteSize(), r.ByteSize())
-    abort(r.store_id)()
-    r = stub.ReserveLoad(load_req)
-    u_sizes["ReserveLoad"] = (load_req.ByteSize(), r.ByteSize())
-    release(r.pin_id)()
     s_sizes = {}
     for op, field, req in (
         ("Lookup", "lookup", lookup_req),
@@ -432,11 +390,8 @@ def _ops(
             session.call(release=pb.ReleaseRequest(namespace_id=ns, pin_ids=[pid]))
 
     return [
-        ("Lookup", "unary", u_lookup, u_sizes["Lookup"]),
         ("Lookup", "session", s_lookup, s_sizes["Lookup"]),
-        ("ReserveStore", "unary", u_store, u_sizes["ReserveStore"]),
         ("ReserveStore", "session", s_store, s_sizes["ReserveStore"]),
-        ("ReserveLoad", "unary", u_load, u_sizes["ReserveLoad"]),
         ("ReserveLoad", "session", s_load, s_sizes["ReserveLoad"]),
     ]
 
@@ -580,8 +535,8 @@ def run(
     results = []
     for n in sizes:
         session_sizes = {}
-        for op, mode, fn, sizes in _ops(stub, session, ns, cid, committed, n):
-            floor = echo.op(mode, *sizes) if echo else None
+        for op, mode, fn, sizes in _ops(session, ns, cid, committed, n):
+            floor = echo.op(*sizes) if echo else None
             samples, floor_samples = _time(calls, warmup, fn, floor)
             results.append(_row(op, mode, n, samples, floor_samples, sizes))
             if mode == "session":
@@ -593,7 +548,7 @@ def run(
                 if mode == "framed":  # each transport against its own floor
                     floor = framed_echo.op(*sizes) if framed_echo else None
                 else:
-                    floor = echo.op("session", *sizes) if echo else None
+                    floor = echo.op(*sizes) if echo else None
                 samples, floor_samples = _time(calls, warmup, fn, floor)
                 results.append(_row(op, mode, n, samples, floor_samples, sizes))
     for client, _ in clients.values():
