@@ -57,6 +57,7 @@ ADDED_RESOURCE_SHORTAGES = ("Insufficient memory", "Insufficient hugepages", "In
 OUR_CONTAINERS = (SIDECAR_NAME, INSTALLER_NAME)
 MAX_NAMED_PODS = 5  # the condition's message names this many pods, then counts the rest
 MAX_CAUSE_CHARS = 160  # one pod's cause in the condition's message
+MAX_SKIP_REASONS = 32  # status.skipped's maxProperties in the CRD
 POOL_UNAVAILABLE = "PoolUnavailable"  # the sidecar serves without a pool
 CONNECTOR_DISABLED = "ConnectorDisabled"  # a vLLM connector serves without the pool
 
@@ -149,13 +150,16 @@ def unschedulable_problems(pods: Sequence[Mapping[str, Any]]) -> list[ContainerP
 
 
 def skipped_counts(pods: Sequence[Mapping[str, Any]]) -> dict[str, int]:
-    """Pods carrying ``kvoffload.io/skip-reason``, counted per reason."""
+    """Pods carrying ``kvoffload.io/skip-reason``, counted per reason; the most frequent
+    `MAX_SKIP_REASONS` only, since a pod's author can write any value there and the CRD bounds
+    ``status.skipped`` (a status over it would be refused whole)."""
     out: dict[str, int] = {}
     for pod in pods:
         reason = ((pod.get("metadata") or {}).get("annotations") or {}).get(ann.SKIP_REASON)
         if reason:
             out[str(reason)] = out.get(str(reason), 0) + 1
-    return dict(sorted(out.items()))
+    kept = sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))[:MAX_SKIP_REASONS]
+    return dict(sorted(kept))
 
 
 def injected_pods(policy: Policy, pods: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:

@@ -2,36 +2,47 @@
 
 - defaults: applied as the API server does (a defaulted ``{}`` object gets its fields' defaults);
 - schema: ``openAPIV3Schema`` → JSON Schema (``x-kubernetes-*`` dropped, unknown fields rejected
-  as ``kubectl apply``'s strict field validation does) checked with ``jsonschema``;
+  as ``kubectl apply``'s strict field validation does) checked with ``jsonschema``; ``pattern``
+  is matched with RE2 (``google-re2``), as the API server's Go regexp does (Python's ``re``
+  would let ``$`` match before a trailing newline); ``x-kubernetes-list-type: set`` refuses
+  duplicate items;
 - CEL: every ``x-kubernetes-validations`` rule evaluated with ``cel-python`` at its node. The
-  Kubernetes quantity library (``quantity()``, ``isInteger``, ``asInteger``, ``compareTo``,
-  ``isGreaterThan``, ``isLessThan``), ``replace`` of the extended strings library and ``sum``
-  of the Kubernetes list library are provided here; cel-python has no other k8s libraries.
+  Kubernetes quantity library (``quantity()``, ``isQuantity``, ``isInteger``, ``asInteger``,
+  ``compareTo``, ``isGreaterThan``, ``isLessThan``), ``replace`` of the extended strings library
+  and ``sum`` of the Kubernetes list library are provided here; cel-python has no other k8s
+  libraries.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import celpy
 import jsonschema
+import re2
 import yaml
 from celpy import celtypes
-from kvoffload_operator.policy import parse_quantity
+from kvoffload_operator.policy import PolicyError, quantity_value
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "kvoffloadpolicy.yaml"
 
 
 def load_crd() -> dict[str, Any]:
-    return yaml.safe_load(CRD_PATH.read_text())
+    return copy.deepcopy(_parsed(str(CRD_PATH), CRD_PATH.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: str, mtime_ns: int) -> dict[str, Any]:
+    return yaml.safe_load(Path(path).read_text())
 
 
 def openapi_schema(crd: dict[str, Any] | None = None) -> dict[str, Any]:
-    crd = crd or load_crd()
+    crd = crd or _parsed(str(CRD_PATH), CRD_PATH.stat().st_mtime_ns)
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
@@ -60,7 +71,8 @@ def to_jsonschema(schema: Any, top: bool = True) -> Any:
     out = {
         k: to_jsonschema(v, False)
         for k, v in schema.items()
-        if not k.startswith("x-kubernetes-") and k not in ("format", "description")
+        if (not k.startswith("x-kubernetes-") or k == "x-kubernetes-list-type")
+        and k not in ("format", "description")
     }
     if "properties" in schema:
         out["properties"] = {k: to_jsonschema(v, False) for k, v in schema["properties"].items()}
@@ -82,35 +94,21 @@ class Quantity:
 
 
 def _quantity(text: Any) -> Quantity:
-    s = str(text)
+    """The subset of Kubernetes quantities the CRD's patterns admit, exactly (no float)."""
+    return Quantity(Fraction(quantity_value(str(text))))
+
+
+def _is_quantity(text: Any) -> celtypes.BoolType:
     try:
-        return Quantity(Fraction(parse_quantity(s)))
-    except ValueError:
-        # fractional bytes: parse the number and the suffix exactly
-        for suffix, mult in sorted(_MULTS.items(), key=lambda kv: -len(kv[0])):
-            if suffix and s.endswith(suffix):
-                return Quantity(Fraction(s[: -len(suffix)]) * mult)
-        return Quantity(Fraction(s))
+        quantity_value(str(text))
+    except PolicyError:
+        return celtypes.BoolType(False)
+    return celtypes.BoolType(True)
 
-
-_MULTS = {
-    "": 1,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-    "P": 10**15,
-    "E": 10**18,
-    "Ki": 1 << 10,
-    "Mi": 1 << 20,
-    "Gi": 1 << 30,
-    "Ti": 1 << 40,
-    "Pi": 1 << 50,
-    "Ei": 1 << 60,
-}
 
 CEL_FUNCTIONS = {
     "quantity": _quantity,
+    "isQuantity": _is_quantity,
     "isInteger": lambda q: celtypes.BoolType(q.value.denominator == 1),
     "asInteger": lambda q: celtypes.IntType(int(q.value)),
     "compareTo": lambda a, b: celtypes.IntType((a.value > b.value) - (a.value < b.value)),
@@ -133,10 +131,34 @@ def _cel_sum(items: Any) -> Any:
 _ENV = celpy.Environment()
 
 
+def _re2_pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Any:
+    if validator.is_type(instance, "string") and not re2.search(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _list_set(validator: Any, list_type: str, instance: Any, schema: Any) -> Any:
+    if list_type == "set" and validator.is_type(instance, "array"):
+        seen: list[Any] = []
+        for item in instance:
+            if item in seen:
+                yield jsonschema.ValidationError(f"Duplicate value: {item!r}")
+            seen.append(item)
+
+
+_VALIDATOR = jsonschema.validators.extend(
+    jsonschema.Draft7Validator, {"pattern": _re2_pattern, "x-kubernetes-list-type": _list_set}
+)
+
+
+@functools.lru_cache(maxsize=256)
+def _program(rule: str) -> Any:
+    return _ENV.program(_ENV.compile(rule), functions=CEL_FUNCTIONS)
+
+
 def cel_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
     errors: list[str] = []
     for rule in schema.get("x-kubernetes-validations") or []:
-        program = _ENV.program(_ENV.compile(rule["rule"]), functions=CEL_FUNCTIONS)
+        program = _program(rule["rule"])
         result = program.evaluate({"self": celpy.json_to_cel(value)})
         if isinstance(result, Exception) or not bool(result):
             errors.append(f"{path or '<root>'}: Invalid value: {rule['message']}")
@@ -156,12 +178,17 @@ def cel_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
     return errors
 
 
+@functools.lru_cache(maxsize=4)
+def _json_schema(path: str, mtime_ns: int) -> Any:
+    return to_jsonschema(openapi_schema(_parsed(path, mtime_ns)))
+
+
 def validate(obj: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """(defaulted object, errors). Schema errors come first; CEL runs only on a valid schema
     (the API server also skips CEL for fields that failed their schema)."""
     schema = openapi_schema()
     obj = apply_defaults(copy.deepcopy(obj), schema)
-    validator = jsonschema.Draft7Validator(to_jsonschema(schema))
+    validator = _VALIDATOR(_json_schema(str(CRD_PATH), CRD_PATH.stat().st_mtime_ns))
     errors = [
         f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
         for e in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
