@@ -1,0 +1,105 @@
+"""The admin's node pool: its tenants, their shares, and who may use each.
+
+Mirrors the cluster-scoped `KVOffloadNodePool` object (docs/NODE.md); until the agent watches
+the API it reads the same spec from a JSON or YAML file. A namespace user writes only the tenant
+name into a pod's volume; whether that pod may use it is decided here, from the admin's object.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvoffload_sidecar.node.identity import PodIdentity
+
+_MIN_SHARE = 1 << 20
+
+
+class GrantsError(ValueError):
+    """The node pool spec is malformed."""
+
+
+@dataclass(frozen=True)
+class TenantGrant:
+    name: str
+    share_bytes: int  # the size of the tenant's memfd
+    namespaces: tuple[str, ...]  # pods of these namespaces may use it
+    service_accounts: tuple[str, ...] = ()  # and, when not empty, only these service accounts
+
+    def admits(self, pod: PodIdentity) -> bool:
+        if pod.namespace not in self.namespaces:
+            return False
+        return not self.service_accounts or pod.service_account in self.service_accounts
+
+
+@dataclass(frozen=True)
+class NodePoolSpec:
+    name: str
+    tenants: tuple[TenantGrant, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(t.share_bytes for t in self.tenants)
+
+    def tenant(self, name: str) -> TenantGrant | None:
+        return next((t for t in self.tenants if t.name == name), None)
+
+    def admits(self, pod: PodIdentity, tenant: str) -> bool:
+        """Whether `pod` may use `tenant`; an unknown tenant is simply not admitted."""
+        grant = self.tenant(tenant)
+        return grant is not None and grant.admits(pod)
+
+
+def _strings(value: Any, what: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise GrantsError(f"{what} must be a list of non-empty strings")
+    return tuple(value)
+
+
+def parse_spec(doc: Mapping[str, Any]) -> NodePoolSpec:
+    """`{name, tenants: [{name, shareBytes, namespaces, serviceAccounts?}]}`."""
+    name = doc.get("name")
+    if not isinstance(name, str) or not name:
+        raise GrantsError("the node pool needs a name")
+    raw = doc.get("tenants")
+    if not isinstance(raw, list) or not raw:
+        raise GrantsError("the node pool needs at least one tenant")
+    tenants = []
+    for i, t in enumerate(raw):
+        if not isinstance(t, Mapping):
+            raise GrantsError(f"tenants[{i}] must be an object")
+        tname = t.get("name")
+        if not isinstance(tname, str) or not tname:
+            raise GrantsError(f"tenants[{i}].name must be a non-empty string")
+        share = t.get("shareBytes")
+        if not isinstance(share, int) or isinstance(share, bool) or share < _MIN_SHARE:
+            raise GrantsError(f"tenants[{i}].shareBytes must be an integer >= {_MIN_SHARE}")
+        tenants.append(
+            TenantGrant(
+                name=tname,
+                share_bytes=share,
+                namespaces=_strings(t.get("namespaces"), f"tenants[{i}].namespaces"),
+                service_accounts=_strings(
+                    t.get("serviceAccounts", []), f"tenants[{i}].serviceAccounts"
+                )
+                if t.get("serviceAccounts")
+                else (),
+            )
+        )
+    names = [t.name for t in tenants]
+    if len(set(names)) != len(names):
+        raise GrantsError("tenant names must be unique")
+    return NodePoolSpec(name=name, tenants=tuple(tenants))
+
+
+def load_spec(path: Path) -> NodePoolSpec:
+    text = path.read_text()
+    doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(doc, Mapping):
+        raise GrantsError(f"{path}: expected an object")
+    return parse_spec(doc)

@@ -1,0 +1,326 @@
+"""Each tenant's memory is its own sealed memfd, sent only over sockets bound to its pods.
+
+A memfd has no path: a pod can hold a tenant's memory only if the agent sent it the fd, and the
+agent sends it only over a socket whose bound pod (from NodePublishVolume) may use that tenant.
+The memfd is sealed against growing and shrinking (and against removing seals), so no holder
+can resize it under other holders' mappings (SIGBUS) or past its share.
+
+Wire (SOCK_SEQPACKET, one message each way): the request is UTF-8 JSON
+`{"v": 1, "op": "open", "tenant": NAME}` and nothing else, carrying no fds; the answer is JSON
+`{"v": 1, "code": CODE, ...}`, with the memfd attached (SCM_RIGHTS) when CODE is "OK".
+`kvoffload_connector.node_memory` is the client and mirrors these constants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import errno
+import fcntl
+import json
+import logging
+import os
+import selectors
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvoffload_sidecar.node.bindings import SOCKET_NAME, Binding
+from kvoffload_sidecar.node.grants import NodePoolSpec
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST = 4096
+MAX_CONNECTIONS_PER_SOCKET = 32
+SEALS = fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+_REQUEST_KEYS = frozenset({"v", "op", "tenant"})
+
+
+class Code(str, enum.Enum):
+    OK = "OK"
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class TenantRegion:
+    tenant: str
+    fd: int
+    size: int
+
+
+def create_memfd(tenant: str, size: int, *, prefault: bool = False) -> int:
+    """A memfd of exactly `size` bytes, sealed against resize and against unsealing.
+
+    With `prefault` the calling task allocates every page now (`posix_fallocate`), so the pages
+    are charged to its memory cgroup, not to the pods that map them (docs/NODE.md).
+    """
+    fd = os.memfd_create(f"kvoffload-tenant-{tenant}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        if prefault:
+            os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class TenantMemory:
+    """The memfds of a node pool's tenants, one per tenant, sized to its share."""
+
+    def __init__(self, spec: NodePoolSpec, *, prefault: bool = False) -> None:
+        self._regions: dict[str, TenantRegion] = {}
+        try:
+            for grant in spec.tenants:
+                fd = create_memfd(grant.name, grant.share_bytes, prefault=prefault)
+                self._regions[grant.name] = TenantRegion(grant.name, fd, grant.share_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def region(self, tenant: str) -> TenantRegion | None:
+        return self._regions.get(tenant)
+
+    def close(self) -> None:
+        for r in self._regions.values():
+            with contextlib.suppress(OSError):
+                os.close(r.fd)
+        self._regions.clear()
+
+
+@dataclass(frozen=True)
+class Answer:
+    code: Code
+    message: str = ""
+    region: TenantRegion | None = None
+
+    def encode(self) -> bytes:
+        doc: dict[str, object] = {"v": PROTOCOL_VERSION, "code": self.code.value}
+        if self.message:
+            doc["message"] = self.message
+        if self.region is not None:
+            doc["tenant"] = self.region.tenant
+            doc["size"] = self.region.size
+        return json.dumps(doc).encode()
+
+
+def decide(
+    raw: bytes,
+    fds: list[int],
+    truncated: bool,
+    binding: Binding,
+    spec: NodePoolSpec,
+    memory: TenantMemory,
+) -> Answer:
+    """The answer to one request on `binding`'s socket (pure: the caller closes `fds`)."""
+    if fds or truncated:
+        what = "file descriptors" if fds else f"more than {MAX_REQUEST} bytes"
+        return Answer(Code.INVALID_ARGUMENT, f"a request carries no {what}")
+    try:
+        doc = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        return Answer(Code.INVALID_ARGUMENT, "a request is one JSON object")
+    if not isinstance(doc, dict):
+        return Answer(Code.INVALID_ARGUMENT, "a request is one JSON object")
+    extra = sorted(set(doc) - _REQUEST_KEYS)
+    if extra:
+        return Answer(
+            Code.INVALID_ARGUMENT,
+            f"unknown request fields {extra}: a pod's identity comes from its socket, "
+            "never from what it sends",
+        )
+    if doc.get("v") != PROTOCOL_VERSION:
+        return Answer(Code.INVALID_ARGUMENT, f"protocol version {doc.get('v')!r} is not served")
+    if doc.get("op") != "open":
+        return Answer(Code.INVALID_ARGUMENT, f"unknown op {doc.get('op')!r}")
+    tenant = doc.get("tenant")
+    if not isinstance(tenant, str) or not tenant:
+        return Answer(Code.INVALID_ARGUMENT, "tenant must be a non-empty string")
+    # One message whether the tenant exists or not: a pod learns no other tenant's name.
+    if tenant != binding.tenant or not spec.admits(binding.pod, tenant):
+        return Answer(Code.PERMISSION_DENIED, f"tenant {tenant!r} is not granted to this pod")
+    region = memory.region(tenant)
+    if region is None:
+        return Answer(Code.UNAVAILABLE, f"tenant {tenant!r} has no memory on this node yet")
+    return Answer(Code.OK, region=region)
+
+
+def _peer(conn: socket.socket) -> tuple[int, int, int]:
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
+
+
+def bind_in_dir(sock: socket.socket, directory: str, name: str) -> None:
+    """Bind `sock` to `directory/name` whatever the path's length (sun_path holds 108 bytes;
+    a kubelet target path is longer): through `/proc/self/fd/<dir fd>/name`."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dfd)
+        sock.bind(f"/proc/self/fd/{dfd}/{name}")
+    finally:
+        os.close(dfd)
+
+
+class MemoryServer:
+    """Serves every published pod socket from one selector thread (requests are rare and tiny)."""
+
+    def __init__(
+        self, spec: Callable[[], NodePoolSpec], memory: TenantMemory, *, socket_mode: int = 0o666
+    ) -> None:
+        self._spec = spec
+        self._memory = memory
+        self._mode = socket_mode
+        self._sel = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._listeners: dict[tuple[str, str], socket.socket] = {}
+        self._conns: dict[socket.socket, int] = {}  # listener -> open connections
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="node-memory", daemon=True)
+        self._thread.start()
+
+    def attach(self, binding: Binding) -> None:
+        """Create `binding`'s socket in its (existing) target directory and serve it."""
+        key = (binding.volume_id, binding.target_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            bind_in_dir(sock, binding.target_path, SOCKET_NAME)
+            dfd = os.open(binding.target_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                if binding.mount_group is not None:
+                    os.chown(SOCKET_NAME, -1, binding.mount_group, dir_fd=dfd)
+                    os.chmod(SOCKET_NAME, self._mode & 0o660, dir_fd=dfd)
+                else:
+                    os.chmod(SOCKET_NAME, self._mode, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            sock.listen(MAX_CONNECTIONS_PER_SOCKET)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        with self._lock:
+            old = self._listeners.pop(key, None)
+            if old is not None:
+                self._sel.unregister(old)
+                old.close()
+            self._listeners[key] = sock
+            self._conns[sock] = 0
+            self._sel.register(sock, selectors.EVENT_READ, ("listen", binding))
+        self._wake()
+
+    def detach(self, volume_id: str, target_path: str) -> bool:
+        """Stop serving that socket (open connections end too); False if it was not served."""
+        with self._lock:
+            sock = self._listeners.pop((volume_id, target_path), None)
+            if sock is None:
+                return False
+            self._sel.unregister(sock)
+            self._conns.pop(sock, None)
+            for key in list(self._sel.get_map().values()):
+                if key.data and key.data[0] == "conn" and key.data[2] is sock:
+                    self._sel.unregister(key.fileobj)
+                    key.fileobj.close()
+            sock.close()
+        self._wake()
+        return True
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake()
+        self._thread.join(5)
+        with self._lock:
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    key.fileobj.close()
+            self._listeners.clear()
+        self._sel.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        while not self._stop:
+            events = self._sel.select(1.0)
+            for key, _ in events:
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 64)
+                    continue
+                with self._lock:
+                    try:
+                        self._sel.get_key(key.fileobj)
+                    except (KeyError, ValueError):
+                        continue  # detached meanwhile
+                    try:
+                        if key.data[0] == "listen":
+                            self._accept(key.fileobj, key.data[1])
+                        else:
+                            self._serve(key.fileobj, key.data[1], key.data[2])
+                    except OSError as e:
+                        log.warning("node memory socket: %s", e)
+
+    def _accept(self, listener: socket.socket, binding: Binding) -> None:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        if self._conns.get(listener, 0) >= MAX_CONNECTIONS_PER_SOCKET:
+            conn.close()
+            return
+        conn.setblocking(False)
+        self._conns[listener] += 1
+        pid, uid, gid = _peer(conn)
+        log.debug("pod %s connected: pid %d uid %d gid %d", binding.pod.describe(), pid, uid, gid)
+        self._sel.register(conn, selectors.EVENT_READ, ("conn", binding, listener))
+
+    def _drop(self, conn: socket.socket, listener: socket.socket) -> None:
+        self._sel.unregister(conn)
+        conn.close()
+        if listener in self._conns:
+            self._conns[listener] -= 1
+
+    def _serve(self, conn: socket.socket, binding: Binding, listener: socket.socket) -> None:
+        try:
+            raw, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST, 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(conn, listener)
+            return
+        for fd in fds:  # never used, never kept
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if not raw and not fds:
+            self._drop(conn, listener)
+            return
+        truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
+        answer = decide(raw, fds, truncated, binding, self._spec(), self._memory)
+        if answer.code is not Code.OK:
+            log.info(
+                "refused %s for pod %s: %s",
+                answer.code.value,
+                binding.pod.describe(),
+                answer.message,
+            )
+        try:
+            if answer.region is not None:
+                socket.send_fds(conn, [answer.encode()], [answer.region.fd])
+            else:
+                conn.send(answer.encode())
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EPIPE, errno.ECONNRESET):
+                raise
+            self._drop(conn, listener)
