@@ -1,0 +1,151 @@
+"""The node agent's CSI services, driven over its Unix socket as the kubelet drives them."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import grpc
+import pytest
+from kvoffload.csi.v1 import csi_pb2
+from kvoffload_connector.node_memory import NodeMemoryError, open_tenant_memory
+from nodeharness import POD_A, POD_B, MiB, Pod
+
+pytestmark = pytest.mark.process
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def test_identity_and_node_info_are_the_specs_messages(agent) -> None:
+    _, k = agent
+    info = k.identity.GetPluginInfo(csi_pb2.GetPluginInfoRequest(), timeout=5)
+    assert info.name == "node.kvoffload.io" and info.vendor_version
+    caps = k.identity.GetPluginCapabilities(csi_pb2.GetPluginCapabilitiesRequest(), timeout=5)
+    assert list(caps.capabilities) == []  # node only: no controller service to call
+    assert k.identity.Probe(csi_pb2.ProbeRequest(), timeout=5).ready.value is True
+    assert k.node.NodeGetInfo(csi_pb2.NodeGetInfoRequest(), timeout=5).node_id == "node-a"
+    node_caps = k.node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest(), timeout=5)
+    rpc = csi_pb2.NodeServiceCapability.RPC
+    # no STAGE_UNSTAGE_VOLUME: the kubelet calls NodePublish directly; the pod's fsGroup
+    # comes as volume_mount_group
+    assert [c.rpc.type for c in node_caps.capabilities] == [rpc.VOLUME_MOUNT_GROUP]
+
+
+def test_two_pods_of_two_tenants_publish_map_and_unpublish_twice(agent) -> None:
+    a, k = agent
+    k.publish(POD_A)
+    k.publish(POD_B)
+    k.publish(POD_A)  # a retried publish of the same volume answers OK again
+    sock_a, sock_b = k.target(POD_A) / "memory.sock", k.target(POD_B) / "memory.sock"
+    assert len(str(sock_a)) > 108  # the agent binds past sun_path's limit
+    assert stat.S_ISSOCK(os.stat(sock_a).st_mode)
+    assert stat.S_IMODE(os.stat(sock_a).st_mode) == 0o666
+    assert stat.S_IMODE(os.stat(k.target(POD_A)).st_mode) == 0o755
+    b_sock, b_dir = os.stat(sock_b), os.stat(k.target(POD_B))
+    assert (stat.S_IMODE(b_sock.st_mode), b_sock.st_gid) == (0o660, POD_B.group)
+    assert (stat.S_IMODE(b_dir.st_mode), b_dir.st_gid) == (0o2750, POD_B.group)
+    records = sorted(
+        json.loads(p.read_text())["tenant"] for p in (a.root / "state" / "bindings").glob("*.json")
+    )
+    assert records == ["alpha", "beta"]
+
+    ma = open_tenant_memory(str(sock_a), "alpha")
+    mb = open_tenant_memory(str(sock_b), "beta")
+    try:
+        assert (ma.size, mb.size) == (4 * MiB, 2 * MiB)
+        ma.buffer[:5] = b"alpha"
+        mb.buffer[:4] = b"beta"
+        again = open_tenant_memory(str(sock_a), "alpha")  # the same memory, another fd
+        assert again.buffer[:5] == b"alpha"
+        again.close()
+        assert mb.buffer[:5] == b"beta\0"
+    finally:
+        ma.close()
+        mb.close()
+
+    for _ in range(2):  # the spec: unpublishing an unpublished volume answers OK
+        k.unpublish(POD_A)
+    assert not k.target(POD_A).exists()
+    assert k.target(POD_A).parent.exists()  # the kubelet's directory stays
+    assert sorted(
+        json.loads(p.read_text())["tenant"] for p in (a.root / "state" / "bindings").glob("*.json")
+    ) == ["beta"]
+    k.unpublish(POD_B)
+    k.unpublish(POD_B)
+    assert not k.target(POD_B).exists()
+
+
+def test_publish_refusals_name_the_precise_code(agent) -> None:
+    _, k = agent
+    bad, denied = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED
+    ctx = POD_A.context
+    # a persistent volume, or a CSIDriver without podInfoOnMount, is not what this serves
+    assert (
+        _code(lambda: k.publish(POD_A, context=ctx(**{"csi.storage.k8s.io/ephemeral": None})))
+        == bad
+    )
+    assert (
+        _code(lambda: k.publish(POD_A, context=ctx(**{"csi.storage.k8s.io/ephemeral": "false"})))
+        == bad
+    )
+    assert (
+        _code(lambda: k.publish(POD_A, context=ctx(**{"csi.storage.k8s.io/pod.uid": None}))) == bad
+    )
+    assert (
+        _code(lambda: k.publish(POD_A, context=ctx(**{"csi.storage.k8s.io/pod.uid": "../x"})))
+        == bad
+    )
+    assert _code(lambda: k.publish(POD_A, context=ctx(tenant=None))) == bad
+    assert _code(lambda: k.publish(POD_A, context=ctx(poolSize="1Ti"))) == bad  # unknown key
+    assert _code(lambda: k.publish(POD_A, block=True)) == bad
+    outside = k.pods_dir.parent / "elsewhere" / "mount"
+    assert _code(lambda: k.publish(POD_A, target=outside)) == bad
+    # tenants: another namespace's, an unknown one, one granted to other service accounts
+    with pytest.raises(grpc.RpcError) as other:
+        k.publish(POD_A, context=ctx(tenant="beta"))
+    with pytest.raises(grpc.RpcError) as unknown:
+        k.publish(POD_A, context=ctx(tenant="gamma"))
+    assert other.value.code() == unknown.value.code() == denied
+    assert other.value.details().replace("beta", "T") == unknown.value.details().replace(
+        "gamma", "T"
+    )
+    wrong_sa = Pod(POD_B.namespace, POD_B.name, POD_B.uid, "default", "beta", POD_B.group)
+    assert _code(lambda: k.publish(wrong_sa)) == denied
+    assert not k.target(POD_A).exists() and not k.target(POD_B).exists()
+    # the same volume at the same path, asked again for another tenant
+    k.publish(POD_B)
+    as_a = Pod(POD_B.namespace, POD_B.name, POD_B.uid, "vllm", "alpha", POD_B.group)
+    assert _code(lambda: k.publish(as_a)) in (denied,)  # team-b holds no alpha grant
+    relabel = Pod("team-b", "other-name", POD_B.uid, "vllm", "beta", POD_B.group)
+    assert _code(lambda: k.publish(relabel)) == grpc.StatusCode.ALREADY_EXISTS
+    k.unpublish(POD_B)
+
+
+def test_a_restarted_agent_serves_the_sockets_it_published(agent) -> None:
+    """The kubelet does not publish a running pod's volume again: the agent's state does."""
+    a, k = agent
+    k.publish(POD_A)
+    k.publish(POD_B)
+    m = open_tenant_memory(str(k.target(POD_A) / "memory.sock"), "alpha")
+    m.buffer[:4] = b"kept"
+    a.kill()
+    # the pod keeps its mapping while the agent is gone
+    assert m.buffer[:4] == b"kept"
+    with pytest.raises(OSError):
+        open_tenant_memory(str(k.target(POD_A) / "memory.sock"), "alpha", timeout=1)
+    a.start()
+    again = open_tenant_memory(str(k.target(POD_A) / "memory.sock"), "alpha")
+    assert again.size == 4 * MiB
+    with pytest.raises(NodeMemoryError) as e:  # the binding came back too, not just a socket
+        open_tenant_memory(str(k.target(POD_A) / "memory.sock"), "beta")
+    assert e.value.code == "PERMISSION_DENIED"
+    again.close()
+    m.close()
+    k.unpublish(POD_A)
+    k.unpublish(POD_B)
+    assert not k.target(POD_A).exists() and not k.target(POD_B).exists()
