@@ -1281,10 +1281,12 @@ def main(argv: list[str] | None = None) -> int:
     if mode == "sweep":
         report = sweep(build_parser().parse_args(rest))
         return 1 if any(s.get("status") != "ok" for s in report["servers"].values()) else 0
+    if mode in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
+        return 0
     if mode != "paired":
-        raise SystemExit(
-            f"usage: python -m bench serve sweep|paired|merge|modes ...; got {argv[:1]}"
-        )
+        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        return 2
     parser = build_paired_parser()
     a = parser.parse_args(rest)
     if len(a.configs) < 2:
