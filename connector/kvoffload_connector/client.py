@@ -13,260 +13,54 @@ fresh channel so gRPC's own reconnect backoff never delays recovery.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import queue
-import struct
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from kvoffload.v1 import pool_pb2, pool_pb2_grpc
 
+from kvoffload_connector.backoff import Backoff
 from kvoffload_connector.errors import PoolUnavailable
 from kvoffload_connector.framed import FramedSession
-from kvoffload_connector.keys import SpecFields, pack, unpack_slots
+from kvoffload_connector.grpc_session import GrpcSession
+from kvoffload_connector.keys import SpecFields, pack
+from kvoffload_connector.pool_replies import (
+    Pinned,
+    RankRegion,
+    RegisterResult,
+    StoreReservation,
+    key_salts,
+    no_salts,
+    slots_of,
+    versions_of,
+)
 from kvoffload_connector.presence import PresenceView, open_presence
-from kvoffload_connector.session import OrderedSession
+from kvoffload_connector.rpc_thread import RpcThread
 
 if TYPE_CHECKING:
     from kvoffload_connector.config import ConnectorConfig
+
+__all__ = [
+    "REGISTER_TIMEOUT_S",
+    "Backoff",
+    "Pinned",
+    "PoolClient",
+    "PoolUnavailable",
+    "RankRegion",
+    "RegisterResult",
+    "RpcThread",
+    "StoreReservation",
+    "key_salts",
+]
 
 log = logging.getLogger(__name__)
 
 
 # Register runs once per (re)connection and never on a step: give a busy sidecar time.
 REGISTER_TIMEOUT_S = 5.0
-
-
-def _no_salts(n: int) -> Sequence[None]:
-    return (None,) * n
-
-
-def key_salts(salts: Sequence[str | None]) -> tuple[list[str], bytes]:
-    """A store batch's per-key salts as the contract packs them: the distinct salts, and per
-    key 1 + its salt's index (0: none), one byte per key, two (little-endian) past 255 salts."""
-    index: dict[str, int] = {}
-    codes = []
-    for s in salts:
-        if s and (s in index or len(index) < 0xFFFF):
-            codes.append(index.setdefault(s, len(index) + 1))
-        else:  # no salt, or past the 65,535 salts two bytes name: the default tenant
-            codes.append(0)
-    if len(index) < 256:
-        return list(index), bytes(codes)
-    return list(index), b"".join(c.to_bytes(2, "little") for c in codes)
-
-
-def _slots(packed: bytes) -> list[int]:
-    try:
-        return unpack_slots(packed)
-    except ValueError as e:  # a reply this client cannot read is no answer
-        raise PoolUnavailable(f"malformed reply: {e}") from None
-
-
-def _versions(packed: bytes, n: int) -> list[int]:
-    """Slot versions from a ReserveLoad reply (8-byte little-endian uint64s, one per slot);
-    a sidecar that sent none (or a malformed list) gives zeros, which no load accepts."""
-    if len(packed) != 8 * n:
-        return [0] * n
-    return list(struct.unpack(f"<{n}Q", packed))
-
-
-class Pinned(NamedTuple):
-    """One ReserveLoad's answer: the pin (0: nothing pinned), its slots and their versions."""
-
-    pin_id: int
-    slots: list[int]
-    versions: list[int]
-
-
-@dataclass(frozen=True)
-class RankRegion:
-    rank: int
-    path: str
-    offset: int
-    slot_bytes: int
-    slot_count: int
-
-
-@dataclass(frozen=True)
-class RegisterResult:
-    namespace_id: str
-    client_id: int
-    regions: tuple[RankRegion, ...]
-    pool_ready: bool
-    committed_blocks: int
-    generation: str
-    epoch: int = 0  # the sidecar instance's: commits and aborts name it
-    engine: int = 0  # the engine this client's reservations belong to
-    engine_lock_base: int = 0  # engine_lock.lock_offset(base, engine, rank)
-    slot_table_offset: int = 0  # slot i's version: the u64 at offset + i * record_bytes
-    slot_record_bytes: int = 0
-
-    @classmethod
-    def from_response(cls, resp: pool_pb2.RegisterResponse) -> RegisterResult:
-        return cls(
-            namespace_id=resp.namespace_id,
-            client_id=resp.client_id,
-            regions=tuple(
-                RankRegion(r.rank, r.path, r.offset, r.slot_bytes, r.slot_count)
-                for r in resp.regions
-            ),
-            pool_ready=resp.pool_ready,
-            committed_blocks=resp.committed_blocks,
-            generation=resp.pool_generation,
-            epoch=resp.sidecar_epoch,
-            engine=resp.engine,
-            engine_lock_base=resp.engine_lock_base,
-            slot_table_offset=resp.slot_table_offset,
-            slot_record_bytes=resp.slot_record_bytes,
-        )
-
-
-@dataclass(frozen=True)
-class StoreReservation:
-    store_id: int  # 0 when nothing is to be written
-    decisions: bytes  # per key, one byte: its pool_pb2.StoreDecision value
-    slots: list[int]  # one per NEW key, in key order
-
-
-class Backoff:
-    """Doubling retry delay; `due()` says whether a new attempt may start now."""
-
-    def __init__(self, min_s: float, max_s: float, clock: Callable[[], float] = time.monotonic):
-        self.min_s, self.max_s, self._clock = min_s, max_s, clock
-        self._delay = 0.0
-        self._next = 0.0
-
-    def due(self) -> bool:
-        return self._clock() >= self._next
-
-    def failed(self) -> None:
-        self._delay = self.min_s if self._delay == 0 else min(self.max_s, self._delay * 2)
-        self._next = self._clock() + self._delay
-
-    def reset(self) -> None:
-        self._delay = 0.0
-        self._next = 0.0
-
-
-class _Session(OrderedSession):
-    """One bidirectional `Session` stream, read by the calling thread itself.
-
-    One exchange (a call, or a pipelined batch of calls) holds the stream at a time and its
-    caller reads the answers straight off the stream: no reader thread hands them over, which
-    saves a thread wake-up per call (8-19 µs at p50, 17-28 µs at p99 on a 2-core VM, measured
-    call for call against a reader-thread client). A watchdog thread enforces deadlines: an
-    exchange that outlives its deadline cancels the stream (a sidecar silent for a whole
-    deadline is treated as gone: the caller gets `PoolUnavailable` and `ensure()` re-registers;
-    the sidecar holds the ended session's pins and reservations for its detach grace, so
-    copies still in flight cannot race a new owner of those slots).
-    """
-
-    # The watchdog wakes every quarter of the shortest deadline seen (at least every 5 ms), so
-    # a deadline is honoured within a quarter of itself; each wake takes the GIL from the
-    # callers, so it wakes as rarely as that allows (every 50 ms with the default deadlines).
-    _MIN_TICK_S = 0.005
-    _IDLE_S = 1.0  # no call for this long: the watchdog sleeps until the next one
-
-    def __init__(self, stub: pool_pb2_grpc.KVPoolStub, client_id: int, attach_timeout_s: float):
-        super().__init__()
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._closing = False
-        self._expired = False
-        self._deadline = 0.0  # monotonic deadline of the exchange in flight; 0.0: none
-        self._tick_s = max(self._MIN_TICK_S, attach_timeout_s / 4)
-        self._last_call = time.monotonic()
-        self._wake = threading.Event()  # a call after an idle spell: the watchdog resumes
-        self._retick = threading.Event()  # the tick shrank: the watchdog re-plans its sleep
-        self._requests.put(
-            pool_pb2.SessionRequest(seq=0, attach=pool_pb2.AttachRequest(client_id=client_id))
-        )
-        self._responses = stub.Session(iter(self._requests.get, None))
-        self._responses.add_done_callback(self._on_done)
-        self._watchdog = threading.Thread(
-            target=self._watch, name="kvoffload-session-watchdog", daemon=True
-        )
-        self._watchdog.start()
-        with self._exchange(attach_timeout_s) as deadline:
-            attached = self._answer(0, deadline, attach_timeout_s)
-        if attached.WhichOneof("result") == "error":
-            self.close()
-            raise PoolUnavailable(f"attach refused: {attached.error.message}")
-
-    # -- stream state ---------------------------------------------------------------
-    def _on_done(self, _call: object) -> None:
-        """The RPC ended (either side, any reason): no call can succeed on it any more."""
-        self._mark_ended()
-        self._wake.set()  # let the watchdog exit
-        self._retick.set()
-        if not self._closing and not self._expired:
-            log.info("kvoffload: session ended: %s", self._responses.code())
-
-    def _watch(self) -> None:
-        while self.alive:
-            deadline, now = self._deadline, time.monotonic()
-            if deadline and now >= deadline:
-                self._expired = True
-                log.warning("kvoffload: sidecar silent past a deadline: dropping the session")
-                self._responses.cancel()  # the caller's read raises
-                return
-            if not deadline and now - self._last_call > self._IDLE_S:
-                self._wake.clear()
-                if not self._deadline and self.alive:  # re-check: a call may have just armed
-                    self._wake.wait()
-                continue
-            self._retick.wait(min(self._tick_s, deadline - now) if deadline else self._tick_s)
-            self._retick.clear()
-
-    @contextlib.contextmanager
-    def _exchange(self, timeout_s: float) -> Iterator[float]:
-        """The base exchange, with its deadline armed in the watchdog."""
-        with super()._exchange(timeout_s) as deadline:
-            try:
-                self._deadline, self._last_call = deadline, time.monotonic()
-                if timeout_s < 4 * self._tick_s:
-                    self._tick_s = max(self._MIN_TICK_S, timeout_s / 4)
-                    self._retick.set()
-                if not self._wake.is_set():
-                    self._wake.set()
-                yield deadline
-            finally:
-                self._deadline = 0.0
-
-    def _send(self, requests: list[pool_pb2.SessionRequest], deadline: float, timeout_s: float):
-        for request in requests:
-            self._requests.put(request)
-
-    def _answer(self, seq: int, deadline: float, timeout_s: float) -> pool_pb2.SessionResponse:
-        """The answer to `seq`, read off the stream (the watchdog enforces the deadline)."""
-        while True:
-            try:
-                resp = next(self._responses)
-            except (grpc.RpcError, StopIteration):
-                self._mark_ended()
-                if self._expired:
-                    raise PoolUnavailable(f"no answer within {timeout_s * 1e3:.0f} ms") from None
-                raise PoolUnavailable("session closed") from None
-            if resp.seq == seq:
-                return resp
-            if resp.seq > seq:  # answers come in order: the stream is not what we think
-                self.close()
-                raise PoolUnavailable(f"answer {resp.seq} arrived before {seq}")
-
-    def close(self) -> None:
-        self._closing = True
-        self._requests.put(None)
-        with contextlib.suppress(Exception):
-            self._responses.cancel()
-        self._mark_ended()
-        self._wake.set()
-        self._retick.set()
 
 
 class PoolClient:
@@ -296,7 +90,7 @@ class PoolClient:
         self._lock = threading.RLock()
         self._channel: grpc.Channel | None = None
         self._stub: pool_pb2_grpc.KVPoolStub | None = None
-        self._session: _Session | FramedSession | None = None
+        self._session: GrpcSession | FramedSession | None = None
         self._register_args: tuple[SpecFields, int, int] | None = None
         self.registration: RegisterResult | None = None
         self.key_size = 0
@@ -445,7 +239,7 @@ class PoolClient:
 
     def _open_session(
         self, stub: pool_pb2_grpc.KVPoolStub, resp: pool_pb2.RegisterResponse
-    ) -> _Session | FramedSession:
+    ) -> GrpcSession | FramedSession:
         """The framed socket when the sidecar offers it (and `framed`), else the gRPC stream."""
         timeout_s = max(self.rpc_timeout_s, REGISTER_TIMEOUT_S)
         name = resp.session_socket
@@ -460,7 +254,7 @@ class PoolClient:
                     return session
                 except PoolUnavailable as e:
                     log.info("kvoffload: framed session unavailable (%s): using gRPC", e)
-        session = _Session(stub, resp.client_id, timeout_s)
+        session = GrpcSession(stub, resp.client_id, timeout_s)
         self.transport = "grpc"
         return session
 
@@ -525,7 +319,7 @@ class PoolClient:
             namespace_id=ns,
             queries=[
                 pool_pb2.KeyList(keys=pack(q, self.key_size), cache_salt=salt or "")
-                for q, salt in zip(queries, salts or _no_salts(len(queries)), strict=True)
+                for q, salt in zip(queries, salts or no_salts(len(queries)), strict=True)
             ],
             report_misses=report_misses,
         )
@@ -540,8 +334,8 @@ class PoolClient:
                 namespace_id=ns, client_id=cid, keys=pack(keys, self.key_size)
             ),
         ).reserve_load
-        slots = _slots(r.slots)
-        return Pinned(r.pin_id, slots, _versions(r.versions, len(slots)))
+        slots = slots_of(r.slots)
+        return Pinned(r.pin_id, slots, versions_of(r.versions, len(slots)))
 
     def reserve_load_many(
         self,
@@ -569,7 +363,7 @@ class PoolClient:
                     cache_salt=salt or "",
                 )
             }
-            for keys, salt in zip(key_lists, salts or _no_salts(len(key_lists)), strict=True)
+            for keys, salt in zip(key_lists, salts or no_salts(len(key_lists)), strict=True)
         ]
         out: list[Pinned | None] = []
         deadline = self.rpc_timeout_s if timeout_s is None else timeout_s
@@ -577,8 +371,8 @@ class PoolClient:
             if isinstance(r, PoolUnavailable):
                 out.append(None)
             else:
-                slots = _slots(r.reserve_load.slots)
-                versions = _versions(r.reserve_load.versions, len(slots))
+                slots = slots_of(r.reserve_load.slots)
+                versions = versions_of(r.reserve_load.versions, len(slots))
                 out.append(Pinned(r.reserve_load.pin_id, slots, versions))
         return out
 
@@ -606,7 +400,7 @@ class PoolClient:
             names, request.key_salts = key_salts(salts)
             request.cache_salts.extend(names)
         r = self._call(None, reserve_store=request).reserve_store
-        return StoreReservation(r.store_id, r.decisions, _slots(r.slots))
+        return StoreReservation(r.store_id, r.decisions, slots_of(r.slots))
 
     def commit_store(
         self, namespace_id: str, store_id: int, rank: int, *, epoch: int = 0, engine: int = 0
@@ -661,39 +455,3 @@ class PoolClient:
             return stub.Stats(pool_pb2.StatsRequest(), timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:
             raise PoolUnavailable(f"stats: {e.code()}") from None
-
-
-class RpcThread:
-    """One daemon thread running queued calls in order, off the engine's step thread.
-
-    `submit` never blocks; a call that raises is logged and dropped (its caller
-    learns the outcome through whatever the call itself records).
-    """
-
-    def __init__(self, name: str):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn: Callable[[], object]) -> None:
-        self._q.put(fn)
-
-    def _run(self) -> None:
-        while True:
-            fn = self._q.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except Exception:  # noqa: BLE001
-                log.exception("kvoffload: background call failed")
-
-    def drain(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every call submitted so far has run (tests, shutdown)."""
-        done = threading.Event()
-        self._q.put(done.set)
-        return done.wait(timeout_s)
-
-    def close(self, timeout_s: float = 2.0) -> None:
-        self._q.put(None)
-        self._thread.join(timeout_s)

@@ -1,7 +1,7 @@
 """The connector's session on the sidecar's framed socket (no gRPC on the hot path).
 
-Same protocol and contract as the gRPC `Session` stream (`client._Session`): attach first,
-answers in order, one exchange at a time; the connection owns this client's pins. Each
+Same protocol and contract as the gRPC `Session` stream (`grpc_session.GrpcSession`): attach
+first, answers in order, one exchange at a time; the connection owns this client's pins. Each
 message is a 4-byte little-endian length and a serialized `SessionRequest` / `SessionResponse`
 (kvoffload.v1, see `RegisterResponse.session_socket`). A blocking socket with a timeout per
 exchange enforces deadlines (no watchdog; a thread blocked in poll() only notices a hang-up
