@@ -31,8 +31,8 @@ Sections (each child runs the ones asked for, in this order, within its deadline
         [--socket PATH | --pool-gib 40] [--budget-s 540] [--out bench/out/e2e_gpu.json]
 
 Writes the JSON after every finished section (a timeout leaves what was measured) and prints
-the tables last. A request without progress for --stall-s is a hang: the child saves the
-scheduler's and the connector's state plus every thread's stack, and exits (the parent goes on).
+the tables last. A request without progress for --stall-s is a hang: the child dumps
+every thread's stack, saves and exits (the parent goes on).
 On vLLM 0.26 the connector runs as shipped: its two 0.26 fixes (the result type's fallback in
 `compat.py`, stores of steps without `wait_for_save` submitted from `get_finished`) are in the
 connector itself.
@@ -362,32 +362,9 @@ class Child:
             self.busy = None
         return outs, time.perf_counter() - t0
 
-    def engine_state(self) -> dict[str, Any]:
-        """What the scheduler and the connector hold right now (read from another thread, for
-        a stall report: racy, read-only, best effort)."""
-        st: dict[str, Any] = {}
-        try:
-            sched = self.llm.llm_engine.engine_core.engine_core.scheduler
-            pool = sched.kv_cache_manager.block_pool
-            st["free_gpu_blocks"] = pool.get_num_free_blocks()
-            st["waiting"], st["running"] = len(sched.waiting), len(sched.running)
-            conn = getattr(getattr(sched, "connector", None), "_scheduler", None)
-            for name in ("_jobs", "_reqs", "_lookups_in_flight", "_reservations_in_flight"):
-                v = getattr(conn, name, None)
-                st[f"kvo_scheduler{name}"] = len(v) if isinstance(v, dict) else v
-            from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-            worker = getattr(get_kv_transfer_group(), "_worker", None)
-            jobs = getattr(worker, "_jobs", None)
-            st["kvo_worker_jobs"] = len(jobs) if jobs is not None else None
-            st["kvo_worker_ready"] = getattr(worker, "ready", None)
-        except Exception as e:  # noqa: BLE001
-            st["error"] = f"{type(e).__name__}: {e}"
-        return st
-
     def watchdog(self, stall_s: float) -> None:
-        """A request that makes no progress for `stall_s` is a hang: record the engine and
-        connector state and every thread's stack, save, and exit (the parent goes on)."""
+        """A request that makes no progress for `stall_s` is a hang: dump every thread's stack,
+        save, and exit (the parent goes on)."""
 
         def watch() -> None:
             while True:
@@ -401,9 +378,6 @@ class Child:
                 )
                 self.result["status"] = "hung"
                 self.result["error"] = f"no progress for {stall_s:.0f} s ({busy[1]} tokens)"
-                self.result["stall_state"] = [self.engine_state()]
-                time.sleep(2.0)
-                self.result["stall_state"].append(self.engine_state())
                 faulthandler.dump_traceback(all_threads=True)
                 sys.stdout.flush()
                 self.save()
