@@ -92,10 +92,10 @@ fmt: $(STAMP)
 imports: $(STAMP) ## import-linter layer contracts
 	@$(VENV)/bin/lint-imports --no-cache
 
-bench: $(STAMP) $(NATIVE) ## CPU benchmarks (sidecar RPC + index); GPU ones: see docs/BENCHMARKS.md
-	$(PY) bench/sidecar_rpc.py
-	$(PY) bench/index_ops.py
-	$(PY) bench/connector_overhead.py
+bench: $(STAMP) $(NATIVE) ## CPU benchmarks into bench/out/ (the GPU ones: bench/README.md)
+	$(PY) -m bench sidecar_rpc
+	$(PY) -m bench index_ops
+	$(PY) -m bench connector_overhead
 
 crds-sync: ## copy crds/ into the chart (the chart's copy is generated)
 	@mkdir -p charts/kvoffload/crds
