@@ -119,7 +119,7 @@ class Kubelet:
 
 
 class Agent:
-    """`python -m kvoffload_sidecar.node` as a subprocess, restartable on the same state."""
+    """`kvoffload node-agent` as a subprocess, restartable on the same state."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -134,9 +134,7 @@ class Agent:
         log = self.log.open("w")
         self.proc = subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "kvoffload_sidecar.node",
+                *AGENT,
                 "--csi-socket",
                 str(self.csi_socket),
                 "--node-id",
@@ -175,6 +173,9 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait(10)
 
+
+# the console script, as the DaemonSet runs it
+AGENT = [str(Path(sys.executable).parent / "kvoffload"), "node-agent"]
 
 POD_A = Pod("team-a", "vllm-a-0", str(uuid.uuid4()), "vllm", "alpha", ALPHA_GROUP)
 POD_B = Pod("team-b", "vllm-b-0", str(uuid.uuid4()), "vllm", "beta", BETA_GROUP)

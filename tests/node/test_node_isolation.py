@@ -3,6 +3,7 @@ another tenant's memory: each attempt is refused with a precise code or errno.""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -186,7 +187,10 @@ def test_connections_per_socket_are_bounded(published) -> None:
     """A pod cannot exhaust the agent's fds: past the bound, connections close unanswered."""
     _, k = published
     cap = tenant_memory.MAX_CONNECTIONS_PER_SOCKET
-    socks = [connect(_sock(k, POD_A), 5) for _ in range(2 * cap)]
+    socks = []
+    for _ in range(2 * cap):
+        with contextlib.suppress(BlockingIOError):  # a full listen backlog bounds it too
+            socks.append(connect(_sock(k, POD_A), 5))
     answered = 0
     try:
         for s in socks:

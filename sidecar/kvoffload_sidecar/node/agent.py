@@ -1,4 +1,4 @@
-"""`python -m kvoffload_sidecar.node`: the node agent (CSI services + tenant memory).
+"""`kvoffload node-agent`: the node agent (CSI services + tenant memory).
 
 Until the API watch exists the node pool spec comes from `--node-pool FILE` (the same fields as
 the `KVOffloadNodePool` object); the slot protocol inside each tenant is not served yet
@@ -11,6 +11,7 @@ import argparse
 import logging
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload_sidecar.node.csi import NodeAgent, NodeConfig, serve
@@ -18,7 +19,7 @@ from kvoffload_sidecar.node.grants import load_spec
 from kvoffload_sidecar.node.tenant_memory import MemoryServer, TenantMemory
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvoffload node-agent", description=__doc__)
     p.add_argument("--csi-socket", default="/csi/csi.sock")
     p.add_argument("--node-id", required=True, help="the node's name ($(NODE_NAME))")

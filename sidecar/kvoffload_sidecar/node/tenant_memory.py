@@ -273,18 +273,21 @@ class MemoryServer:
                         log.warning("node memory socket: %s", e)
 
     def _accept(self, listener: socket.socket, binding: Binding) -> None:
-        try:
-            conn, _ = listener.accept()
-        except BlockingIOError:
-            return
-        if self._conns.get(listener, 0) >= MAX_CONNECTIONS_PER_SOCKET:
-            conn.close()
-            return
-        conn.setblocking(False)
-        self._conns[listener] += 1
-        pid, uid, gid = _peer(conn)
-        log.debug("pod %s connected: pid %d uid %d gid %d", binding.pod.describe(), pid, uid, gid)
-        self._sel.register(conn, selectors.EVENT_READ, ("conn", binding, listener))
+        while True:  # drain the backlog; past the bound a connection is closed unanswered
+            try:
+                conn, _ = listener.accept()
+            except BlockingIOError:
+                return
+            if self._conns.get(listener, 0) >= MAX_CONNECTIONS_PER_SOCKET:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._conns[listener] += 1
+            pid, uid, gid = _peer(conn)
+            log.debug(
+                "pod %s connected: pid %d uid %d gid %d", binding.pod.describe(), pid, uid, gid
+            )
+            self._sel.register(conn, selectors.EVENT_READ, ("conn", binding, listener))
 
     def _drop(self, conn: socket.socket, listener: socket.socket) -> None:
         self._sel.unregister(conn)
