@@ -396,14 +396,12 @@ def test_layered_load_stages_follow_the_forward_and_cover_every_region_once(kind
     """CudaEngine's stage plan, built on the CPU: one copy per layer in forward order, every
     region of every group moved by exactly one stage, and each layer waiting for the stage
     that moves its bytes (a later layer never waits for less than an earlier one needs)."""
-    from types import SimpleNamespace
-
-    from kvoffload_connector.transfer.cuda import CudaEngine
+    from kvoffload_connector.transfer.cuda_tables import group_table, layer_stages
 
     setup, layout, _ = build(kind, pool_factory, groups=2, shared=True, heads=3, num_layers=11)
-    fake = SimpleNamespace(_layout=layout, _device=torch.device("cpu"), _torch=torch)
-    fake._tables = {g.group_id: CudaEngine._table(fake, g) for g in layout.groups}
-    stages, stage_of = CudaEngine._layer_stages(fake, layout)
+    cpu = torch.device("cpu")
+    tables = {g.group_id: group_table(torch, cpu, layout, g) for g in layout.groups}
+    stages, stage_of = layer_stages(layout, tables)
     assert set(stage_of) == set(setup.kv_caches)  # every layer knows what to wait for
     moved: dict[int, list[tuple[int, ...]]] = {}
     for st in stages:
@@ -411,12 +409,12 @@ def test_layered_load_stages_follow_the_forward_and_cover_every_region_once(kind
         assert st.n_regions == len(rows) > 0
         moved.setdefault(st.group, []).extend(rows)
     for g in layout.groups:
-        table = [tuple(r) for r in fake._tables[g.group_id].regions.tolist()]
+        table = [tuple(r) for r in tables[g.group_id].regions.tolist()]
         assert sorted(moved[g.group_id]) == sorted(table)  # each region once
     for name, gid, regions in layout.layers:
         st = stages[stage_of[name]]
         assert st.group == gid
-        need = {tuple(fake._tables[gid].regions[r].tolist()) for r in regions}
+        need = {tuple(tables[gid].regions[r].tolist()) for r in regions}
         upto = {
             tuple(r)
             for s in stages[: stage_of[name] + 1]

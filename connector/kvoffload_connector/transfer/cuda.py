@@ -44,7 +44,7 @@ one ``cuMemcpyBatchAsync`` (``batch_copy.py``; a ``cuMemcpyAsync`` per run where
 no batch call), so a job's host time no longer grows by ~10 µs per slot run. Nothing is
 allocated or created per job: the compute-stream and hand-over events are re-recorded, the
 timing events come from a per-pipe free list, the block ids go through persistent pinned and
-device buffers (``_BlockIds``), and the compute stream's driver handle is cached per stream.
+device buffers (``cuda_ids.BlockIds``), and the compute stream's driver handle is cached per stream.
 
 Completion: a pair of timing events per job (start, end), the end queried by ``poll`` (never
 blocks); the pair returns to its pipe's free list once the job is reported. The worker's
@@ -61,7 +61,6 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -75,7 +74,15 @@ from kvoffload_connector.transfer.contract import (
     JobResult,
     TransferBatch,
 )
-from kvoffload_connector.transfer.kernels import CopyKernels, unit_bytes, vector_width
+from kvoffload_connector.transfer.cuda_driver import NO_TIMING, driver_ok
+from kvoffload_connector.transfer.cuda_ids import BlockIds
+from kvoffload_connector.transfer.cuda_pipe import Pipe
+from kvoffload_connector.transfer.cuda_tables import (
+    STAGING_ALIGN,
+    group_table,
+    layer_stages,
+)
+from kvoffload_connector.transfer.kernels import CopyKernels
 from kvoffload_connector.transfer.plan import JobPlan, Piece
 
 if TYPE_CHECKING:
@@ -86,12 +93,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CudaEngine"]
 
-_STAGING_ALIGN = 256
-
-
-_NOT_READY = 600  # CUDA_ERROR_NOT_READY: cuEventQuery on work not yet done
-_NO_TIMING = 2  # CU_EVENT_DISABLE_TIMING: events that only order work
-
 
 @dataclass
 class _Job:
@@ -99,192 +100,10 @@ class _Job:
     nbytes: int
     start: Any  # torch.cuda.Event (timing), owned by the job until it is reported
     end: Any
-    pipe: _Pipe  # whose free list the two events go back to
+    pipe: Pipe  # whose free list the two events go back to
     # of the start -> end time, the part this job reports: jobs that share one copy sequence
     # (a step's layered loads) split it by bytes, so their seconds add up to it once
     share: float = 1.0
-
-
-@dataclass(frozen=True)
-class _Stage:
-    """One layer of a layer-by-layer load: the regions of its group that hold its bytes."""
-
-    group: int
-    regions: Any  # torch int64 [r, 4] on the device (rows of the group table)
-    n_regions: int
-    units_per_region: int
-    width: int
-
-
-@dataclass(frozen=True)
-class _GroupTable:
-    regions: Any  # torch int64 [R, 4] on the device: addr, stride, bytes, offset in block
-    n_regions: int
-    block_bytes: int
-    width: int  # vector width of the copy kernel
-    units_per_region: int
-
-
-class _Pipe:
-    """One direction's staging ring, streams and hand-over events (raw driver handles: the
-    per-piece enqueue path is a few driver calls, no torch wrappers)."""
-
-    def __init__(
-        self,
-        device: Any,
-        capacity: int,
-        ring: int,
-        priority: int,
-        dmas: int,
-        ids: int,
-        blocking: bool = False,
-    ) -> None:
-        import torch
-        from cuda.bindings import driver as drv
-
-        self.bufs = [torch.empty(capacity, dtype=torch.uint8, device=device) for _ in range(ring)]
-        self.buf_ptrs = [b.data_ptr() for b in self.bufs]
-        self.kernel = torch.cuda.Stream(device, priority=priority)
-        # piece k's DMA goes on dmas[k % len] (one copy stream measured best for H2D)
-        self.dmas = [torch.cuda.Stream(device, priority=priority) for _ in range(dmas)]
-        self.kernel_h = drv.CUstream(self.kernel.cuda_stream)
-        self.dma_h = [drv.CUstream(d.cuda_stream) for d in self.dmas]
-        self.dma_raw = [d.cuda_stream for d in self.dmas]  # for the ctypes batch call
-        flags = _NO_TIMING
-        self.filled = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
-        self.free = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(ring)]
-        # reused by every job: a stream wait binds to the record made before it, so re-recording
-        # for the next job cannot disturb waits already queued (no event created per job)
-        self.ready = _ok(drv.cuEventCreate(flags), "cuEventCreate")  # compute stream at submit
-        self.handover = [_ok(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(dmas)]
-        self.next = 0
-        self.ids = _BlockIds(torch, device, self.kernel, ids)
-        # (start, end) timing events of reported jobs: a pair is re-recorded only after the job
-        # that used it was reported (its elapsed time read), so no job reads a later job's record
-        self.timers: list[tuple[Any, Any]] = []
-        self.blocking = blocking  # timing events a host thread waits on sleep, never spin
-
-    def take(self) -> int:
-        k = self.next
-        self.next = (k + 1) % len(self.bufs)
-        return k
-
-    def take_timers(self) -> tuple[Any, Any]:
-        """A free (start, end) pair; new ones only while more jobs are in flight than ever."""
-        if self.timers:
-            return self.timers.pop()
-        event = self.ids.torch.cuda.Event
-        return (
-            event(enable_timing=True, blocking=self.blocking),
-            event(enable_timing=True, blocking=self.blocking),
-        )
-
-    def close(self, destroy: Any) -> None:
-        """Release events and buffers (the caller synchronized this pipe's streams)."""
-        for ev in (*self.filled, *self.free, self.ready, *self.handover):
-            destroy(ev)
-        self.ids.close(destroy)
-        self.filled, self.free, self.handover, self.bufs, self.timers = [], [], [], [], []
-
-
-@dataclass
-class _HostIds:
-    """One pinned host buffer of block ids and the event recorded after its last upload."""
-
-    tensor: Any  # torch int64, pinned
-    view: np.ndarray  # numpy view of ``tensor`` (same memory)
-    ptr: int
-    uploaded: Any  # CUevent (no timing)
-
-
-class _BlockIds:
-    """A pipe's block-id upload: persistent pinned host buffers -> one device buffer, with one
-    ``np.copyto`` and one async H2D copy per job on the pipe's kernel stream (no pinned or
-    device allocation per job; ``cudaHostAlloc`` per job cost ~0.1-0.3 ms before a STORE's
-    first gather).
-
-    Why reuse is safe:
-    - Device buffer: written only by ``upload``, queued on the kernel stream, and read only by
-      copy kernels queued on that same stream. A stream runs its work in order, so job N+1's
-      upload starts after every kernel of job N (and earlier) has finished reading the buffer:
-      no event or second buffer is needed. It is allocated with the kernel stream current, so
-      torch's caching allocator never hands it memory another stream's queued work still uses.
-      When a job needs more ids the buffer grows (geometrically) and the old one is retired,
-      not freed: earlier kernels may still read it; retired buffers go at ``close``.
-    - Pinned host buffers: the H2D copy reads one after ``upload`` returns. Each has an event
-      recorded on the kernel stream after its copy; a buffer is refilled only when
-      ``cuEventQuery`` says that copy is done (a never-recorded event counts as done). The
-      oldest buffer is tried first; if it is still in use (jobs queued deeper than the ring),
-      a new buffer joins the ring instead: ``submit()`` never waits for the GPU here.
-    """
-
-    def __init__(self, torch: Any, device: Any, stream: Any, n: int) -> None:
-        from cuda.bindings import driver as drv
-
-        self.torch = torch
-        self._drv = drv
-        self._device = device
-        self._stream = stream  # torch.cuda.Stream: the kernel stream
-        n = max(1, n)
-        self._dev = self._device_buffer(n)
-        self._retired: list[Any] = []
-        self._host: deque[_HostIds] = deque(self._host_buffer(n) for _ in range(2))
-
-    @property
-    def capacity(self) -> int:
-        """Ids the device buffer holds without growing."""
-        return int(self._dev.numel())
-
-    @property
-    def host_buffers(self) -> int:
-        """Pinned buffers in the ring (2, more only if uploads were ever queued deeper)."""
-        return len(self._host)
-
-    def _device_buffer(self, n: int) -> Any:
-        with self.torch.cuda.stream(self._stream):
-            return self.torch.empty(n, dtype=self.torch.int64, device=self._device)
-
-    def _host_buffer(self, n: int) -> _HostIds:
-        t = self.torch.empty(n, dtype=self.torch.int64, pin_memory=True)
-        ev = _ok(self._drv.cuEventCreate(_NO_TIMING), "cuEventCreate")
-        return _HostIds(t, t.numpy(), t.data_ptr(), ev)
-
-    def upload(self, ids: np.ndarray, stream: Any) -> int:
-        """Queue ``ids`` (int64) to the device buffer on ``stream`` (the kernel stream's
-        CUstream); return the device address. Never waits for the GPU."""
-        n = len(ids)
-        if n > self.capacity:
-            self._retired.append(self._dev)
-            self._dev = self._device_buffer(max(n, 2 * self.capacity))
-        host = self._host[0]
-        idle = self._idle(host)
-        if idle and n <= len(host.view):
-            self._host.rotate(-1)
-        else:
-            if idle:  # too small and its last copy is done: freeing it is safe
-                self._drv.cuEventDestroy(self._host.popleft().uploaded)
-            size = max(n, max(len(h.view) for h in self._host) if self._host else n)
-            host = self._host_buffer(size)
-            self._host.append(host)
-        np.copyto(host.view[:n], ids)
-        dev = self._dev.data_ptr()
-        if n:
-            _ok(self._drv.cuMemcpyAsync(dev, host.ptr, 8 * n, stream), "cuMemcpyAsync ids")
-            _ok(self._drv.cuEventRecord(host.uploaded, stream), "cuEventRecord")
-        return dev
-
-    def _idle(self, host: _HostIds) -> bool:
-        err = int(self._drv.cuEventQuery(host.uploaded)[0])
-        if err not in (0, _NOT_READY):
-            raise RuntimeError(f"cuEventQuery failed: {err}")
-        return err == 0
-
-    def close(self, destroy: Any) -> None:
-        for h in self._host:
-            destroy(h.uploaded)
-        self._host.clear()
-        self._retired.clear()
-        self._dev = None
 
 
 class CudaEngine:
@@ -328,19 +147,21 @@ class CudaEngine:
         self._load_ctas = load_ctas
         max_gbb = max(g.block_bytes for g in layout.groups)
         cap = max(piece_bytes, max_gbb)
-        self._capacity = -(-cap // _STAGING_ALIGN) * _STAGING_ALIGN
+        self._capacity = -(-cap // STAGING_ALIGN) * STAGING_ALIGN
         # a LOAD writes each GPU block at most once, so this many ids fit any LOAD and most
         # STOREs (a STORE may read a block into several slots: the id buffers then grow once)
         ids = sum(g.num_blocks for g in layout.groups)
         with torch.cuda.device(device):
             self._pipes = {
-                Direction.STORE: _Pipe(
+                Direction.STORE: Pipe(
                     device, self._capacity, ring, 0, dma_streams, ids, blocking=True
                 ),
-                Direction.LOAD: _Pipe(device, self._capacity, ring, -1, dma_streams, ids),
+                Direction.LOAD: Pipe(device, self._capacity, ring, -1, dma_streams, ids),
             }
-            self._tables = {g.group_id: self._table(g) for g in layout.groups}
-            self._stages, self._stage_of = self._layer_stages(layout)
+            self._tables = {
+                g.group_id: group_table(torch, device, layout, g) for g in layout.groups
+            }
+            self._stages, self._stage_of = layer_stages(layout, self._tables)
             self._kernels = CopyKernels(device.index, torch.cuda.get_device_capability(device))
         # per-layout constants, read once: submit's host time gates the first copy
         self._validate = BatchValidator(layout)
@@ -360,52 +181,19 @@ class CudaEngine:
         # layered loads get their own stream and id buffer: never queued behind staged loads
         with torch.cuda.device(device):
             self._layer_stream = torch.cuda.Stream(device, priority=-1)
-            self._layer_ids = _BlockIds(torch, device, self._layer_stream, 2 * ids)
+            self._layer_ids = BlockIds(torch, device, self._layer_stream, 2 * ids)
         self._layer_stream_h = driver.CUstream(self._layer_stream.cuda_stream)
-        self._layer_ready = _ok(driver.cuEventCreate(_NO_TIMING), "cuEventCreate")
+        self._layer_ready = driver_ok(driver.cuEventCreate(NO_TIMING), "cuEventCreate")
         # one event per stage, re-recorded by each layered load (a stream wait binds to the
         # record made before it); `_layered` says whether this step's forward must wait
         self._stage_events = [
-            _ok(driver.cuEventCreate(_NO_TIMING), "cuEventCreate") for _ in self._stages
+            driver_ok(driver.cuEventCreate(NO_TIMING), "cuEventCreate") for _ in self._stages
         ]
         self._layered = False
         # layered loads submitted for this step, launched together by start_layered
         self._step_loads: list[tuple[int, Sequence[TransferBatch], int]] = []
         # set to [] to record host timestamps of the last submit (benchmarks)
         self.trace: list[tuple[str, float]] | None = None
-
-    def _table(self, g: Any) -> _GroupTable:
-        rows = []
-        for r, inoff in zip(g.regions, g.region_offsets(), strict=True):
-            base = self._layout.storages[r.storage].data_ptr()
-            rows.append((base + r.offset, r.block_stride, r.block_bytes, inoff))
-        arr = np.array(rows, dtype=np.int64)
-        width = vector_width([*arr.reshape(-1).tolist(), g.block_bytes, _STAGING_ALIGN])
-        units = -(-int(arr[:, 2].max()) // unit_bytes(width))
-        regions = self._torch.from_numpy(arr).to(self._device)
-        return _GroupTable(regions, len(rows), g.block_bytes, width, units)
-
-    def _layer_stages(self, layout: CanonicalLayout) -> tuple[list[_Stage], dict[str, int]]:
-        """Stages of a layer-by-layer load, in forward order, and the stage each layer waits
-        for. A layer whose regions an earlier stage already moved (block-major layouts keep
-        every layer of a block in one region) waits for that stage."""
-        stages: list[_Stage] = []
-        stage_of: dict[str, int] = {}
-        done: dict[tuple[int, int], int] = {}  # (group, region) -> stage that moves it
-        for name, gid, regions in layout.layers:
-            todo = [r for r in regions if (gid, r) not in done]
-            if not todo:
-                if regions:
-                    stage_of[name] = max(done[(gid, r)] for r in regions)
-                continue
-            t = self._tables[gid]
-            rows = t.regions[todo]
-            units = -(-int(rows[:, 2].max()) // unit_bytes(t.width))
-            stages.append(_Stage(gid, rows.contiguous(), len(todo), units, t.width))
-            for r in todo:
-                done[(gid, r)] = len(stages) - 1
-            stage_of[name] = max(done[(gid, r)] for r in regions)
-        return stages, stage_of
 
     # ---- the TransferEngine protocol -------------------------------------------------------
 
@@ -528,7 +316,7 @@ class CudaEngine:
     def _wait_stage(self, stage: int) -> None:
         if self._step_loads:  # a forward waits before the worker started the step's loads
             self.start_layered()
-        _ok(
+        driver_ok(
             self._driver.cuStreamWaitEvent(self._compute_stream(), self._stage_events[stage], 0),
             "cuStreamWaitEvent",
         )
@@ -621,8 +409,8 @@ class CudaEngine:
         drv = self._driver
         record, wait = drv.cuEventRecord, drv.cuStreamWaitEvent
         kstream = pipe.kernel_h
-        _ok(record(pipe.ready, self._compute_stream()), "cuEventRecord")
-        _ok(wait(kstream, pipe.ready, 0), "cuStreamWaitEvent")
+        driver_ok(record(pipe.ready, self._compute_stream()), "cuEventRecord")
+        driver_ok(wait(kstream, pipe.ready, 0), "cuStreamWaitEvent")
         start, end = pipe.take_timers()
         try:
             self._enqueue_pieces(pipe, direction, plan, start, end)
@@ -632,7 +420,7 @@ class CudaEngine:
         return _Job(job_id, nbytes, start, end, pipe)
 
     def _enqueue_pieces(
-        self, pipe: _Pipe, direction: Direction, plan: JobPlan, start: Any, end: Any
+        self, pipe: Pipe, direction: Direction, plan: JobPlan, start: Any, end: Any
     ) -> None:
         drv = self._driver
         record, wait = drv.cuEventRecord, drv.cuStreamWaitEvent
@@ -643,7 +431,7 @@ class CudaEngine:
         def ids_ptr(i: int) -> int:
             """Device address of piece i's block ids; uploads the job's ids (known before any
             run list is built) on first use: after the first LOAD DMA is queued, so PCIe starts
-            first; before a STORE's first gather, on the kernel stream (see ``_BlockIds``)."""
+            first; before a STORE's first gather, on the kernel stream (see ``BlockIds``)."""
             if not ids_base:
                 ids_base.append(pipe.ids.upload(plan.ids, kstream))
             return ids_base[0] + 8 * int(ids_at[i])
@@ -664,19 +452,19 @@ class CudaEngine:
             d = k % len(pipe.dma_h)
             dstream = pipe.dma_h[d]
             if store:
-                _ok(wait(kstream, pipe.free[k], 0), "cuStreamWaitEvent")
+                driver_ok(wait(kstream, pipe.free[k], 0), "cuStreamWaitEvent")
                 self._copy_kernel(p, ids_ptr(i), buf, kstream, True, self._store_ctas)
-                _ok(record(pipe.filled[k], kstream), "cuEventRecord")
-                _ok(wait(dstream, pipe.filled[k], 0), "cuStreamWaitEvent")
+                driver_ok(record(pipe.filled[k], kstream), "cuEventRecord")
+                driver_ok(wait(dstream, pipe.filled[k], 0), "cuStreamWaitEvent")
                 self._dma(p.runs, base, buf, True, dstream, pipe.dma_raw[d])
-                _ok(record(pipe.free[k], dstream), "cuEventRecord")
+                driver_ok(record(pipe.free[k], dstream), "cuEventRecord")
             else:
-                _ok(wait(dstream, pipe.free[k], 0), "cuStreamWaitEvent")
+                driver_ok(wait(dstream, pipe.free[k], 0), "cuStreamWaitEvent")
                 self._dma(p.runs, base, buf, False, dstream, pipe.dma_raw[d])
-                _ok(record(pipe.filled[k], dstream), "cuEventRecord")
-                _ok(wait(kstream, pipe.filled[k], 0), "cuStreamWaitEvent")
+                driver_ok(record(pipe.filled[k], dstream), "cuEventRecord")
+                driver_ok(wait(kstream, pipe.filled[k], 0), "cuStreamWaitEvent")
                 self._copy_kernel(p, ids_ptr(i), buf, kstream, False, self._load_ctas)
-                _ok(record(pipe.free[k], kstream), "cuEventRecord")
+                driver_ok(record(pipe.free[k], kstream), "cuEventRecord")
             if i == 0:
                 self._mark("first piece")
         # the job ends when every stream of its pipe has drained its work
@@ -684,8 +472,8 @@ class CudaEngine:
         tail = pipe.dma_h[0] if store else kstream
         others = [st for st in streams if st is not tail]
         for ev, other in zip(pipe.handover, others, strict=True):
-            _ok(record(ev, other), "cuEventRecord")
-            _ok(wait(tail, ev, 0), "cuStreamWaitEvent")
+            driver_ok(record(ev, other), "cuEventRecord")
+            driver_ok(wait(tail, ev, 0), "cuStreamWaitEvent")
         end.record(pipe.dmas[0] if store else pipe.kernel)
 
     def _dma(
@@ -712,8 +500,8 @@ class CudaEngine:
         drv = self._driver
         kstream = self._layer_stream_h
         # the target blocks may just have been freed by work still queued on the compute stream
-        _ok(drv.cuEventRecord(self._layer_ready, self._compute_stream()), "cuEventRecord")
-        _ok(drv.cuStreamWaitEvent(kstream, self._layer_ready, 0), "cuStreamWaitEvent")
+        driver_ok(drv.cuEventRecord(self._layer_ready, self._compute_stream()), "cuEventRecord")
+        driver_ok(drv.cuStreamWaitEvent(kstream, self._layer_ready, 0), "cuStreamWaitEvent")
         timers = [pipe.take_timers() for _ in queued]
         for start, _ in timers:
             start.record(self._layer_stream)
@@ -760,7 +548,7 @@ class CudaEngine:
                     False,
                     dev + 8 * (first + n),
                 )
-            _ok(drv.cuEventRecord(self._stage_events[k], kstream), "cuEventRecord")
+            driver_ok(drv.cuEventRecord(self._stage_events[k], kstream), "cuEventRecord")
         for _, end in timers:
             end.record(self._layer_stream)
         total = sum(nbytes for _, _, nbytes in queued) or 1
@@ -789,10 +577,3 @@ class CudaEngine:
             t.block_bytes,
             to_staging,
         )
-
-
-def _ok(result: tuple, what: str) -> Any:
-    """Raise on a driver error; return the call's value (if any)."""
-    if int(result[0]) != 0:
-        raise RuntimeError(f"{what} failed: {result[0]!r}")
-    return result[1] if len(result) > 1 else None

@@ -1,0 +1,15 @@
+"""The CUDA driver calls' error check and the constants the CUDA engine's parts share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+NOT_READY = 600  # CUDA_ERROR_NOT_READY: cuEventQuery on work not yet done
+NO_TIMING = 2  # CU_EVENT_DISABLE_TIMING: events that only order work
+
+
+def driver_ok(result: tuple, what: str) -> Any:
+    """Raise on a driver error; return the call's value (if any)."""
+    if int(result[0]) != 0:
+        raise RuntimeError(f"{what} failed: {result[0]!r}")
+    return result[1] if len(result) > 1 else None
