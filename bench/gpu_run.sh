@@ -15,6 +15,8 @@ budget=${2:-540}
 shift 2 || shift $#
 OUT=${OUT:-out/$name}
 mkdir -p "$OUT"
+t_start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - t_start))); }  # the set-up counts against the budget
 model=bench/e2e_models/${MODEL:-llama3-8b}
 margin=10
 case $name in
@@ -64,8 +66,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 { lscpu; nvidia-smi topo -m; } >>"$OUT/env.txt" 2>&1  # where the CPUs sit against the GPU
 bash bench/build_native.sh >>"$OUT/env.txt" 2>&1  # the sidecar's C key map for this python
 extra=()
-python3 -m bench "$name" ${probe[@]+"${probe[@]}"} --help 2>/dev/null | grep -q -- --budget-s && extra=(--budget-s $((budget - margin)))
-timeout -k 10 $((budget + 30)) python3 -m bench "$name" ${preset[@]+"${preset[@]}"} "$@" \
+python3 -m bench "$name" ${probe[@]+"${probe[@]}"} --help 2>/dev/null | grep -q -- --budget-s &&
+  extra=(--budget-s $(($(left) - margin)))
+echo "== $name: $(left) s left after the set-up"
+timeout -k 10 $(($(left) + 20)) python3 -m bench "$name" ${preset[@]+"${preset[@]}"} "$@" \
   --out "$OUT/$name.json" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$OUT/$name.log" \
   | grep -Ev '^(\([^)]*\) )?(INFO|DEBUG)' | tail -120
 rc=${PIPESTATUS[0]}
