@@ -22,14 +22,14 @@ margin=10
 case $name in
   adoption) preset=(); env_kind=rpc ;;
   e2e_gpu) preset=(--model "$model" --pool-gib 48 --cpu-gib 48 --log "$OUT/engines.log") ;;
-  fault_drill)  # the kill phase leaves 200 s for the engine start and the reference run
-    margin=200
+  fault_drill)  # the kill phase leaves time for the engine start and the reference run
+    margin=$((budget > 400 ? 200 : budget / 2))
     preset=(--model "$model" --kills 250 --docs 32 --doc-chunks 32 --inflight 8 --rate 20
       --max-model-len 4096 --gpu-memory-utilization 0.4 --pool-size 24Gi
       --sidecar-log "$OUT/sidecar.log") ;;
   warm_start)
     preset=(--model "$model" --tokens 100000 --reps 3 --configs kvo-layer,none,offloading
-      --pool-gib 32 --cpu-gib 32 --pool-dir /dev/shm/kvo-warm --sidecar-restart
+      --pool-gib 32 --cpu-gib 32 --pool-dir /dev/shm/kvo-warm
       --log "$OUT/engines.log" --sidecar-log "$OUT/sidecar.log") ;;
   serve) preset=(); env_kind=serve; probe=("${1:-}") ;;  # MODE (sweep|paired) first
   *) preset=() ;;
