@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 from kvoffload_operator.inject import SkipReason, inject_pod
-from kvoffload_operator.inject.engine import ENV_VAR, EnvEdit
-from kvoffload_operator.inject.engine import argv as argv_of
+from kvoffload_operator.inject.container import argv as argv_of
 from kvoffload_operator.inject.render import kv_transfer_config
+from kvoffload_operator.inject.site import ENV_VAR, EnvEdit
 from kvoffload_operator.policy import PolicyError, policies_from_documents, policy_from_resource
 
 TESTDATA = Path(__file__).parent / "testdata"

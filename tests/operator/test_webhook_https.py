@@ -14,7 +14,7 @@ import pytest
 import yaml
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.inject import apply_patch
-from kvoffload_operator.inject.engine import LWS_SIZE_ANNOTATION as LWS_SIZE
+from kvoffload_operator.inject.conflicts import LWS_SIZE_ANNOTATION as LWS_SIZE
 from kvoffload_operator.workloads import group_size, pod_templates
 
 from tests.operator.golden import DEFAULTS, Case, cases

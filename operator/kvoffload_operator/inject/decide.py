@@ -39,19 +39,10 @@ from enum import Enum
 from typing import Any
 
 from kvoffload_operator import annotations as ann
-from kvoffload_operator.inject.engine import (
-    NOT_VLLM,
-    Edit,
-    EnvEdit,
-    Problem,
-    Site,
-    config_file,
-    conflicts,
-    engine_site,
-    hand_wired,
-    multi_node,
-    shell_script,
-)
+from kvoffload_operator.inject.conflicts import config_file, conflicts, hand_wired, multi_node
+from kvoffload_operator.inject.container import shell_script
+from kvoffload_operator.inject.engine import engine_site
+from kvoffload_operator.inject.site import NOT_VLLM, Edit, EnvEdit, Problem, Site
 from kvoffload_operator.policy import InjectVia, Policy, PolicyError, pool_from_spec
 from kvoffload_operator.selection import select_policy
 

@@ -28,7 +28,7 @@ from typing import Any
 from kvoffload_operator import annotations as ann
 from kvoffload_operator import hashseed
 from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
-from kvoffload_operator.inject.engine import Edit, EnvEdit, insert_flag
+from kvoffload_operator.inject.engine import insert_flag
 from kvoffload_operator.inject.qos import (
     GUARANTEED_INSTALLER_CPU,
     GUARANTEED_SIDECAR_CPU,
@@ -37,6 +37,7 @@ from kvoffload_operator.inject.qos import (
     is_guaranteed,
     within_limits,
 )
+from kvoffload_operator.inject.site import Edit, EnvEdit
 from kvoffload_operator.policy import Delivery, Policy, SecurityProfile, SidecarSpec
 from kvoffload_operator.sizing import PYTHON_DIR_LIMIT, RUN_DIR_LIMIT, size_pool
 from kvoffload_operator.tenants import sidecar_flag

@@ -36,8 +36,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload_operator.inject.engine import SHELLS, EnvEdit, argv, shell_script
+from kvoffload_operator.inject.container import SHELLS, argv, shell_script
 from kvoffload_operator.inject.render import kv_transfer_config
+from kvoffload_operator.inject.site import EnvEdit
 from kvoffload_operator.policy import PolicyError, quantity_value
 
 # The skip reason written to ``kvoffload.io/skip-reason`` when a rendering fails these checks.

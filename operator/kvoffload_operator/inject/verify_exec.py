@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload_operator.inject import engine as _engine
+from kvoffload_operator.inject.container import WRAPPERS, unwrap
 from kvoffload_operator.inject.verify import (
     Intent,
     check_value,
@@ -54,12 +55,10 @@ _ABS = re.compile(r"(?<![\w.$}/:-])/[\w.+@%-]+(?:/[\w.+@%-]+)*/?")
 _PY = re.compile(r"^python[\d.]*$")
 _SHELL_NAMES = {"sh": "dash", "dash": "dash", "ash": "dash", "bash": "bash"}
 # exec wrappers: the stub runs their command (what follows "--" for the second group)
-_AFTER_DASHES = tuple(n for n, dashes in getattr(_engine, "WRAPPERS", {}).items() if dashes)
+_AFTER_DASHES = tuple(n for n, dashes in WRAPPERS.items() if dashes)
 _OWN_WRAPPERS = ["env", "nohup", "numactl", "taskset", "tini", "dumb-init", "nice", "stdbuf",
                  "timeout", "setsid", "gosu", "su-exec", "chrt", "ionice"]  # fmt: skip
-_WRAPPERS = _OWN_WRAPPERS + [
-    n for n in getattr(_engine, "WRAPPERS", {}) if n not in set(_OWN_WRAPPERS)
-]
+_WRAPPERS = _OWN_WRAPPERS + [n for n in WRAPPERS if n not in set(_OWN_WRAPPERS)]
 # builtins a script could use to reach outside the run: no-ops inside it
 PRELUDE = (
     "cd() { return 0; }; pushd() { return 0; }; popd() { return 0; }; kill() { return 0; }\n"
@@ -352,7 +351,7 @@ def _shell_argv(run: _Run, words: list[str]) -> list[str]:
 def _argv(run: _Run, words: list[str], env: dict[str, str]) -> list[str]:
     """The argv to run for the container's ``words``; exec wrappers (``tini --``, ``env A=b``)
     are dropped, their ``A=b`` moved into ``env``: they only exec what follows."""
-    start = _engine.unwrap(words) if hasattr(_engine, "unwrap") else 0
+    start = unwrap(words)
     env.update(w.split("=", 1) for w in words[:start] if "=" in w and not w.startswith("-"))
     words = words[start:]
     if not words:
