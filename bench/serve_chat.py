@@ -59,7 +59,7 @@ Accounting: conversations * turns = completed + failed + cut + abandoned + skipp
 requests were in flight at the deadline, `abandoned` turns followed a failed turn of their
 conversation and `skipped` turns would have started after the deadline.
 
-    python -m bench serve_chat --base-url http://127.0.0.1:8000 --model NAME \
+    python bench/serve_chat.py --base-url http://127.0.0.1:8000 --model NAME \
         [--conversations 64 --turns 6 --system-tokens 1000 --first-user-tokens 2000 \
          --user-tokens 100 --reply-tokens 100 --think-s 1.0 --clients 16 --seed 0 \
          --vocab 128000] [--timeout-s 300] [--out result.json]
