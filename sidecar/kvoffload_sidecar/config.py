@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from kvoffload_sidecar.filemode import DEFAULT_MODE, parse_mode
 from kvoffload_sidecar.host import free_bytes, mount_of
 from kvoffload_sidecar.keymap import native_enabled
+from kvoffload_sidecar.numa import NUMA_ROOT
 from kvoffload_sidecar.region import POOL_FILE_NAME
 from kvoffload_sidecar.tenants import TenantsConfig, parse_tenants
 from kvoffload_sidecar.units import format_bytes, parse_size
@@ -32,7 +33,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MEMORY_FILESYSTEMS = ("tmpfs", "hugetlbfs")
 MAX_UNIX_PATH = 107  # sun_path is 108 bytes including the terminating NUL on Linux
 FRAMED_SUFFIX = ".session"  # the framed session socket sits beside the gRPC one (frames.py)
-NUMA_ROOT = Path("/sys/devices/system/node")
 
 
 ON_POOL_ERROR = ("exit", "degrade")

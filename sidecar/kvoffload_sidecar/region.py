@@ -23,7 +23,6 @@ import errno
 import logging
 import mmap
 import os
-import platform
 import stat
 import threading
 import time
@@ -38,6 +37,8 @@ from kvoffload_sidecar.host import (
     free_bytes,
     free_huge_page_bytes,
 )
+from kvoffload_sidecar.numa import NUMA_ROOT, bind_thread_to_node
+from kvoffload_sidecar.prefault_gate import PrefaultGate
 
 __all__ = [
     "HUGE_PAGE_BYTES",
@@ -51,59 +52,6 @@ log = logging.getLogger(__name__)
 POOL_FILE_NAME = "pool-0.shm"
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; Python's mmap module does not name it
 _PROGRESS_EVERY_S = 2.0
-_MPOL_BIND = 2
-_SYSCALL_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
-_NUMA_ROOT = Path("/sys/devices/system/node")
-
-
-class PrefaultGate:
-    """Test hook: the pre-fault thread touches a chunk only after `step` allowed it.
-
-    `step(n)` lets `n` more chunks through and waits until they are done, so a test can walk the
-    pool from "nothing ready" to "ready" deterministically. `close()` lets everything through.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._allowed = 0
-        self._taken = 0
-        self._done = 0
-        self._open = False
-        self._finished = False
-
-    def step(self, n: int = 1, timeout: float = 10.0) -> int:
-        """Allow `n` more chunks; return the number done so far once they finished (or timeout)."""
-        with self._cond:
-            self._allowed += n
-            self._cond.notify_all()
-            target = self._allowed
-            self._cond.wait_for(lambda: self._done >= target or self._finished, timeout)
-            return self._done
-
-    def close(self) -> None:
-        with self._cond:
-            self._open = True
-            self._cond.notify_all()
-
-    def _acquire(self, stop: threading.Event) -> bool:
-        with self._cond:
-            while not (self._open or self._taken < self._allowed or stop.is_set()):
-                self._cond.wait(0.1)
-            if stop.is_set():
-                return False
-            self._taken += 1
-            return True
-
-    def _chunk_done(self, finished: bool = False) -> None:
-        with self._cond:
-            self._done += 1
-            self._finished = self._finished or finished
-            self._cond.notify_all()
-
-    def _finish(self) -> None:
-        with self._cond:
-            self._finished = True
-            self._cond.notify_all()
 
 
 class Region:
@@ -172,7 +120,7 @@ class Region:
         if self.numa_node is not None:
             if self.numa_node < 0:
                 raise ValueError(f"numa node must be >= 0, got {self.numa_node}")
-            if _NUMA_ROOT.is_dir() and not (_NUMA_ROOT / f"node{self.numa_node}").is_dir():
+            if NUMA_ROOT.is_dir() and not (NUMA_ROOT / f"node{self.numa_node}").is_dir():
                 raise ValueError(f"numa node {self.numa_node} does not exist on this host")
 
     def open(self) -> None:
@@ -408,7 +356,8 @@ class Region:
 
     def _run(self) -> None:
         try:
-            self._bind_numa()
+            if self.numa_node is not None:
+                bind_thread_to_node(self.numa_node)
             last_log = time.monotonic()
             while not self._stop.is_set():
                 if self._gate is not None and not self._gate._acquire(self._stop):
@@ -536,27 +485,3 @@ class Region:
             "pool pages locked in memory (%s): %.2f GiB in %.3f s", why, self.size / 2**30, took
         )
         return True
-
-    def _bind_numa(self) -> None:
-        """Bind this thread's allocations (the first touch of every page) to `numa_node`."""
-        if self.numa_node is None:
-            return
-        nr = _SYSCALL_SET_MEMPOLICY.get(platform.machine())
-        if nr is None:
-            log.warning(
-                "numa binding unsupported on %s; pages go to the default node", platform.machine()
-            )
-            return
-        maxnode = max(64, self.numa_node + 1)
-        mask = (ctypes.c_ulong * (-(-maxnode // 64)))()
-        mask[self.numa_node // 64] = 1 << (self.numa_node % 64)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(nr, _MPOL_BIND, mask, ctypes.c_ulong(maxnode + 1)) != 0:
-            err = ctypes.get_errno()
-            log.warning(
-                "numa binding to node %d failed (%s); pages go to the default node",
-                self.numa_node,
-                os.strerror(err),
-            )
-        else:
-            log.info("pool pages bound to numa node %d", self.numa_node)
