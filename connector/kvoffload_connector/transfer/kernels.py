@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload_connector.transfer.cuda_driver import driver_results
+
 __all__ = ["CopyKernels", "THREADS", "UNROLL", "vector_width"]
 
 THREADS = 512
@@ -95,13 +97,6 @@ def vector_width(values: list[int]) -> int:
     return 1
 
 
-def _check(result: tuple, what: str) -> tuple:
-    err = result[0]
-    if int(err) != 0:
-        raise RuntimeError(f"{what} failed: {err!r}")
-    return result[1:]
-
-
 class CopyKernels:
     """Compiled ``kv_copy_<W>`` functions in the current CUDA context (compiled once per
     process and device capability; NVRTC emits a cubin for the exact SM, no PTX JIT). One
@@ -131,23 +126,25 @@ class CopyKernels:
         from cuda.bindings import driver, nvrtc
 
         src = _SOURCE.replace("UNROLL", str(UNROLL)).replace("THREADS", str(THREADS))
-        (prog,) = _check(nvrtc.nvrtcCreateProgram(src.encode(), b"kv_copy.cu", 0, [], []), "nvrtc")
+        (prog,) = driver_results(
+            nvrtc.nvrtcCreateProgram(src.encode(), b"kv_copy.cu", 0, [], []), "nvrtc"
+        )
         arch = f"--gpu-architecture=sm_{capability[0]}{capability[1]}".encode()
         opts = [arch, b"--std=c++17"]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(err) != 0:
-            (size,) = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtc log")
+            (size,) = driver_results(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtc log")
             log = b" " * size
             nvrtc.nvrtcGetProgramLog(prog, log)
             raise RuntimeError(f"NVRTC failed: {log.decode(errors='replace')}")
-        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtc cubin size")
+        (size,) = driver_results(nvrtc.nvrtcGetCUBINSize(prog), "nvrtc cubin size")
         cubin = b" " * size
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtc cubin")
+        driver_results(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtc cubin")
         nvrtc.nvrtcDestroyProgram(prog)
-        (module,) = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+        (module,) = driver_results(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
         funcs = {}
         for w in WIDTHS:
-            (funcs[w],) = _check(
+            (funcs[w],) = driver_results(
                 driver.cuModuleGetFunction(module, f"kv_copy_{w}".encode()), "func"
             )
         return module, funcs
@@ -184,7 +181,7 @@ class CopyKernels:
             1 if to_staging else 0,
             block_addrs_ptr,
         )
-        _check(
+        driver_results(
             self._driver.cuLaunchKernel(
                 self._funcs[width],
                 grid,
