@@ -20,6 +20,7 @@ BENCHMARKS = {
     "connector_overhead": "what the connector's hooks cost an engine step at 0% hits",
     "inject_latency": "how long the webhook takes to admit a pod",
     "adoption": "how fast a restarted sidecar adopts its pool",
+    "node_prefault": "what making a node pool tenant's memfd resident costs per GiB",
     "transfer": "how close GPU <-> pool copies come to the PCIe ceiling",
     "e2e_gpu": "TTFT of a pool hit and multi-turn throughput beside vLLM's connectors (offline)",
     "serve": "`vllm serve` under load (sweep) and at 0% hits paired against vLLM alone (paired)",

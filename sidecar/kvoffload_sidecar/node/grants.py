@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from kvoffload_sidecar.node.identity import PodIdentity
 
 _MIN_SHARE = 1 << 20
@@ -99,7 +97,12 @@ def parse_spec(doc: Mapping[str, Any]) -> NodePoolSpec:
 
 def load_spec(path: Path) -> NodePoolSpec:
     text = path.read_text()
-    doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if path.suffix == ".json":
+        doc = json.loads(text)
+    else:
+        import yaml  # only for YAML specs: the agent's JSON path needs no third-party module
+
+        doc = yaml.safe_load(text)
     if not isinstance(doc, Mapping):
         raise GrantsError(f"{path}: expected an object")
     return parse_spec(doc)

@@ -1,0 +1,134 @@
+"""What it costs the node agent to make a tenant's memfd resident, per GiB, by method and thread
+count (the question: can a 1 TiB node pool serve within seconds of the agent starting).
+
+Methods, each on a fresh sealed memfd (`create_memfd`) of --gib GiB split into one contiguous
+range per thread:
+
+- `fallocate`: `posix_fallocate` of the range (the agent's pre-fault, no mapping needed);
+- `populate`: `madvise(MADV_POPULATE_WRITE)` over a shared mapping of the range (what a mapping
+  process would pay on first touch, done up front);
+- `populate_thp`: the same after `madvise(MADV_HUGEPAGE)` (2 MiB pages where the kernel's
+  `shmem_enabled` allows them: printed with the results).
+
+Pages are faulted by this process, so they are charged to its memory cgroup (docs/NODE.md).
+
+    python -m bench node_prefault [--gib 16] [--threads 1,4,8,16] [--reps 2] [--out JSON]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import report  # noqa: E402
+from kvoffload_sidecar.node.tenant_memory import create_memfd  # noqa: E402
+
+GiB = 1 << 30
+MADV_HUGEPAGE = 14
+MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+
+
+def _madvise(addr: int, length: int, advice: int) -> None:
+    # through ctypes: the GIL is released, so threads fault in parallel
+    if _libc.madvise(addr, length, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _ranges(size: int, threads: int) -> list[tuple[int, int]]:
+    step = (size // threads) // (2 << 20) * (2 << 20)
+    return [(i * step, size - i * step if i == threads - 1 else step) for i in range(threads)]
+
+
+def run_once(method: str, size: int, threads: int) -> float:
+    fd = create_memfd("bench", size)
+    m = None
+    try:
+        if method == "fallocate":
+            work = [
+                lambda o=o, n=n: os.posix_fallocate(fd, o, n) for o, n in _ranges(size, threads)
+            ]
+        else:
+            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            if method == "populate_thp":
+                _madvise(base, size, MADV_HUGEPAGE)
+            work = [
+                lambda o=o, n=n: _madvise(base + o, n, MADV_POPULATE_WRITE)
+                for o, n in _ranges(size, threads)
+            ]
+        errors: list[BaseException] = []
+
+        def wrap(fn):
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+        ts = [threading.Thread(target=wrap, args=(w,)) for w in work]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        return elapsed
+    finally:
+        if m is not None:
+            m.close()
+        os.close(fd)
+
+
+def _thp_setting() -> str:
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=16)
+    ap.add_argument("--threads", default="1,4,8,16")
+    ap.add_argument("--methods", default="fallocate,populate,populate_thp")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", default="bench/out/node_prefault.json")
+    args = ap.parse_args()
+    size = int(args.gib * GiB) // (2 << 20) * (2 << 20)
+    rows = []
+    for method in args.methods.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            best = min(run_once(method, size, threads) for _ in range(args.reps))
+            s_per_gib = best / (size / GiB)
+            rows.append({
+                "method": method,
+                "threads": threads,
+                "gib": round(size / GiB, 2),
+                "seconds": round(best, 3),
+                "gb_per_s": round(size / best / 1e9, 2),
+                "ms_per_gib": round(s_per_gib * 1e3, 1),
+                "est_1tib_s": round(s_per_gib * 1024, 1),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+    report(
+        "node pool pre-fault (memfd)",
+        rows,
+        args.out,
+        extra={"args": vars(args), "shmem_enabled": _thp_setting(), "cpus": os.cpu_count()},
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
