@@ -1,6 +1,6 @@
 """Where each part of the pool file lives: constants of the format, the partitions
 (`PoolGeometry`) and a namespace's regions, slot table, spec and header (`NamespaceLayout`).
-Pure arithmetic; the format and why it survives a crash: persist.py."""
+No I/O (the spec as JSON included); the format and why it survives a crash: persist.py."""
 
 from __future__ import annotations
 
