@@ -121,8 +121,9 @@ class Kubelet:
 class Agent:
     """`kvoffload node-agent` as a subprocess, restartable on the same state."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *extra_args: str) -> None:
         self.root = root
+        self.extra_args = extra_args
         self.csi_socket = root / "csi.sock"
         self.pool_file = root / "node-pool.json"
         self.pool_file.write_text(json.dumps(POOL))
@@ -145,6 +146,7 @@ class Agent:
                 str(self.root / "state"),
                 "--publish-root",
                 str(self.root / "kubelet" / "pods"),
+                *self.extra_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

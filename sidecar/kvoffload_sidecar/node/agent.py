@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvoffload_sidecar.node.attest import CgroupAttestor
 from kvoffload_sidecar.node.csi import NodeAgent, NodeConfig, serve
 from kvoffload_sidecar.node.grants import load_spec
 from kvoffload_sidecar.node.tenant_memory import MemoryServer, TenantMemory
@@ -27,11 +28,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--state-dir", type=Path, default=Path("/var/lib/kvoffload-node"))
     p.add_argument("--publish-root", type=Path, default=Path("/var/lib/kubelet/pods"))
     p.add_argument("--prefault", action="store_true", help="allocate every tenant's pages now")
+    p.add_argument(
+        "--attest-peers",
+        choices=("off", "cgroup"),
+        default="off",
+        help="cgroup: refuse a peer process whose cgroup names another pod (needs hostPID)",
+    )
+    p.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     spec = load_spec(ns.node_pool)
     memory = TenantMemory(spec, prefault=ns.prefault)
-    server = MemoryServer(lambda: spec, memory)
+    attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
+    server = MemoryServer(lambda: spec, memory, attest=attest)
     config = NodeConfig(node_id=ns.node_id, state_dir=ns.state_dir, publish_root=ns.publish_root)
     agent = NodeAgent(config, lambda: spec, server)
     grpc_server = serve(agent, ns.csi_socket)

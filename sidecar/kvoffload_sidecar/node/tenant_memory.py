@@ -117,11 +117,17 @@ def decide(
     binding: Binding,
     spec: NodePoolSpec,
     memory: TenantMemory,
+    peer_in_pod: bool = True,
 ) -> Answer:
-    """The answer to one request on `binding`'s socket (pure: the caller closes `fds`)."""
+    """The answer to one request on `binding`'s socket (pure: the caller closes `fds`).
+
+    `peer_in_pod` is False when attestation placed the connecting process outside the bound pod.
+    """
     if fds or truncated:
         what = "file descriptors" if fds else f"more than {MAX_REQUEST} bytes"
         return Answer(Code.INVALID_ARGUMENT, f"a request carries no {what}")
+    if not peer_in_pod:
+        return Answer(Code.PERMISSION_DENIED, "the connecting process is not in this socket's pod")
     try:
         doc = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError):
@@ -173,9 +179,16 @@ class MemoryServer:
     """Serves every published pod socket from one selector thread (requests are rare and tiny)."""
 
     def __init__(
-        self, spec: Callable[[], NodePoolSpec], memory: TenantMemory, *, socket_mode: int = 0o666
+        self,
+        spec: Callable[[], NodePoolSpec],
+        memory: TenantMemory,
+        *,
+        socket_mode: int = 0o666,
+        attest: Callable[[int], str | None] | None = None,
     ) -> None:
+        """`attest(pid)` names the pod uid of a peer process (attest.py); None: not checked."""
         self._spec = spec
+        self._attest = attest
         self._memory = memory
         self._mode = socket_mode
         self._sel = selectors.DefaultSelector()
@@ -268,7 +281,7 @@ class MemoryServer:
                         if key.data[0] == "listen":
                             self._accept(key.fileobj, key.data[1])
                         else:
-                            self._serve(key.fileobj, key.data[1], key.data[2])
+                            self._serve(key.fileobj, *key.data[1:])
                     except OSError as e:
                         log.warning("node memory socket: %s", e)
 
@@ -284,10 +297,12 @@ class MemoryServer:
             conn.setblocking(False)
             self._conns[listener] += 1
             pid, uid, gid = _peer(conn)
+            in_pod = self._attest is None or self._attest(pid) == binding.pod.uid
             log.debug(
-                "pod %s connected: pid %d uid %d gid %d", binding.pod.describe(), pid, uid, gid
-            )
-            self._sel.register(conn, selectors.EVENT_READ, ("conn", binding, listener))
+                "pod %s connected: pid %d uid %d gid %d%s",
+                binding.pod.describe(), pid, uid, gid, "" if in_pod else " (not in the pod)",
+            )  # fmt: skip
+            self._sel.register(conn, selectors.EVENT_READ, ("conn", binding, listener, in_pod))
 
     def _drop(self, conn: socket.socket, listener: socket.socket) -> None:
         self._sel.unregister(conn)
@@ -295,7 +310,9 @@ class MemoryServer:
         if listener in self._conns:
             self._conns[listener] -= 1
 
-    def _serve(self, conn: socket.socket, binding: Binding, listener: socket.socket) -> None:
+    def _serve(
+        self, conn: socket.socket, binding: Binding, listener: socket.socket, in_pod: bool
+    ) -> None:
         try:
             raw, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST, 16)
         except BlockingIOError:
@@ -310,7 +327,7 @@ class MemoryServer:
             self._drop(conn, listener)
             return
         truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
-        answer = decide(raw, fds, truncated, binding, self._spec(), self._memory)
+        answer = decide(raw, fds, truncated, binding, self._spec(), self._memory, in_pod)
         if answer.code is not Code.OK:
             log.info(
                 "refused %s for pod %s: %s",
