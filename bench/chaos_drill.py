@@ -46,12 +46,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import mmap
 import os
 import random
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -183,6 +181,17 @@ class Chaos(threading.Thread):
                 rec["register_s"] = time.monotonic() - t_up
                 break
             time.sleep(0.02)
+        # slots the dead instance had reserved: withheld until every worker rank reported
+        # drained (at its first step after registering again), the engine living on
+        rec["withheld"] = fd.slots(st)["withheld"] if st is not None else None
+        rec["withheld_free_s"] = None
+        end = time.monotonic() + self.args.serve_s
+        while time.monotonic() < end:
+            st = self.sidecar.stats(timeout_s=0.5)
+            if st is not None and fd.slots(st)["withheld"] == 0:
+                rec["withheld_free_s"] = time.monotonic() - t_up
+                break
+            time.sleep(0.05)
 
 
 # -- the negative control -----------------------------------------------------------------
@@ -247,79 +256,6 @@ class Scribbler(threading.Thread):
 
 
 # -- the reference engine -----------------------------------------------------------------
-
-
-class Reference:
-    """The engine without kvoffload in a child process: started at once (it loads while the
-    drill's engine does), then given every prompt in one batch at the end."""
-
-    def __init__(self, kwargs: dict[str, Any], work_dir: Path, max_tokens: int):
-        self.dir = work_dir
-        self.ready = work_dir / "reference.ready"
-        self.log = work_dir / "reference.log"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--reference-server"]
-        cmd += [json.dumps({"kwargs": kwargs, "max_tokens": max_tokens, "dir": str(work_dir)})]
-        # its own port range: two engines starting together could pick one port with bind(0)
-        env = dict(os.environ, VLLM_PORT=str(random.randrange(20000, 29000, 16)))
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-
-    def generate(self, prompts: list[list[int]], timeout_s: float) -> list[list[int]]:
-        end = time.monotonic() + timeout_s
-        while not self.ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"the reference engine did not start:\n{self.tail()}")
-            time.sleep(0.1)
-        (self.dir / "reference-in.json").write_text(json.dumps(prompts))
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b"go\n")
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the reference engine did not finish:\n{self.tail()}") from None
-        out = self.dir / "reference-out.json"
-        if self.proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"reference engine failed ({self.proc.returncode}):\n{self.tail()}")
-        return json.loads(out.read_text())
-
-    def tail(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-
-def reference_server(spec: str) -> int:
-    """Child mode: an engine without kvoffload; once told on stdin, every prompt of
-    reference-in.json, greedy, tokens to reference-out.json."""
-    from vllm import LLM, SamplingParams
-
-    cfg = json.loads(spec)
-    work = Path(cfg["dir"])
-    llm = LLM(**cfg["kwargs"])
-    (work / "reference.ready").write_text("1")
-    if sys.stdin.readline().strip() != "go":
-        return 1
-    prompts = json.loads((work / "reference-in.json").read_text())
-    sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    (work / "reference-out.json").write_text(json.dumps(tokens))
-    return 0
 
 
 # -- the drill ----------------------------------------------------------------------------
@@ -445,7 +381,7 @@ def run_drill(args: argparse.Namespace, sidecar: fd.Sidecar, work_dir: Path, rep
     if args.low_max:
         kwargs["scheduling_policy"] = "priority"
     ref_env_clean = {k: os.environ.pop(k) for k in args.engine_env if k in os.environ}
-    reference = Reference(ref_kwargs, work_dir, args.max_tokens)
+    reference = fd.Reference(ref_kwargs, work_dir, args.max_tokens)
     os.environ.update(ref_env_clean)
     try:
         kv = fd.kv_transfer_config(args)
@@ -685,8 +621,6 @@ def float_range(text: str) -> tuple[float, float]:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--reference-server":
-        return reference_server(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     fd.engine_arguments(ap)
     ap.set_defaults(

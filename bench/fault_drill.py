@@ -22,7 +22,7 @@ Phases: warm-up (no kills), a "before" probe (GPU prefix cache reset, one reques
 one at a time: every cached token is a pool hit), the kill phase, an "after" probe right after
 the last restart (with adoption the documents hit again; without, they miss). Then the engine
 is shut down and the same requests run through an engine without kvoffload in a child process
-(this script, --reference-in: a clean process is robust on GPU and CPU alike) and every output
+(this script, --reference-server: a clean process is robust on GPU and CPU alike) and every output
 is compared token by token. Exit status 1 when a request failed, a token differs, or fewer
 than --kills kills fit in --budget-s.
 
@@ -198,43 +198,13 @@ def process_state(pid: int) -> str:
     return stat[stat.rindex(")") + 2 :][:1]
 
 
-def boot_times(log_path: Path) -> list[dict[str, float]]:
-    """Per sidecar boot, from its own log: wall times of its "starting" and "serving" lines
-    (interpreter start and imports before the first, pool adoption and the gRPC server
-    between them); the drill's Stats polls add the rest. Parsed after the run."""
-    import datetime as dt
-
-    boots: list[dict[str, float]] = []
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return boots
-    for line in lines:
-        kind = (
-            "starting"
-            if "kvoffload_sidecar: starting:" in line
-            else "serving"
-            if "kvoffload_sidecar: serving KVPool" in line
-            else None
-        )
-        if kind is None:
-            continue
-        try:
-            at = dt.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-        except ValueError:
-            continue
-        if kind == "starting":
-            boots.append({"starting": at})
-        elif boots:
-            boots[-1].setdefault("serving", at)
-    return boots
-
-
 def slots(st) -> dict[str, int]:
-    """Committed/reserved/pinned slots and live clients over every namespace of a Stats."""
+    """Committed/reserved/pinned/withheld slots and live clients over every namespace of a
+    Stats."""
     keys = ("committed", "reserved", "pinned", "live", "hit", "stored", "loaded", "evicted")
-    out = dict.fromkeys(keys, 0)
+    out = dict.fromkeys((*keys, "withheld"), 0)
     for ns in st.namespaces:
+        out["withheld"] += ns.withheld_slots  # reserved under the last instance, still out
         out["committed"] += ns.committed_slots
         out["reserved"] += ns.reserved_slots
         out["pinned"] += ns.pinned_slots
@@ -548,47 +518,79 @@ def watchdog(drill: Drill, stall_s: float, on_stall) -> None:
 # -- reference ----------------------------------------------------------------------------
 
 
-def run_reference(args: argparse.Namespace) -> int:
-    """Child mode: the requests of --reference-in through an engine without kvoffload."""
+class Reference:
+    """The engine without kvoffload in a child process (this script, --reference-server; a
+    clean process is robust on GPU and CPU alike), then given every prompt in one batch. The
+    chaos drill starts it at once (it loads while the drill's engine does); this drill once
+    its own engine is gone (one engine at a time)."""
+
+    def __init__(self, kwargs: dict[str, Any], work_dir: Path, max_tokens: int):
+        self.dir = work_dir
+        self.ready = work_dir / "reference.ready"
+        self.log = work_dir / "reference.log"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--reference-server"]
+        cmd += [json.dumps({"kwargs": kwargs, "max_tokens": max_tokens, "dir": str(work_dir)})]
+        # its own port range: two engines starting together could pick one port with bind(0)
+        env = dict(os.environ, VLLM_PORT=str(random.randrange(20000, 29000, 16)))
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def generate(self, prompts: list[list[int]], timeout_s: float) -> list[list[int]]:
+        end = time.monotonic() + timeout_s
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"the reference engine did not start:\n{self.tail()}")
+            time.sleep(0.1)
+        (self.dir / "reference-in.json").write_text(json.dumps(prompts))
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(max(1.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the reference engine did not finish:\n{self.tail()}") from None
+        out = self.dir / "reference-out.json"
+        if self.proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"reference engine failed ({self.proc.returncode}):\n{self.tail()}")
+        return json.loads(out.read_text())
+
+    def tail(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+def reference_server(spec: str) -> int:
+    """Child mode: an engine without kvoffload; once told on stdin, every prompt of
+    reference-in.json, greedy, tokens to reference-out.json."""
     from vllm import LLM, SamplingParams
 
-    reqs = json.loads(Path(args.reference_in).read_text())
-    kw = engine_kwargs(args)
-    # one pass over every prompt in large batches (greedy tokens do not depend on the batch)
-    kw["max_num_seqs"] = max(kw["max_num_seqs"], 32)
-    kw["num_gpu_blocks_override"] = 4 * args.gpu_blocks
-    llm = LLM(**kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    t0 = time.monotonic()
-    outs = llm.generate([{"prompt_token_ids": p} for p in reqs["prompts"]], sp, use_tqdm=False)
+    cfg = json.loads(spec)
+    work = Path(cfg["dir"])
+    llm = LLM(**cfg["kwargs"])
+    (work / "reference.ready").write_text("1")
+    if sys.stdin.readline().strip() != "go":
+        return 1
+    prompts = json.loads((work / "reference-in.json").read_text())
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg["max_tokens"], ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    Path(args.reference_out).write_text(
-        json.dumps({"tokens": tokens, "seconds": time.monotonic() - t0})
-    )
+    (work / "reference-out.json").write_text(json.dumps(tokens))
     return 0
-
-
-def reference(args: argparse.Namespace, prompts: list[list[int]], work_dir: Path) -> dict:
-    req_path, ref_path = work_dir / "reference-in.json", work_dir / "reference-out.json"
-    req_path.write_text(json.dumps({"prompts": prompts}))
-    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]]
-    cmd += [
-        "--gpu-blocks",
-        str(args.gpu_blocks),
-    ]  # the drill's resolved count (argparse: last wins)
-    cmd += ["--reference-in", str(req_path), "--reference-out", str(ref_path)]
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=args.reference_timeout_s, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"reference engine failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-            f"{proc.stderr[-5000:]}"
-        )
-    out = json.loads(ref_path.read_text())
-    out["wall_s"] = time.monotonic() - t0
-    return out
 
 
 # -- main ---------------------------------------------------------------------------------
@@ -650,9 +652,6 @@ def summarize(
     kills = killer.records if killer else []
     survived = [k["survived"] for k in kills if k.get("survived") is not None]
     serve = [k["serve_s"] for k in kills if k.get("serve_s") is not None]
-    logged = {
-        w: [k[f"log_{w}_s"] for k in kills if f"log_{w}_s" in k] for w in ("starting", "serving")
-    }
     reg_first = [k["register_first_s"] for k in kills if k.get("register_first_s") is not None]
     reg_all = [k["register_s"] for k in kills if k.get("register_s") is not None]
     outcomes = Counter(k.get("adoption", {}).get("outcome", "?") or "(none)" for k in kills)
@@ -686,8 +685,6 @@ def summarize(
         "generation_kept": same_gen,
         "survived": spread(survived),
         "serve_s": spread(serve),
-        "log_starting_s": spread(logged["starting"]),
-        "log_serving_s": spread(logged["serving"]),
         "register_first_s": spread(reg_first),
         "register_s": spread(reg_all),
         "never_registered": sum(1 for k in kills if k.get("register_s") is None),
@@ -739,8 +736,6 @@ def rows_of(s: dict[str, Any]) -> list[dict[str, Any]]:
         {"measure": "adoption outcomes", "value": json.dumps(s["adoption_outcomes"])},
         {"measure": "restarts that kept the pool generation", "value": s["generation_kept"]},
         spread_row("committed blocks surviving a restart", s["survived"], "fraction"),
-        spread_row("kill -> restarted sidecar logs 'starting'", s["log_starting_s"], "s"),
-        spread_row("kill -> restarted sidecar logs 'serving'", s["log_serving_s"], "s"),
         spread_row("kill -> restarted sidecar answers Stats", s["serve_s"], "s"),
         spread_row("kill -> first connector client registered", s["register_first_s"], "s"),
         spread_row("kill -> all connector clients registered", s["register_s"], "s"),
@@ -812,6 +807,8 @@ def engine_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--reference-server":
+        return reference_server(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     engine_arguments(ap)
     ap.add_argument("--kills", type=int, default=200)
@@ -841,13 +838,9 @@ def main() -> int:
     ap.add_argument("--serve-s", type=float, default=30.0, help="restart must serve within")
     ap.add_argument("--register-s", type=float, default=30.0, help="re-registration within")
     ap.add_argument("--reference-timeout-s", type=float, default=600.0)
-    ap.add_argument("--reference-in", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--reference-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     # vLLM's engine process and workers: spawned, never forked from a process holding gRPC
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    if args.reference_in:
-        return run_reference(args)
 
     def terminated(*_: object) -> None:
         raise SystemExit(143)  # unwinds drill_main: its `finally` stops the sidecar
@@ -899,13 +892,6 @@ def drill_with(args: argparse.Namespace, sidecar: Sidecar) -> int:
             state["killer"].stop_event.set()
         sidecar.stop()
     drill, killer, ref = state.get("drill"), state.get("killer"), state.get("ref")
-    if killer is not None:  # boot k + 1 is the restart after kill k (boot 0: the first start)
-        boots = boot_times(sidecar.log_path)
-        for k, rec in enumerate(killer.records):
-            boot = boots[k + 1] if k + 1 < len(boots) else {}
-            for what in ("starting", "serving"):
-                if what in boot:
-                    rec[f"log_{what}_s"] = boot[what] - rec["wall"]
     extra["wall_s"] = time.monotonic() - t_start
     s = summarize(args, drill, killer, ref, extra)
     if killer is not None:
@@ -1008,8 +994,17 @@ def run_drill(
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
     sidecar.stop()
-    ref = state["ref"] = reference(args, [r["prompt"] for r in drill.requests], work_dir)
-    extra["reference_s"] = ref.get("wall_s")
+    # one pass over every prompt in large batches (greedy tokens do not depend on the batch)
+    kw = dict(kwargs, num_gpu_blocks_override=4 * args.gpu_blocks)
+    kw["max_num_seqs"] = max(kw["max_num_seqs"], 32)
+    t_ref = time.monotonic()
+    reference = Reference(kw, work_dir, args.max_tokens)
+    try:
+        prompts = [r["prompt"] for r in drill.requests]
+        state["ref"] = {"tokens": reference.generate(prompts, args.reference_timeout_s)}
+    finally:
+        reference.stop()
+    extra["reference_s"] = time.monotonic() - t_ref
 
 
 def auto_gpu_blocks(args: argparse.Namespace) -> int:
