@@ -1,0 +1,81 @@
+"""The node agent's chart objects: off by default; when on, a CSIDriver the agent can trust, a
+DaemonSet that registers the plugin the standard way, and memory charged where the pool is."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from chart_value_sets import VALUE_SETS
+from kvoffload_sidecar.node.csi import DRIVER_NAME
+from kvoffload_sidecar.node.grants import parse_spec
+
+pytestmark = pytest.mark.process
+
+TEMPLATE = "templates/node-agent.yaml"
+ON = VALUE_SETS["node-agent"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _kinds(objs) -> dict[str, dict]:
+    return {o["kind"]: o for o in objs}
+
+
+def test_the_default_install_has_no_node_agent(render) -> None:
+    kinds = {o["kind"] for o in render()}
+    assert not kinds & {"CSIDriver", "DaemonSet"}
+
+
+def test_the_csidriver_is_ephemeral_only_and_passes_pod_info(render) -> None:
+    driver = _kinds(render(*ON, show_only=TEMPLATE))["CSIDriver"]
+    assert driver["metadata"]["name"] == DRIVER_NAME
+    assert driver["spec"] == {
+        "attachRequired": False,
+        "podInfoOnMount": True,  # the agent's only source of a pod's identity
+        "volumeLifecycleModes": ["Ephemeral"],
+        "fsGroupPolicy": "File",
+        "requiresRepublish": False,
+        "storageCapacity": False,
+    }
+
+
+def test_the_daemonset_registers_the_plugin_and_charges_the_pool_to_the_agent(render) -> None:
+    objs = _kinds(render(*ON, show_only=TEMPLATE))
+    spec = objs["DaemonSet"]["spec"]["template"]["spec"]
+    agent, registrar = spec["containers"]
+    assert (agent["name"], registrar["name"]) == ("agent", "node-driver-registrar")
+    assert registrar["args"] == [
+        "--csi-address=/csi/csi.sock",
+        f"--kubelet-registration-path=/var/lib/kubelet/plugins/{DRIVER_NAME}/csi.sock",
+    ]
+    assert agent["args"][0] == "node-agent"
+    assert "--csi-socket=/csi/csi.sock" in agent["args"]
+    assert "--attest-peers=cgroup" in agent["args"] and spec["hostPID"] is True
+    # 64 GiB + 1 TiB of tenants + 256 MiB of agent: requests equal limits
+    want = str((64 << 30) + (1 << 40) + (256 << 20))
+    assert agent["resources"]["requests"]["memory"] == want
+    assert agent["resources"]["limits"]["memory"] == want
+    mounts = {m["name"]: m for m in agent["volumeMounts"]}
+    assert mounts["pods-dir"]["mountPropagation"] == "Bidirectional"
+    paths = {v["name"]: v.get("hostPath", {}).get("path") for v in spec["volumes"]}
+    assert paths["registration-dir"] == "/var/lib/kubelet/plugins_registry"
+    assert paths["pods-dir"] == "/var/lib/kubelet/pods"
+    assert spec["automountServiceAccountToken"] is False
+
+
+def test_the_configmap_holds_a_pool_spec_the_agent_parses(render) -> None:
+    cm = _kinds(render(*ON, show_only=TEMPLATE))["ConfigMap"]
+    pool = parse_spec(json.loads(cm["data"]["node-pool.json"]))
+    assert [(t.name, t.share_bytes, t.namespaces) for t in pool.tenants] == [
+        ("team-a", 64 << 30, ("team-a",)),
+        ("team-b", 1 << 40, ("team-b",)),
+    ]
+    assert pool.tenant("team-b").service_accounts == ("vllm",)
+
+
+def test_attestation_off_drops_host_pid(render) -> None:
+    objs = _kinds(render(*ON, "--set", "nodeAgent.attestPeers=off", show_only=TEMPLATE))
+    spec = objs["DaemonSet"]["spec"]["template"]["spec"]
+    assert "hostPID" not in spec
+    assert "--attest-peers=off" in spec["containers"][0]["args"]
