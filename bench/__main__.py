@@ -27,7 +27,6 @@ BENCHMARKS = {
     "serve_report": "the merged serving report over calls: tables, verdicts, plots",
     "warm_start": "the first long request after a vLLM restart",
     "fault_drill": "SIGKILLing the sidecar under load: no failed request, no wrong token",
-    "chaos_drill": "the sidecar frozen, killed, its pool scribbled on under load: no wrong token",
     "router": "routing on the host tier (Dynamo's KV indexer) against round-robin",
 }
 

@@ -757,7 +757,7 @@ def rows_of(s: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def engine_arguments(ap: argparse.ArgumentParser) -> None:
-    """The engine's and the workload's arguments (this drill's and bench/chaos_drill.py's)."""
+    """The engine's and the workload's arguments (this drill's and tests/drill/chaos_drill.py's)."""
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--block-size", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--chunk", type=int, default=0, help="connector chunk_size; 0: its default")

