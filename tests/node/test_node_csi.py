@@ -10,6 +10,7 @@ import grpc
 import pytest
 from kvoffload.csi.v1 import csi_pb2
 from kvoffload_connector.node_memory import NodeMemoryError, open_tenant_memory
+from kvoffload_sidecar.node.tenant_memory import set_socket_owner
 from nodeharness import POD_A, POD_B, MiB, Pod
 
 pytestmark = pytest.mark.process
@@ -105,6 +106,13 @@ def test_publish_refusals_name_the_precise_code(agent) -> None:
     assert _code(lambda: k.publish(POD_A, block=True)) == bad
     outside = k.pods_dir.parent / "elsewhere" / "mount"
     assert _code(lambda: k.publish(POD_A, target=outside)) == bad
+    outside.mkdir(parents=True)
+    (outside / "memory.sock").write_text("not the agent's")
+    unpublish_outside = csi_pb2.NodeUnpublishVolumeRequest(
+        volume_id=k.volume_id(POD_A), target_path=str(outside)
+    )
+    assert _code(lambda: k.node.NodeUnpublishVolume(unpublish_outside, timeout=5)) == bad
+    assert (outside / "memory.sock").read_text() == "not the agent's"  # untouched
     # tenants: another namespace's, an unknown one, one granted to other service accounts
     with pytest.raises(grpc.RpcError) as other:
         k.publish(POD_A, context=ctx(tenant="beta"))
@@ -149,3 +157,30 @@ def test_a_restarted_agent_serves_the_sockets_it_published(agent) -> None:
     k.unpublish(POD_A)
     k.unpublish(POD_B)
     assert not k.target(POD_A).exists() and not k.target(POD_B).exists()
+
+
+def test_a_socket_swapped_for_a_symlink_changes_nothing_it_points_to(agent, tmp_path) -> None:
+    """A pod running as root can write into its own volume; a restarted agent re-creating the
+    socket there must not chmod or chown what a planted link points to."""
+    a, k = agent
+    k.publish(POD_B)
+    sock = k.target(POD_B) / "memory.sock"
+    victim = tmp_path / "host-file"
+    victim.write_text("secret")
+    victim.chmod(0o600)
+    a.kill()
+    sock.unlink()
+    sock.symlink_to(victim)
+    a.start()
+    assert stat.S_ISSOCK(os.lstat(sock).st_mode)  # the link was replaced, not followed
+    assert (stat.S_IMODE(victim.stat().st_mode), victim.stat().st_gid) == (0o600, 0)
+    m = open_tenant_memory(str(sock), "beta")
+    m.close()
+    # and the chmod itself refuses a link (the window between bind and chmod)
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    with pytest.raises(OSError) as e:
+        set_socket_owner(str(tmp_path), "link", 0o666, 2002)
+    assert "is not the agent's socket" in str(e.value)  # O_PATH|O_NOFOLLOW opened the link
+    assert (stat.S_IMODE(victim.stat().st_mode), victim.stat().st_gid) == (0o600, 0)
+    k.unpublish(POD_B)

@@ -117,6 +117,12 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "volume_id and target_path are required"
             )
+        if not _under(self._config.publish_root, request.target_path):
+            # never unlink or remove anything outside the kubelet's pod directories
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"target_path must be a normal path under {self._config.publish_root}",
+            )
         key = (request.volume_id, request.target_path)
         with self._lock:
             self._memory.detach(*key)

@@ -22,6 +22,7 @@ import logging
 import os
 import selectors
 import socket
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -175,6 +176,26 @@ def bind_in_dir(sock: socket.socket, directory: str, name: str) -> None:
         os.close(dfd)
 
 
+def set_socket_owner(directory: str, name: str, mode: int, group: int | None) -> None:
+    """chmod (and chgrp) the socket `directory/name` without following a symlink: a pod that
+    runs as root can write into its own volume, and a socket swapped for a link to a host file
+    must not make the agent change that file (this runs while pods live, after a restart)."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.EEXIST, f"{directory}/{name} is not the agent's socket")
+        # through the O_PATH descriptor: the very inode checked above, never a link's target
+        if group is not None:
+            os.chown(f"/proc/self/fd/{fd}", -1, group)
+        os.chmod(f"/proc/self/fd/{fd}", mode)
+    finally:
+        os.close(fd)
+
+
 class MemoryServer:
     """Serves every published pod socket from one selector thread (requests are rare and tiny)."""
 
@@ -207,15 +228,8 @@ class MemoryServer:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             bind_in_dir(sock, binding.target_path, SOCKET_NAME)
-            dfd = os.open(binding.target_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-            try:
-                if binding.mount_group is not None:
-                    os.chown(SOCKET_NAME, -1, binding.mount_group, dir_fd=dfd)
-                    os.chmod(SOCKET_NAME, self._mode & 0o660, dir_fd=dfd)
-                else:
-                    os.chmod(SOCKET_NAME, self._mode, dir_fd=dfd)
-            finally:
-                os.close(dfd)
+            mode = self._mode if binding.mount_group is None else self._mode & 0o660
+            set_socket_owner(binding.target_path, SOCKET_NAME, mode, binding.mount_group)
             sock.listen(MAX_CONNECTIONS_PER_SOCKET)
             sock.setblocking(False)
         except BaseException:
