@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -214,3 +215,20 @@ def test_connections_per_socket_are_bounded(published) -> None:
         except NodeMemoryError:
             assert time.monotonic() < deadline, "connections closed by the pod stay counted"
             time.sleep(0.05)
+
+
+def test_each_answer_is_its_own_open_file_description(published) -> None:
+    """OFD locks (engine locks) of one holder must conflict with another's, never be shared."""
+    _, k = published
+    m1 = open_tenant_memory(_sock(k, POD_A), "alpha")
+    m2 = open_tenant_memory(_sock(k, POD_A), "alpha")
+    try:
+        assert os.fstat(m1.fd).st_ino == os.fstat(m2.fd).st_ino  # one memfd
+        lock = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 1 << 40, 1, 0) + b"\0" * 4
+        fcntl.fcntl(m1.fd, fcntl.F_OFD_SETLK, lock)
+        with pytest.raises(OSError) as e:  # another description: the lock conflicts
+            fcntl.fcntl(m2.fd, fcntl.F_OFD_SETLK, lock)
+        assert e.value.errno in (errno.EAGAIN, errno.EACCES)
+    finally:
+        m1.close()
+        m2.close()

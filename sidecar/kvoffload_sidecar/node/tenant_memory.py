@@ -158,6 +158,15 @@ def decide(
     return Answer(Code.OK, region=region)
 
 
+def open_description(fd: int) -> int:
+    """A new open file description of the memfd behind `fd` (same memory, same seals).
+
+    Each answer gets its own: OFD locks (the engine locks of the slot protocol) belong to an
+    open file description, so pods sharing the agent's would share, and release, each other's.
+    """
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
 def _peer(conn: socket.socket) -> tuple[int, int, int]:
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
@@ -349,12 +358,16 @@ class MemoryServer:
                 binding.pod.describe(),
                 answer.message,
             )
+        own = open_description(answer.region.fd) if answer.region is not None else None
         try:
-            if answer.region is not None:
-                socket.send_fds(conn, [answer.encode()], [answer.region.fd])
+            if own is not None:
+                socket.send_fds(conn, [answer.encode()], [own])
             else:
                 conn.send(answer.encode())
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EPIPE, errno.ECONNRESET):
                 raise
             self._drop(conn, listener)
+        finally:
+            if own is not None:
+                os.close(own)
