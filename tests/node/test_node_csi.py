@@ -122,6 +122,12 @@ def test_publish_refusals_name_the_precise_code(agent) -> None:
     assert other.value.details().replace("beta", "T") == unknown.value.details().replace(
         "gamma", "T"
     )
+    # pod fields a pod spec wrote itself (a CSIDriver without podInfoOnMount passes them
+    # through): the kubelet's target path names the real pod's uid, which no spec can know
+    forged = POD_B.context(tenant="beta")
+    with pytest.raises(grpc.RpcError) as e:
+        k.publish(POD_A, context=forged)  # pod A's volume, claiming to be pod B
+    assert e.value.code() == denied and "uid" in e.value.details()
     wrong_sa = Pod(POD_B.namespace, POD_B.name, POD_B.uid, "default", "beta", POD_B.group)
     assert _code(lambda: k.publish(wrong_sa)) == denied
     assert not k.target(POD_A).exists() and not k.target(POD_B).exists()

@@ -159,6 +159,16 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             asked = parse_volume_context(request.volume_context)
         except IdentityError as e:
             raise _Refusal(bad, str(e)) from None
+        # The kubelet names target_path after the pod's uid (<root>/<uid>/volumes/...), and a
+        # pod spec cannot know its uid before it exists: a context whose uid differs from the
+        # path's was not written by the kubelet (a CSIDriver without podInfoOnMount passes the
+        # pod's own volumeAttributes through unchanged, pod.* keys included).
+        path_uid = Path(request.target_path).relative_to(self._config.publish_root).parts[0]
+        if path_uid != asked.pod.uid:
+            raise _Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "the volume context's pod uid is not the kubelet's (target_path names another pod)",
+            )
         if not self._spec().admits(asked.pod, asked.tenant):
             raise _Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
