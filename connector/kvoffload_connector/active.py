@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from kvoffload_connector import compat, guard
 from kvoffload_connector.compat import KVConnectorTransferResults
 from kvoffload_connector.config import ConnectorConfig, parse_extra_config
-from kvoffload_connector.metadata import ConnectorMeta
+from kvoffload_connector.metadata import ConnectorMeta, PoolHandshake, Registration
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,7 @@ class ActiveConnector:
     def __init__(self, vllm_config: Any, scheduler_role: bool, kv_cache_config: Any):
         self.cfg = precheck(vllm_config, kv_cache_config)
         self._kv_cache_config = kv_cache_config
+        self._vllm_config = vllm_config
         block_size = compat.block_size(vllm_config, kv_cache_config)
         engine = str(vllm_config.kv_transfer_config.engine_id or "engine")[:8]
         self._scheduler = None
@@ -81,6 +82,7 @@ class ActiveConnector:
         self.notes: list[str] = []  # limits the pool still serves under (status file, stats)
         if scheduler_role:
             from kvoffload_connector.client import PoolClient
+            from kvoffload_connector.engine_lock import engine_key
             from kvoffload_connector.scheduler import OffloadScheduler
 
             _, _, world = compat.world(vllm_config)
@@ -97,6 +99,8 @@ class ActiveConnector:
                 ),
                 windows=compat.group_windows(kv_cache_config),
                 kv_events=cfg.kv_events and compat.kv_events_enabled(vllm_config),
+                engine=engine_key(compat.engine_start(vllm_config)),
+                dispatch_inline=compat.in_process_engine(),
             )
             note = restart_note(vllm_config)
             if note:
@@ -159,9 +163,45 @@ class ActiveConnector:
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_work()
 
+    def on_handshake(self, metadata: Any) -> None:
+        """vLLM's `set_xfer_handshake_metadata` at engine start: rank -> `PoolHandshake`."""
+        if self._scheduler is None or not metadata:
+            return
+        regs = {
+            int(rank): m.registration
+            for rank, m in dict(metadata).items()
+            if isinstance(m, PoolHandshake)
+        }
+        self._scheduler.on_handshake(regs)
+
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvoffload_connector.engine_lock import engine_key
+
         self._worker.register_kv_caches(kv_caches)
+        # The key the scheduler derives too (engine_lock.engine_key): this rank holds its
+        # lock from here on, so the sidecar grants the engine's first step's stores. A key
+        # that differs from the scheduler's is replaced at the first step's metadata.
+        try:
+            self._worker._hold_engine_lock(engine_key(compat.engine_start(self._vllm_config)))
+        except Exception:  # noqa: BLE001 - the first step's metadata locks it all the same
+            log.debug("kvoffload: no engine lock before the first step", exc_info=True)
+
+    def handshake(self) -> PoolHandshake | None:
+        """This rank's registration for its scheduler at engine start (None: no layout)."""
+        w = self._worker
+        if w is None or w.spec is None or w.layout is None:
+            return None
+        applied = w._applied
+        return PoolHandshake(
+            Registration(
+                w.spec,
+                w.num_ranks,
+                w.layout.slot_bytes,
+                applied.namespace_id if applied is not None else "",
+                applied.generation if applied is not None else "",
+            )
+        )
 
     @staticmethod
     def _meta(md: Any) -> ConnectorMeta | None:

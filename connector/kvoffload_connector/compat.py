@@ -36,6 +36,18 @@ except Exception:  # pragma: no cover - without vLLM (pure unit tests of other p
 
     HAVE_VLLM = False
 
+try:  # what a worker hands its scheduler at engine start (get_handshake_metadata)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorHandshakeMetadata as _HandshakeMetadataBase,
+    )
+except Exception:  # noqa: BLE001 - without vLLM
+
+    class _HandshakeMetadataBase:  # type: ignore[no-redef]
+        pass
+
+
+HandshakeMetadataBase: Any = _HandshakeMetadataBase
+
 WorkerMetadataBase: Any = _WorkerMetadataBase
 
 try:  # vLLM 0.32+; 0.26 has no get_transfer_results and so no result type
@@ -161,6 +173,31 @@ def engine_id(vllm_config: Any) -> str:
     """The engine's id (`kv_transfer_config.engine_id`: one per engine, shared by its ranks,
     new at each start unless set)."""
     return str(getattr(vllm_config.kv_transfer_config, "engine_id", None) or "engine")
+
+
+def engine_start(vllm_config: Any) -> tuple[str, ...]:
+    """What names one start of one engine in the scheduler and in every worker alike (each
+    gets a pickled copy of the same config): its engine id (new at each start unless set),
+    the config's instance id (its creation time in ns in 0.26-0.33) and the data-parallel
+    rank."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    return (
+        engine_id(vllm_config),
+        str(getattr(vllm_config, "instance_id", "") or ""),
+        str(getattr(pc, "data_parallel_rank", 0) or 0),
+    )
+
+
+def in_process_engine() -> bool:
+    """The engine core runs in the caller's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`):
+    it steps only while the caller's requests are unfinished (`LLM.generate`), never for a
+    connector's pending work."""
+    try:
+        import vllm.envs as envs
+
+        return not bool(envs.VLLM_ENABLE_V1_MULTIPROCESSING)
+    except Exception:  # noqa: BLE001 - a vLLM without the flag runs the engine core apart
+        return False
 
 
 def publishable_block_hashes(request: Any) -> int:

@@ -405,7 +405,35 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self._fault("has_pending_push_work", exc)
         return self._promises is not None and self._promises.pending()
 
+    def set_xfer_handshake_metadata(self, metadata: Any) -> None:
+        """vLLM hands the scheduler its workers' handshake metadata at engine start (rank ->
+        what `get_handshake_metadata` gave): the scheduler registers from it in the background,
+        before any step. A side channel: missed, the first step's report still carries it."""
+        if self._impl is not None:
+            try:
+                self._impl.on_handshake(metadata)
+            except Exception:  # noqa: BLE001 - the step's report registers all the same
+                log.debug("kvoffload: handshake metadata not used", exc_info=True)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: Any) -> None:
+        """Keyed by (pp_rank, tp_rank): every stage's ranks registered alike."""
+        try:
+            ranks = {i: m for i, (_, m) in enumerate(sorted(dict(metadata).items()))}
+        except Exception:  # noqa: BLE001
+            ranks = {}
+        self.set_xfer_handshake_metadata(ranks)
+
     # -- worker side ----------------------------------------------------------------------
+    def get_handshake_metadata(self) -> Any:
+        """This rank's registration for the scheduler, collected by vLLM at engine start."""
+        if self._impl is None:
+            return None
+        try:
+            return self._impl.handshake()
+        except Exception:  # noqa: BLE001 - the first step's report carries it instead
+            log.debug("kvoffload: no handshake metadata", exc_info=True)
+            return None
+
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Maps this rank's pool for its KV caches. A layout the connector cannot map (a KV
         cache shape of a vLLM or model it was not written for) must not stop vLLM: this rank

@@ -13,15 +13,24 @@ store while it may still write them. Stdlib only.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import struct
 
-__all__ = ["ENGINE_SHIFT", "MAX_ENGINE", "EngineLock", "lock_offset"]
+__all__ = ["ENGINE_SHIFT", "MAX_ENGINE", "EngineLock", "engine_key", "lock_offset"]
 
 ENGINE_SHIFT = 8  # rank bits (kvoffload_sidecar.engine_locks: the same contract)
 MAX_ENGINE = 1 << 34
 _FLOCK = struct.Struct("@hhqqi4x")  # struct flock on Linux (64-bit off_t)
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+
+
+def engine_key(start: tuple[str, ...]) -> int:
+    """The engine's key from what names its start in every process of it (`compat.engine_start`):
+    the scheduler and its workers agree on it with no message between them, so each rank holds
+    its lock from its registration on, before the first step's stores are reserved."""
+    digest = hashlib.blake2b("\0".join(start).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (MAX_ENGINE - 1) + 1
 
 
 def lock_offset(base: int, engine: int, rank: int) -> int:

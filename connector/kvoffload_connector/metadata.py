@@ -11,7 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvoffload_connector.compat import ConnectorMetadataBase, WorkerMetadataBase
+from kvoffload_connector.compat import (
+    ConnectorMetadataBase,
+    HandshakeMetadataBase,
+    WorkerMetadataBase,
+)
 from kvoffload_connector.keys import SpecFields
 
 
@@ -85,6 +89,14 @@ class Registration:
     slot_bytes_per_rank: int
     namespace_id: str
     generation: str
+
+
+@dataclass(frozen=True)
+class PoolHandshake(HandshakeMetadataBase):
+    """A worker's registration handed to its scheduler at engine start, through vLLM's
+    handshake metadata (`get_handshake_metadata` -> `set_xfer_handshake_metadata`)."""
+
+    registration: Registration
 
 
 def _merge(a: Mapping[int, int], b: Mapping[int, int]) -> dict[int, int]:

@@ -116,6 +116,9 @@ class StorePlanner:
         self._step_blocks = -(-max_num_batched_tokens // block_size)  # one step's allocations
         self._tracked_blocks: dict[str, list[list[int]]] = {}  # vLLM 0.26 only
         self._lazy: dict[int, LazyChunk] = {}  # GPU block id -> the finished chunk it is in
+        # requests whose last token this step computes, in an engine that may take no step
+        # after it (in-process): nothing of theirs waits for a first token (set per step)
+        self.ending: frozenset[str] = frozenset()
         watermark = cfg.lazy_watermark_blocks or 2 * num_groups * max(
             self.chunk_blocks, -(-max_num_batched_tokens // block_size)
         )
@@ -196,6 +199,8 @@ class StorePlanner:
         anything done there delays it. A long chunked prefill is planned after
         `STORE_WAIT_MAX_STEPS` steps all the same."""
         if not self.cfg.store_after_first_token or not self._first_token.awaits(st.req_id):
+            return False
+        if st.req_id in self.ending:
             return False
         return st.wait_from < 0 or step - st.wait_from < STORE_WAIT_MAX_STEPS
 
@@ -424,7 +429,10 @@ class StorePlanner:
         """The planned chunks to reserve now: with `store_after_first_token`, those of requests
         still waiting for their first token wait (`release_waiting`)."""
         if self.cfg.store_after_first_token:
-            waits = {r: self._first_token.awaits(r) for r in {p.req_id for p in planned}}
+            waits = {
+                r: self._first_token.awaits(r) and r not in self.ending
+                for r in {p.req_id for p in planned}
+            }
             if any(waits.values()):  # the wait counts from the request's first deferral
                 self._reserve_waiting.extend(
                     (self._wait_from(p.req_id, step), p) for p in planned if waits[p.req_id]

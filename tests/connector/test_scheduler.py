@@ -149,6 +149,7 @@ def make(
     refresh_steps=2,
     store_threshold=0,
     step_tokens=8192,
+    dispatch_inline=False,
 ):
     """A scheduler on a fake pool; lookups batch in the background unless `inline`.
     `step_tokens`: vLLM's max_num_batched_tokens (with `nblocks`, whether plans may wait)."""
@@ -176,6 +177,7 @@ def make(
         client=fake,
         windows=windows,
         max_num_batched_tokens=step_tokens,
+        dispatch_inline=dispatch_inline,
         **extra,
     )
     bp = BlockPool(nblocks)

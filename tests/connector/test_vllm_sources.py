@@ -38,6 +38,7 @@ SUBCLASSES = [
     ("stats.py", "ConnectorStats", METRICS, ("KVConnectorStats",)),
     ("stats.py", "PromMetrics", METRICS, ("KVConnectorPromMetrics",)),
     ("metadata.py", "WorkerReport", BASE, ("KVConnectorWorkerMetadata",)),
+    ("metadata.py", "PoolHandshake", BASE, ("KVConnectorHandshakeMetadata",)),
 ]
 # Released versions checked from PyPI: the newest supported minor, and the oldest minor's
 # newest patch (the range itself is compat.SUPPORTED_VLLM).
