@@ -4,6 +4,8 @@ SHELL := /bin/bash
 # /usr/bin/python3 when there is one: the pod-level tests run the venv as other uids, which
 # cannot reach an interpreter under /root (pyenv).
 PY_SYS ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || echo python3)
+# make test: xdist workers (each runs a file at a time; tests/conftest.py orders the longest first)
+TEST_WORKERS ?= 2
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -59,7 +61,8 @@ test: $(STAMP) $(NATIVE) ## unit + process + CPU vLLM tests (what CI runs)
 	@$(MAKE) --no-print-directory crds-check
 	@$(MAKE) --no-print-directory imports
 	@$(MAKE) --no-print-directory lint
-	$(PY) -m pytest -m "not gpu and not cluster" --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not gpu and not cluster" -n $(TEST_WORKERS) --dist loadfile \
+	  --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 soak: $(STAMP) $(NATIVE) ## the drills at soak scale: 200 quick SIGKILLs; 10 min of freezes and kills
 	KVO_FAULT_DRILL_KILLS=200 KVO_CHAOS_S=600 $(PY) -m pytest tests/drill $(PYTEST_ARGS)

@@ -61,3 +61,31 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         f'deselect them (-m "not vllm"). The import failed with:\n{problem}',
         returncode=pytest.ExitCode.INTERRUPTED,
     )
+
+
+# `make test` runs on two xdist workers, a file at a time per worker (`--dist loadfile`): files
+# handed out first finish last, so the longest go first (minutes each on a 2-core box; the
+# rest are seconds). Order inside a file is kept: module fixtures (a pod, a sidecar) span it.
+LONGEST_FIRST = (
+    "tests/connector/test_vllm_engine.py",
+    "tests/pod/test_pods.py",
+    "tests/drill/test_chaos.py",
+    "tests/drill/test_fault_drill.py",
+    "tests/connector/test_vllm026_compat.py",
+    "tests/connector/test_dynamo_indexer.py",
+    "tests/connector/test_warm_start_bench.py",
+    "tests/connector/test_layout.py",
+    "tests/model/test_slot_protocol_model.py",
+)
+
+
+def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = session.config.rootpath
+    order = {id(item): i for i, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        rel = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        return rank.get(rel, len(rank)), order[id(item)]
+
+    items.sort(key=key)
