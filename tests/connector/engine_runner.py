@@ -21,6 +21,8 @@ Scenarios (each writes a JSON report; the test asserts on it):
 - `idle`: prompts P (3 requests at once), then no request at all: the time until the sidecar shows
   P's chunks committed (none reserved) and, with --events-port, until their CPU-tier events
   reached the subscriber; no engine step runs after P's last.
+- `inproc_fresh`: a new in-process engine on the pool of `idle`: its first request, one output
+  token, stored with no request after it; P of `idle` hits; after a reset, that first one hits.
 - `adopt`: P stored, the sidecar SIGKILLed and restarted (same command line) under this
   running engine; the time until the connector re-attached, then P again (pool hits from the
   adopted blocks). `adopt_fresh`: a new engine's first requests, P of `adopt` (same --seed).
@@ -675,6 +677,44 @@ def scenario_adopt_fresh(args: argparse.Namespace) -> dict:
     return {"out": out, "before": before, "after": namespace_counters(args.socket)}
 
 
+def scenario_inproc_fresh(args: argparse.Namespace) -> dict:
+    """A new in-process engine (the test sets VLLM_ENABLE_V1_MULTIPROCESSING=0: `generate`
+    steps only while its own requests run) on a warm pool. Its very first request Q, one
+    output token, reaches the pool with no request after it; then P of `idle` (same --seed)
+    hits; then, after a prefix-cache reset, Q hits with the same tokens."""
+    from kvoffload_connector.client import PoolClient
+
+    client = PoolClient(args.socket, "test/inproc", rpc_timeout_s=2)
+    try:
+        before = pool_slots(client)["committed_slots"]
+        llm = make_llm(args)
+        q = prompts(args.seed + 800, 1, args.prompt_len)
+        first_q = run(llm, q, 1)
+        done = time.monotonic()
+        want = before + args.prompt_len // args.chunk_tokens
+        slots: dict[str, int] = {}
+        stored_s = None
+        while time.monotonic() - done < args.idle_s:  # no request: the pool only
+            slots = pool_slots(client)
+            if slots["committed_slots"] >= want and not slots["reserved_slots"]:
+                stored_s = time.monotonic() - done
+                break
+            time.sleep(0.02)
+        out = run(llm, prompts(args.seed, 3, args.prompt_len), args.max_tokens)
+        llm.reset_prefix_cache()
+        second_q = run(llm, q, 1)
+    finally:
+        client.close()
+    return {
+        "first_q": first_q,
+        "second_q": second_q,
+        "want_committed": want,
+        "slots": slots,
+        "stored_s": stored_s,
+        "out": out,
+    }
+
+
 class EventCollector:
     """vLLM's KV events as any subscriber sees them: a ZMQ SUB socket and vLLM's own decoder
     (`msgspec` into `KVEventBatch`), the way vLLM's examples/online_serving subscriber reads."""
@@ -911,6 +951,7 @@ def main() -> int:
             "truncate",
             "adopt",
             "adopt_fresh",
+            "inproc_fresh",
             "events",
             "events_fresh",
             "gate",
@@ -958,6 +999,7 @@ def main() -> int:
         "truncate": scenario_truncate,
         "adopt": scenario_adopt,
         "adopt_fresh": scenario_adopt_fresh,
+        "inproc_fresh": scenario_inproc_fresh,
         "events": scenario_events,
         "events_fresh": scenario_events_fresh,
         "gate": scenario_gate,

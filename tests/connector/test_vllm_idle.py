@@ -7,6 +7,11 @@ An engine-core process keeps stepping only while the connector says it has pendi
 workers' threads after that, and the event feed reads them from the sidecar's log later still,
 when no step will come to take them: the feed publishes through vLLM's own publisher from its
 poll thread. Shipped defaults; three requests of 300 tokens (4 chunks each), 3 output tokens.
+
+The fresh engine after it runs in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), where nothing
+steps the engine for the connector: a step's stores are reserved in that step and ride its
+metadata, and the engine's first step already has them (registered at engine start, its ranks
+locked for the engine's key).
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ def test_last_requests_commit_and_announce_with_no_step_after_them_then_a_fresh_
     try:
         r = _run("idle", "tiny-llama", sc, tmp_path / "idle.json", "--max-tokens", "3",
                  "--events-port", str(_free_port()))  # fmt: skip
-        f = _run("adopt_fresh", "tiny-llama", sc, tmp_path / "fresh.json", "--max-tokens", "3")
+        f = _run("inproc_fresh", "tiny-llama", sc, tmp_path / "fresh.json", "--max-tokens", "3",
+                 env_extra={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})  # fmt: skip
     finally:
         sc.close()
     # committed (every rank), none left reserved, within seconds and with no request after
@@ -37,7 +43,16 @@ def test_last_requests_commit_and_announce_with_no_step_after_them_then_a_fresh_
     assert (stored, removed) == (r["counters"]["stored_blocks"], 0), r["events"]
     cpu_tokens = [tuple(e["tokens"]) for e in r["events"]["stored"].get("CPU", [])]
     assert len(cpu_tokens) == stored
-    # a fresh engine on the pool: its first requests hit all 4 chunks, same tokens
+    # a fresh in-process engine (`LLM.generate` steps only for its own requests): its very
+    # first request, one output token, is in the pool with no request after it
+    assert f["stored_s"] is not None, f"{f['slots']} (want {f['want_committed']})\n{f['log']}"
+    # then P hits all 4 chunks with the same tokens, and so does that first request after a
+    # prefix-cache reset
     assert all(o["cached"] >= 256 for o in f["out"]), f"{f['out']}\n{f['log']}"
     _assert_same_outputs(f["out"], r["first"])
-    print(f"idle: committed {r['commit_s']:.2f} s, announced {r['events_s']:.2f} s after")
+    assert f["second_q"][0]["cached"] >= 256, f"{f['second_q']}\n{f['log']}"
+    _assert_same_outputs(f["second_q"], f["first_q"])
+    print(
+        f"idle: committed {r['commit_s']:.2f} s, announced {r['events_s']:.2f} s after; "
+        f"in-process first request stored {f['stored_s']:.2f} s after it"
+    )
