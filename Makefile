@@ -102,11 +102,11 @@ bench: $(STAMP) $(NATIVE) ## CPU benchmarks into bench/out/ (the GPU ones: bench
 
 crds-sync: ## copy crds/ into the chart (the chart's copy is generated)
 	@mkdir -p charts/kvoffload/crds
-	@cp crds/kvoffloadpolicy.yaml charts/kvoffload/crds/kvoffloadpolicy.yaml
+	@cp crds/*.yaml charts/kvoffload/crds/
 
-crds-check: ## fail when the chart's CRD differs from crds/
-	@if [ -f crds/kvoffloadpolicy.yaml ]; then cmp -s crds/kvoffloadpolicy.yaml charts/kvoffload/crds/kvoffloadpolicy.yaml \
-	  || { echo "charts/kvoffload/crds is stale: run 'make crds-sync'"; exit 1; }; fi
+crds-check: ## fail when the chart's CRDs differ from crds/
+	@for f in crds/*.yaml; do cmp -s $$f charts/kvoffload/crds/$${f#crds/} \
+	  || { echo "charts/kvoffload/crds is stale ($$f): run 'make crds-sync'"; exit 1; }; done
 
 chart-test: $(STAMP) ## helm lint/template + schema validation
 	$(PY) -m pytest tests/chart tests/crds $(PYTEST_ARGS)

@@ -1,13 +1,15 @@
 """The admin's node pool: its tenants, their shares, and who may use each.
 
-Mirrors the cluster-scoped `KVOffloadNodePool` object (docs/NODE.md); until the agent watches
-the API it reads the same spec from a JSON or YAML file. A namespace user writes only the tenant
+The cluster-scoped `KVOffloadNodePool` object (crds/kvoffloadnodepool.yaml); until the agent
+watches the API it reads that object, or the chart's `{name, tenants: [{shareBytes, ...}]}`,
+from a JSON or YAML file. A namespace user writes only the tenant
 name into a pod's volume; whether that pod may use it is decided here, from the admin's object.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,11 @@ from typing import Any
 from kvoffload_sidecar.node.identity import PodIdentity
 
 _MIN_SHARE = 1 << 20
+_QUANTITY = re.compile(r"^([0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_SUFFIX = {
+    "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+    "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60,
+}  # fmt: skip
 
 
 class GrantsError(ValueError):
@@ -59,8 +66,30 @@ def _strings(value: Any, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def share_bytes(value: Any, what: str) -> int:
+    """A tenant's share: bytes (an integer) or a quantity as the CRD allows it (`64Gi`)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _QUANTITY.match(value) if isinstance(value, str) else None
+    if not m:
+        raise GrantsError(f"{what} must be bytes or a quantity such as 64Gi, got {value!r}")
+    return int(m.group(1)) * _SUFFIX[m.group(2) or ""]
+
+
+def parse_node_pool(obj: Mapping[str, Any]) -> NodePoolSpec:
+    """A `KVOffloadNodePool` object as the API returns it."""
+    if obj.get("kind") != "KVOffloadNodePool":
+        raise GrantsError(f"expected a KVOffloadNodePool, got kind {obj.get('kind')!r}")
+    meta, spec = obj.get("metadata") or {}, obj.get("spec") or {}
+    if not isinstance(meta, Mapping) or not isinstance(spec, Mapping):
+        raise GrantsError("metadata and spec must be objects")
+    return parse_spec({"name": meta.get("name"), "tenants": spec.get("tenants")})
+
+
 def parse_spec(doc: Mapping[str, Any]) -> NodePoolSpec:
-    """`{name, tenants: [{name, shareBytes, namespaces, serviceAccounts?}]}`."""
+    """`{name, tenants: [{name, share | shareBytes, namespaces, serviceAccounts?}]}`."""
+    if "kind" in doc:
+        return parse_node_pool(doc)
     name = doc.get("name")
     if not isinstance(name, str) or not name:
         raise GrantsError("the node pool needs a name")
@@ -74,9 +103,10 @@ def parse_spec(doc: Mapping[str, Any]) -> NodePoolSpec:
         tname = t.get("name")
         if not isinstance(tname, str) or not tname:
             raise GrantsError(f"tenants[{i}].name must be a non-empty string")
-        share = t.get("shareBytes")
-        if not isinstance(share, int) or isinstance(share, bool) or share < _MIN_SHARE:
-            raise GrantsError(f"tenants[{i}].shareBytes must be an integer >= {_MIN_SHARE}")
+        key = "shareBytes" if "shareBytes" in t else "share"
+        share = share_bytes(t.get(key), f"tenants[{i}].{key}")
+        if share < _MIN_SHARE:
+            raise GrantsError(f"tenants[{i}].{key} must be at least 1Mi ({_MIN_SHARE} bytes)")
         tenants.append(
             TenantGrant(
                 name=tname,
