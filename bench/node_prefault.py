@@ -8,7 +8,9 @@ range per thread:
 - `populate`: `madvise(MADV_POPULATE_WRITE)` over a shared mapping of the range (what a mapping
   process would pay on first touch, done up front);
 - `populate_thp`: the same after `madvise(MADV_HUGEPAGE)` (2 MiB pages where the kernel's
-  `shmem_enabled` allows them: printed with the results).
+  `shmem_enabled` allows them: printed with the results);
+- `fallocate_tenants`: one memfd per thread (each --gib / threads), each `posix_fallocate`d by
+  its own thread: tenants pre-faulted side by side.
 
 Pages are faulted by this process, so they are charged to its memory cgroup (docs/NODE.md).
 
@@ -49,7 +51,25 @@ def _ranges(size: int, threads: int) -> list[tuple[int, int]]:
     return [(i * step, size - i * step if i == threads - 1 else step) for i in range(threads)]
 
 
+def run_tenants(size: int, threads: int) -> float:
+    part = size // threads // (2 << 20) * (2 << 20)
+    fds = [create_memfd(f"bench-{i}", part) for i in range(threads)]
+    try:
+        ts = [threading.Thread(target=os.posix_fallocate, args=(fd, 0, part)) for fd in fds]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return (time.perf_counter() - t0) * size / (part * threads)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def run_once(method: str, size: int, threads: int) -> float:
+    if method == "fallocate_tenants":
+        return run_tenants(size, threads)
     fd = create_memfd("bench", size)
     m = None
     try:
@@ -101,7 +121,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=16)
     ap.add_argument("--threads", default="1,4,8,16")
-    ap.add_argument("--methods", default="fallocate,populate,populate_thp")
+    ap.add_argument("--methods", default="fallocate,fallocate_tenants,populate,populate_thp")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", default="bench/out/node_prefault.json")
     args = ap.parse_args()
