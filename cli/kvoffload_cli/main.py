@@ -29,6 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "kvoffload_sidecar.node.agent:main",
         "run the node agent: CSI node plugin and per-tenant memory (node mode)",
     ),
+    "node-holder": (
+        "kvoffload_sidecar.node.holder:main",
+        "hold the node pool's tenant memfds across node agent restarts (node mode)",
+    ),
 }
 
 

@@ -8,12 +8,14 @@ the `KVOffloadNodePool` object); the slot protocol inside each tenant is not ser
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvoffload_sidecar.node import holder
 from kvoffload_sidecar.node.attest import CgroupAttestor
 from kvoffload_sidecar.node.csi import NodeAgent, NodeConfig, serve
 from kvoffload_sidecar.node.grants import load_spec
@@ -35,10 +37,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="cgroup: refuse a peer process whose cgroup names another pod (needs hostPID)",
     )
     p.add_argument("--proc-root", type=Path, default=Path("/proc"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--holder-socket",
+        default=None,
+        help="take the tenants' memfds from `kvoffload node-holder` (they outlive the agent)",
+    )
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     spec = load_spec(ns.node_pool)
-    memory = TenantMemory(spec, prefault=ns.prefault)
+    source = None
+    if ns.holder_socket:
+        source = functools.partial(holder.lend, ns.holder_socket)
+    memory = TenantMemory(spec, prefault=ns.prefault, source=source)
     attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
     server = MemoryServer(lambda: spec, memory, attest=attest)
     config = NodeConfig(node_id=ns.node_id, state_dir=ns.state_dir, publish_root=ns.publish_root)

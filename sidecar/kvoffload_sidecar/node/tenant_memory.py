@@ -73,13 +73,24 @@ def create_memfd(tenant: str, size: int, *, prefault: bool = False) -> int:
 
 
 class TenantMemory:
-    """The memfds of a node pool's tenants, one per tenant, sized to its share."""
+    """The memfds of a node pool's tenants, one per tenant, sized to its share.
 
-    def __init__(self, spec: NodePoolSpec, *, prefault: bool = False) -> None:
+    `source(tenant, size)` returns a tenant's memfd: by default a new one; the node holder's
+    (`holder.py`) keeps them across agent restarts.
+    """
+
+    def __init__(
+        self,
+        spec: NodePoolSpec,
+        *,
+        prefault: bool = False,
+        source: Callable[[str, int], int] | None = None,
+    ) -> None:
         self._regions: dict[str, TenantRegion] = {}
+        make = source or (lambda name, size: create_memfd(name, size, prefault=prefault))
         try:
             for grant in spec.tenants:
-                fd = create_memfd(grant.name, grant.share_bytes, prefault=prefault)
+                fd = make(grant.name, grant.share_bytes)
                 self._regions[grant.name] = TenantRegion(grant.name, fd, grant.share_bytes)
         except BaseException:
             self.close()
