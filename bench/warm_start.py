@@ -238,21 +238,12 @@ class WarmChild(e2e.Child):
     def wait_stored(self, need: int) -> None:
         """Until the pool holds `need` committed chunks with no store open, stable 0.5 s
         (bounded by --store-wait-s): the engine's stores land before this process exits.
-
-        This child's engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0: the pool
-        readiness is read off its worker), and an in-process `LLM.generate` stops stepping
-        when its last request is done. A store job reaches the workers in the step after its
-        reservation answered, so the stores of a max_tokens=1 request (planned when it
-        finishes) wait for a step that only another request brings; copies handed out commit
-        without one (the worker's completion thread). So while stores are open this steps the
-        engine with tiny prompts (shorter than a block: nothing to look up or store) and
-        counts them (`nudges`). A served engine needs none: its engine-core process keeps
-        stepping while the connector has pending work (`has_pending_push_work`), and commits
-        and KV events land on the connector's own threads (docs/CONNECTOR.md, "Work that
-        finishes between engine steps").
+        No request runs meanwhile: this child's engine is in-process, and the connector
+        sends an in-process engine's stores with the step that planned them
+        (docs/CONNECTOR.md, "Work that finishes between engine steps").
         """
         t0 = time.time()
-        last, since, st, nudges = -1, t0, {}, 0
+        last, since, st = -1, t0, {}
         while time.time() - t0 < self.args.store_wait_s:
             st = pool_counts(self.args.socket)
             committed = st.get("committed_slots", -1)
@@ -260,11 +251,6 @@ class WarmChild(e2e.Child):
                 last, since = committed, time.time()
             elif time.time() - since >= 0.5:
                 break
-            if st.get("reserved_slots") or committed < need:
-                nudges += 1
-                self.generate(
-                    [e2e.token_prompt(e2e.seed_of("nudge", nudges), 8, self.shape.vocab)], 1
-                )
             time.sleep(0.05)
         self.result["stores"] = {
             "need_chunks": need,
@@ -272,7 +258,6 @@ class WarmChild(e2e.Child):
             "reserved_slots": st.get("reserved_slots"),
             "stored_bytes": st.get("stored_bytes"),
             "wait_s": round(time.time() - t0, 2),
-            "nudges": nudges,
             "complete": st.get("committed_slots", -1) >= need and not st.get("reserved_slots"),
         }
         self.save()

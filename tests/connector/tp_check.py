@@ -120,11 +120,10 @@ def pool_numbers(sc) -> dict[str, Any]:
     return out
 
 
-def settle(sc, min_committed: int, max_s: float, nudge=None) -> dict[str, Any]:
-    """Until no store is open and `min_committed` chunks are visible (every rank committed).
-    `nudge` (a tiny request) lets an idle in-process engine step: its last request's store
-    jobs reach the workers only in a later step (docs/CONNECTOR.md, "Work that finishes
-    between engine steps"), so without one they stay reserved."""
+def settle(sc, min_committed: int, max_s: float) -> dict[str, Any]:
+    """Until no store is open and `min_committed` chunks are visible (every rank committed),
+    with no request meanwhile (an in-process engine's stores go out with the step that
+    planned them: docs/CONNECTOR.md, "Work that finishes between engine steps")."""
     end = time.monotonic() + max_s
     while True:
         n = pool_numbers(sc)
@@ -132,8 +131,6 @@ def settle(sc, min_committed: int, max_s: float, nudge=None) -> dict[str, Any]:
             return n
         if time.monotonic() > end:
             return n
-        if nudge is not None:
-            nudge()
         time.sleep(0.1)
 
 
@@ -267,14 +264,6 @@ class Check:
         self.prompts = [tokens_of(args.seed, f"p{i}", n, self.vocab) for i in range(args.prompts)]
         self.fills: list[dict[str, Any]] = []
         self.phases: dict[str, dict[str, Any]] = {}
-        self._nudge = tokens_of(args.seed, "nudge", 8, self.vocab)
-
-    def nudge(self) -> None:
-        """A tiny request (less than a chunk: nothing stored): one more engine step."""
-        from vllm import SamplingParams
-
-        sp = SamplingParams(max_tokens=1, detokenize=False)
-        self.llm.generate([{"prompt_token_ids": self._nudge}], sp, use_tqdm=False)
 
     def phase(self, name: str, versus: str = "", differ: bool = False) -> dict[str, Any]:
         """The prompts once; connector and sidecar counters before and after; the outputs
@@ -368,12 +357,12 @@ def run_check(args: argparse.Namespace, sc, s: dict[str, Any]) -> None:
     t0, k = time.monotonic(), plan.chunks
     for attempt in range(3):  # until the pool serves (every rank registered and mapped)
         run_each(llm, [tokens_of(args.seed, f"warm{attempt}", plan.hit_len + 1, chk.vocab)], 1)
-        if settle(sc, k, max_s=10, nudge=chk.nudge)["committed_slots"] >= k:
+        if settle(sc, k, max_s=10)["committed_slots"] >= k:
             break
     s["warmup"] = {"attempts": attempt + 1, "wall_s": time.monotonic() - t0}
     base = pool_numbers(sc)["committed_slots"]
     chk.phase("cold")
-    s["after_cold"] = settle(sc, base + args.prompts * k, max_s=30, nudge=chk.nudge)
+    s["after_cold"] = settle(sc, base + args.prompts * k, max_s=30)
     chk.phase("gpu_hit", versus="cold")
     chk.fill()
     chk.phase("pool_hit", versus="gpu_hit")
