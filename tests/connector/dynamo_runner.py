@@ -177,15 +177,10 @@ def phase_fresh(args: argparse.Namespace) -> dict:
     llm = make_llm(args)
     report: dict = {"register": register(args)}
     want = json.loads(Path(args.expect).read_text())
-    # idle: what the indexer knows before the fresh engine took any step
-    report["expect_host_idle"] = poll(args, want, lambda t: t["host"] == len(want))
-    if report["expect_host_idle"]["s"] is None:
-        # a fresh engine registers with the sidecar from its first step (its workers report
-        # their layout there): one unrelated request, then the snapshot announce must come
-        run(llm, [next(iter(prompts(args.seed + 900, 1, args.prompt_len)))], 1)
-        report["expect_host"] = poll(args, want, lambda t: t["host"] == len(want))
-    else:
-        report["expect_host"] = report["expect_host_idle"]
+    # idle, before the fresh engine took any step: it registered at engine start (its
+    # workers' handshake metadata) and announces the pool's snapshot with no request
+    report["expect_host"] = poll(args, want, lambda t: t["host"] == len(want))
+    del llm  # served nothing: alive through the poll only
     return report
 
 

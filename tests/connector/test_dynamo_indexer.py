@@ -117,8 +117,7 @@ def test_dynamo_indexer_routes_by_the_host_tier(tmp_path):
         assert r["p_evicted"]["raw"]["instances"] == {}, r["p_evicted"]
         assert r["last_host"]["s"] is not None and r["last_host"]["host"] == PROMPT_LEN
         # the pod restarts: worker 1 leaves the index, a fresh engine on the warm pool joins as
-        # worker 2 and the pool's snapshot puts the last prompt back (before serving anything,
-        # or at the latest after its first step: the xfail below says which)
+        # worker 2 and the pool's snapshot puts the last prompt back before it served anything
         indexer.post("/unregister", {"instance_id": 1, "model_name": "tiny-llama"})
         expect = tmp_path / "last.json"
         expect.write_text(json.dumps(r["last"]))
@@ -126,11 +125,6 @@ def test_dynamo_indexer_routes_by_the_host_tier(tmp_path):
         assert f["expect_host"]["s"] is not None, _why(f, indexer)
         assert f["expect_host"]["host"] == PROMPT_LEN
         assert set(f["expect_host"]["raw"]["instances"]) == {"2"}
-        if f["expect_host_idle"]["s"] is None:
-            pytest.xfail(
-                "a fresh engine on a warm pool announces it from its first step, not before: "
-                "its scheduler registers once the workers' layout reaches it in a step"
-            )
     finally:
         indexer.close()
         sc.close()
