@@ -1,5 +1,6 @@
 """The node agent's chart objects: off by default; when on, a CSIDriver the agent can trust, a
-DaemonSet that registers the plugin the standard way, and memory charged where the pool is."""
+DaemonSet that registers the plugin the standard way, and memory charged where the pool is
+(the holder, which faults it)."""
 
 from __future__ import annotations
 
@@ -52,10 +53,18 @@ def test_the_daemonset_registers_the_plugin_and_charges_the_pool_to_the_agent(re
     assert agent["args"][0] == "node-agent"
     assert "--csi-socket=/csi/csi.sock" in agent["args"]
     assert "--attest-peers=cgroup" in agent["args"] and spec["hostPID"] is True
-    # 64 GiB + 1 TiB of tenants + 256 MiB of agent: requests equal limits
-    want = str((64 << 30) + (1 << 40) + (256 << 20))
-    assert agent["resources"]["requests"]["memory"] == want
-    assert agent["resources"]["limits"]["memory"] == want
+    # the holder faults the pool (64 GiB + 1 TiB of tenants, + 64 MiB of its own), the agent
+    # only its own 256 MiB: requests equal limits, so the pool is charged where it is requested
+    (holder,) = spec["initContainers"]
+    assert holder["restartPolicy"] == "Always"  # a native sidecar: outlives agent restarts
+    assert holder["args"][:2] == ["node-holder", "--socket=/run/kvoffload-holder/holder.sock"]
+    assert "--prefault" in holder["args"]
+    pool = str((64 << 30) + (1 << 40) + (64 << 20))
+    assert holder["resources"]["requests"]["memory"] == pool
+    assert holder["resources"]["limits"]["memory"] == pool
+    assert agent["resources"]["requests"]["memory"] == str(256 << 20)
+    assert agent["resources"]["limits"]["memory"] == str(256 << 20)
+    assert "--holder-socket=/run/kvoffload-holder/holder.sock" in agent["args"]
     mounts = {m["name"]: m for m in agent["volumeMounts"]}
     assert mounts["pods-dir"]["mountPropagation"] == "Bidirectional"
     paths = {v["name"]: v.get("hostPath", {}).get("path") for v in spec["volumes"]}
