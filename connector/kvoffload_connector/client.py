@@ -428,6 +428,17 @@ class PoolClient:
             ),
         ).abort_store.freed_slots
 
+    def report_drained(self, namespace_id: str, *, epoch: int, engine: int, rank: int) -> int:
+        """This rank of `engine` has no copy in flight into a reservation of a sidecar instance
+        other than `epoch` (its registration's) and starts none: the withheld slots of the
+        engine's earlier reservations free once every rank said so. Returns the slots freed."""
+        return self._call(
+            None,
+            drained=pool_pb2.DrainedRequest(
+                namespace_id=namespace_id, sidecar_epoch=epoch, engine=engine, rank=rank
+            ),
+        ).drained.freed_slots
+
     def events(
         self, log_id: str, after_seq: int, cursor: int, max_events: int
     ) -> pool_pb2.EventsResponse:

@@ -18,6 +18,13 @@ store). A job carries the pool generation its slots belong to; if the
 sidecar recreated the pool, jobs for the other generation fail and the
 worker re-maps after re-registering.
 
+After a sidecar restart the new instance withholds the slots it found reserved for this
+engine (a copy of ours may still land in them). Each rank tells it, over its own registration
+(`Drained`), once it has no store copy in flight that names another sidecar instance; from
+then on it refuses every store job naming an instance other than that one (or a later
+registration's), so the word stays true and the instance frees those slots once every rank
+said it (docs/POOL.md, the invariant).
+
 Before a step's copies touch the pool the worker checks that the pool file
 still covers its mapping (`PoolView.intact`): a file truncated under it would
 turn the copies into SIGBUS and kill vLLM. When it does not, the step's loads
@@ -139,6 +146,10 @@ class OffloadWorker:
         self._lock_key: tuple[str, int, int] | None = None  # (path, base, engine) it locks
         self._load_checks: dict[int, tuple[list[int], list[int]]] = {}  # job: slots, versions
         self._store_fences: dict[int, tuple[int, int]] = {}  # job: sidecar epoch, engine
+        self._engine_key = 0  # the engine this rank stores for (the scheduler's, per step)
+        # the sidecar instance told this rank drained of every other one's reservations
+        # (`_report_drained`): store jobs naming another instance are refused from then on
+        self._drained_epoch = 0
         # job tables, reports and stats: the step thread and the completion thread
         self._jobs_lock = threading.RLock()
         self._jobs_changed = threading.Condition(self._jobs_lock)
@@ -219,6 +230,7 @@ class OffloadWorker:
             )
         self.namespace_id = reg.namespace_id
         self._applied = reg
+        self._report_drained()
         self._report_registration = Registration(
             self.spec, self.num_ranks, self.layout.slot_bytes, reg.namespace_id, reg.generation
         )
@@ -326,6 +338,9 @@ class OffloadWorker:
             return
         if meta.fence:
             self._finish_fenced(meta.fence)
+        if meta.engine and meta.engine != self._engine_key:
+            self._engine_key = meta.engine
+            self._report_drained()
         if meta.engine and self.ready:
             self._hold_engine_lock(meta.engine)  # as early as possible: stores wait for it
         if meta.loads:
@@ -409,7 +424,12 @@ class OffloadWorker:
             self._check_pool()
         locked = bool(meta.stores) and self.ready and self._hold_engine_lock(meta.engine)
         for job in meta.stores:
-            if not self.ready or job.generation != self.generation or not locked:
+            if (
+                not self.ready
+                or job.generation != self.generation
+                or not locked
+                or not self._may_store(job.epoch)
+            ):
                 self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1
                 self._stats["failed_stores"] = self._stats.get("failed_stores", 0) + 1
                 continue
@@ -420,9 +440,42 @@ class OffloadWorker:
             except Exception as e:  # noqa: BLE001
                 log.warning("kvoffload: store job %d rejected: %s", job.job_id, e)
                 self._jobs.pop(job.job_id, None)
+                self._store_fences.pop(job.job_id, None)
                 self._failed[job.job_id] = self._failed.get(job.job_id, 0) + 1
         if meta.stores:
             self._jobs_changed.notify_all()  # the completion thread waits for these
+
+    def _may_store(self, epoch: int) -> bool:
+        """Job lock held: a store job naming sidecar instance `epoch` may start its copies:
+        always until this rank reported drained; afterwards only for the instance it reported
+        to, or the one it is registered with now (the earlier one is gone)."""
+        drained, reg = self._drained_epoch, self._applied
+        return not drained or epoch == drained or (reg is not None and epoch == reg.epoch)
+
+    @_jobs_locked
+    def _report_drained(self) -> None:
+        """Tell the registration's sidecar instance, once, that this rank has no store copy in
+        flight naming another instance (every such job finished, failed or was never started)
+        and will start none: it then frees the slots it withheld for this engine. Called
+        whenever a job finishes, a registration is applied or the engine key is learnt."""
+        reg, engine = self._applied, self._engine_key
+        if reg is None or not reg.epoch or not engine or self._drained_epoch == reg.epoch:
+            return
+        epoch = reg.epoch
+        if any(self._store_fences[j][0] != epoch for j in self._jobs if j in self._store_fences):
+            return  # a copy into another instance's reservation may still land
+        self._drained_epoch = epoch  # before the word leaves: no such copy starts from here
+        ns, rank = reg.namespace_id, self.rank
+        self._rpc.submit(lambda: self._send_drained(ns, epoch, engine, rank))
+
+    def _send_drained(self, namespace_id: str, epoch: int, engine: int, rank: int) -> None:
+        try:
+            freed = self.client.report_drained(namespace_id, epoch=epoch, engine=engine, rank=rank)
+        except PoolUnavailable as e:  # another instance by now: its own report follows
+            log.debug("kvoffload: rank %d drained report dropped: %s", rank, e)
+            return
+        if freed:
+            log.info("kvoffload: rank %d drained: the sidecar freed %d withheld slots", rank, freed)
 
     # -- completion without a step ------------------------------------------------------
     def _start_completion(self) -> None:
@@ -502,6 +555,8 @@ class OffloadWorker:
                 log.warning("kvoffload: store job %d failed: %s", r.job_id, r.error)
                 self._failed[r.job_id] = self._failed.get(r.job_id, 0) + 1
                 self._stats["failed_stores"] = self._stats.get("failed_stores", 0) + 1
+        if results and self._drained_epoch != getattr(self._applied, "epoch", 0):
+            self._report_drained()
 
     def _load_check(self, job: Any) -> tuple[list[int], list[int]] | None:
         """(slots, versions) a load's copy must find unchanged afterwards; None when the job

@@ -200,6 +200,7 @@ _NAMESPACE_COUNTERS = (
     "queried_blocks",
     "refused_commits",
     "unlocked_reservations",
+    "withheld_slots",
 )
 
 

@@ -190,6 +190,7 @@ class NamespaceStats:
     tenants: tuple[TenantStats, ...] = ()  # per-tenant quotas (--tenants); () when off
     refused_commits: int = 0  # commits naming another sidecar instance or engine
     unlocked_reservations: int = 0  # store batches refused: an engine rank held no file lock
+    withheld_slots: int = 0  # reserved under the last instance: free once its engine drained
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,9 @@ class _Namespace:
     # when the last sidecar died: free once their owner (same position below) is dead
     withheld_owners: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     engines: dict[int, _Engine] = field(default_factory=dict)  # engines with open stores
+    # per engine, the ranks that reported no copy in flight into another instance's
+    # reservations (`report_drained`); its withheld slots free once every rank has
+    drained: dict[int, set[int]] = field(default_factory=dict)
     clients: set[int] = field(default_factory=set)
     counters: _Counters = field(default_factory=_Counters)
     touches: list[bytes] = field(default_factory=list)  # deferred, packed keys, in call order
@@ -846,6 +850,46 @@ class Pool:
         with self._lock:
             return self._reclaim_dead_engines()
 
+    def report_drained(
+        self, namespace_id: str, client_id: int, *, epoch: int, engine: int, rank: int
+    ) -> int:
+        """Rank `rank` of `engine`, over its registration with this instance (`epoch`), has no
+        copy in flight into a reservation another sidecar instance answered and starts none
+        from now on. Once every rank of the engine reported, the slots withheld at adoption
+        for it are free (no process of it may still write them). Returns the slots freed."""
+        with self._lock:
+            ns = self._namespace(namespace_id)
+            self._owned_client(ns, client_id)
+            if not _is_int(epoch) or epoch != self.epoch:
+                raise FailedPrecondition(
+                    f"drained report names sidecar instance {epoch!r}, this is {self.epoch:#x}"
+                )
+            if not _is_int(engine) or not 0 < engine < MAX_ENGINE:
+                raise InvalidArgument(f"engine must be in 1..{MAX_ENGINE - 1}, got {engine!r}")
+            if not _is_int(rank) or not 0 <= rank < ns.num_ranks:
+                raise InvalidArgument(f"rank must be in 0..{ns.num_ranks - 1}, got {rank!r}")
+            ranks = ns.drained.setdefault(engine, set())
+            ranks.add(rank)
+            if len(ranks) < ns.num_ranks or not len(ns.withheld):
+                return 0
+            return self._free_withheld(ns, ns.withheld_owners == engine)
+
+    def _free_withheld(self, ns: _Namespace, gone: np.ndarray) -> int:
+        """Lock held: the withheld slots where `gone` is set are free (file table, free list)."""
+        slots = ns.withheld[gone]
+        if not len(slots):
+            return 0
+        if self._region.intact():
+            ns.table.mark(slots, persist.FREE)
+        ns.free.release_many(slots)
+        ns.withheld, ns.withheld_owners = ns.withheld[~gone], ns.withheld_owners[~gone]
+        log.info(
+            "namespace %s: %d withheld slot(s) free (their engines drained or died)",
+            ns.namespace_id,
+            len(slots),
+        )
+        return len(slots)
+
     def _engine_alive(self, ns: _Namespace, engine: int) -> bool:
         """Lock held: some rank of `engine` holds its lock (it may still write)."""
         if not 0 < engine < MAX_ENGINE:  # not a key a worker can lock: nobody writes for it
@@ -869,7 +913,6 @@ class Pool:
     def _reclaim_dead_engines(self) -> int:
         """Lock held: `reclaim_dead_engines`."""
         freed = 0
-        intact = self._region.intact()
         for ns in self._namespaces.values():
             for engine, record in list(ns.engines.items()):
                 if self._engine_alive(ns, engine):
@@ -884,13 +927,7 @@ class Pool:
                 owners = ns.withheld_owners
                 dead = [o for o in np.unique(owners).tolist() if not self._engine_alive(ns, o)]
                 if dead:
-                    gone = np.isin(owners, np.asarray(dead, np.uint64))
-                    slots = ns.withheld[gone]
-                    if intact:
-                        ns.table.mark(slots, persist.FREE)
-                    ns.free.release_many(slots)
-                    ns.withheld, ns.withheld_owners = ns.withheld[~gone], owners[~gone]
-                    freed += len(slots)
+                    freed += self._free_withheld(ns, np.isin(owners, np.asarray(dead, np.uint64)))
         return freed
 
     def _record_use(self, ns: _Namespace, slots: Sequence[int] | np.ndarray) -> None:
@@ -1424,6 +1461,7 @@ class Pool:
             tenants=ns.tenants.stats(sb) if ns.tenants is not None else (),
             refused_commits=k.refused_commits,
             unlocked_reservations=k.unlocked_reservations,
+            withheld_slots=len(ns.withheld),
         )
 
     def check_invariants(self) -> None:

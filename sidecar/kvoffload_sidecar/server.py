@@ -146,6 +146,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             "reserve_store": ("Session/ReserveStore", self._reserve_store),
             "commit_store": ("Session/CommitStore", self._commit_store),
             "abort_store": ("Session/AbortStore", self._abort_store),
+            "drained": ("Session/Drained", self._drained),
         }
         self.open_sessions = 0  # gRPC Session streams and framed connections
         self._sessions_lock = threading.Lock()  # framed connections open and close in threads
@@ -225,6 +226,16 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             engine=req.engine,
         )
         self._metrics.transfers.store_aborted(ns, req.store_id)
+
+    def _drained(self, req: pb.DrainedRequest, session: int, out: pb.DrainedResponse) -> None:
+        ns = convert.require_namespace(req.namespace_id)
+        out.freed_slots = self._pool.report_drained(
+            ns,
+            _client(req.client_id, session),
+            epoch=req.sidecar_epoch,
+            engine=req.engine,
+            rank=req.rank,
+        )
 
     def _events(self, req: pb.EventsRequest, _session: int, out: pb.EventsResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)

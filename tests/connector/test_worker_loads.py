@@ -52,7 +52,7 @@ def _arm(worker, tmp_path, engine: int = 5) -> int:
     path = tmp_path / "pool-0.shm"
     path.write_bytes(bytes(4096))
     worker.pool.path = str(path)
-    worker._applied = SimpleNamespace(engine_lock_base=1 << 62)  # noqa: SLF001
+    worker._applied = SimpleNamespace(engine_lock_base=1 << 62, epoch=0)  # noqa: SLF001
     worker.slot_versions = _Versions()
     return engine
 
@@ -338,3 +338,51 @@ def test_a_load_without_versions_never_runs(worker, tmp_path):
     worker.start_load_kv(ConnectorMeta(loads=(LoadJob(7, "req", (transfer,), "gen-1", True),)))
     assert ("submit_layered", 7) not in engine.calls
     assert worker.take_failed_layered_blocks() == {5, 6, 9}
+
+
+class _Rpc:
+    """The worker's RPC thread, queued: what it would send, in order."""
+
+    def __init__(self):
+        self.queue = []
+
+    def submit(self, fn):
+        self.queue.append(fn)
+
+    def close(self, timeout_s=0.0):
+        pass
+
+
+def test_the_drained_report_waits_for_the_old_instances_copy_and_then_fences_its_jobs(
+    worker, tmp_path
+):
+    """Registered with a new sidecar instance (epoch 2) while a store of the dead one (epoch 1)
+    copies: no report until that copy's result came back; then one report naming epoch 2, and
+    from then on a store job naming epoch 1 is refused (it never starts its copy)."""
+    from kvoffload_connector.transfer import JobResult
+
+    engine = _RecordingEngine()
+    worker.engine, worker.pool, worker.generation = engine, _IntactPool(), "gen-1"
+    key = _arm(worker, tmp_path)
+    worker._applied = SimpleNamespace(engine_lock_base=1 << 62, epoch=1, namespace_id="ns")
+    worker._rpc.close()
+    worker._rpc = rpc = _Rpc()
+    sent = []
+    worker.client.report_drained = lambda ns, **kw: sent.append((ns, kw)) or 0
+    transfer = (GroupTransfer(0, (1,), (2,), (0,)),)
+    old = StoreJob(8, 1, "ns", transfer, "gen-1", 1, key)
+    worker.start_load_kv(ConnectorMeta(engine=key))
+    worker.wait_for_save(ConnectorMeta(stores=(old,), engine=key))
+    assert ("submit", 8) in engine.calls
+    rpc.queue.clear()  # the report to epoch 1 itself (its own instance: nothing withheld)
+    worker._applied = SimpleNamespace(engine_lock_base=1 << 62, epoch=2, namespace_id="ns")
+    worker._report_drained()
+    assert rpc.queue == [], "reported with a copy into epoch 1's reservation in flight"
+    worker._handle([JobResult(8, True, 4096, 0.001)])  # the copy finished
+    assert len(rpc.queue) == 2  # its commit (refused by epoch 2), then the report
+    rpc.queue.pop()()
+    assert sent == [("ns", {"epoch": 2, "engine": key, "rank": 0})], sent
+    late = StoreJob(9, 3, "ns", transfer, "gen-1", 1, key)
+    worker.wait_for_save(ConnectorMeta(stores=(late,), engine=key))
+    assert ("submit", 9) not in engine.calls and worker.report().failed == {9: 1}
+    worker.engine = None

@@ -235,6 +235,26 @@ class AbortStoreResponse(_message.Message):
     freed_slots: int
     def __init__(self, freed_slots: _Optional[int] = ...) -> None: ...
 
+class DrainedRequest(_message.Message):
+    __slots__ = ("namespace_id", "client_id", "sidecar_epoch", "engine", "rank")
+    NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    SIDECAR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    namespace_id: str
+    client_id: int
+    sidecar_epoch: int
+    engine: int
+    rank: int
+    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., sidecar_epoch: _Optional[int] = ..., engine: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class DrainedResponse(_message.Message):
+    __slots__ = ("freed_slots",)
+    FREED_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    freed_slots: int
+    def __init__(self, freed_slots: _Optional[int] = ...) -> None: ...
+
 class EventsRequest(_message.Message):
     __slots__ = ("namespace_id", "log_id", "after_seq", "cursor", "max_events")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -282,7 +302,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants", "refused_commits", "unlocked_reservations")
+    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants", "refused_commits", "unlocked_reservations", "withheld_slots")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +327,7 @@ class NamespaceStats(_message.Message):
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_COMMITS_FIELD_NUMBER: _ClassVar[int]
     UNLOCKED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    WITHHELD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     spec: NamespaceSpec
     num_ranks: int
@@ -331,7 +352,8 @@ class NamespaceStats(_message.Message):
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStats]
     refused_commits: int
     unlocked_reservations: int
-    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., refused_commits: _Optional[int] = ..., unlocked_reservations: _Optional[int] = ...) -> None: ...
+    withheld_slots: int
+    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., refused_commits: _Optional[int] = ..., unlocked_reservations: _Optional[int] = ..., withheld_slots: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("name", "guaranteed_fraction", "max_fraction", "guaranteed_slots", "max_slots", "used_slots", "committed_slots", "used_bytes", "stored_blocks", "evicted_blocks", "lookups", "hit_blocks", "miss_blocks", "queried_blocks")
@@ -433,7 +455,7 @@ class PoolAdoption(_message.Message):
     def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., format_version: _Optional[int] = ..., adopted_blocks: _Optional[int] = ..., adopted_namespaces: _Optional[int] = ..., discarded_blocks: _Optional[_Mapping[str, int]] = ..., adopt_seconds: _Optional[float] = ..., boots: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("seq", "lookup", "reserve_load", "release", "reserve_store", "commit_store", "abort_store", "attach")
+    __slots__ = ("seq", "lookup", "reserve_load", "release", "reserve_store", "commit_store", "abort_store", "attach", "drained")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     RESERVE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +464,7 @@ class SessionRequest(_message.Message):
     COMMIT_STORE_FIELD_NUMBER: _ClassVar[int]
     ABORT_STORE_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     lookup: LookupRequest
     reserve_load: ReserveLoadRequest
@@ -450,7 +473,8 @@ class SessionRequest(_message.Message):
     commit_store: CommitStoreRequest
     abort_store: AbortStoreRequest
     attach: AttachRequest
-    def __init__(self, seq: _Optional[int] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., reserve_load: _Optional[_Union[ReserveLoadRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reserve_store: _Optional[_Union[ReserveStoreRequest, _Mapping]] = ..., commit_store: _Optional[_Union[CommitStoreRequest, _Mapping]] = ..., abort_store: _Optional[_Union[AbortStoreRequest, _Mapping]] = ..., attach: _Optional[_Union[AttachRequest, _Mapping]] = ...) -> None: ...
+    drained: DrainedRequest
+    def __init__(self, seq: _Optional[int] = ..., lookup: _Optional[_Union[LookupRequest, _Mapping]] = ..., reserve_load: _Optional[_Union[ReserveLoadRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ..., reserve_store: _Optional[_Union[ReserveStoreRequest, _Mapping]] = ..., commit_store: _Optional[_Union[CommitStoreRequest, _Mapping]] = ..., abort_store: _Optional[_Union[AbortStoreRequest, _Mapping]] = ..., attach: _Optional[_Union[AttachRequest, _Mapping]] = ..., drained: _Optional[_Union[DrainedRequest, _Mapping]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("client_id",)
@@ -471,7 +495,7 @@ class SessionError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("seq", "lookup", "reserve_load", "release", "reserve_store", "commit_store", "abort_store", "attach", "error")
+    __slots__ = ("seq", "lookup", "reserve_load", "release", "reserve_store", "commit_store", "abort_store", "attach", "drained", "error")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     RESERVE_LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -480,6 +504,7 @@ class SessionResponse(_message.Message):
     COMMIT_STORE_FIELD_NUMBER: _ClassVar[int]
     ABORT_STORE_FIELD_NUMBER: _ClassVar[int]
     ATTACH_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     seq: int
     lookup: LookupResponse
@@ -489,5 +514,6 @@ class SessionResponse(_message.Message):
     commit_store: CommitStoreResponse
     abort_store: AbortStoreResponse
     attach: AttachResponse
+    drained: DrainedResponse
     error: SessionError
-    def __init__(self, seq: _Optional[int] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., reserve_load: _Optional[_Union[ReserveLoadResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., reserve_store: _Optional[_Union[ReserveStoreResponse, _Mapping]] = ..., commit_store: _Optional[_Union[CommitStoreResponse, _Mapping]] = ..., abort_store: _Optional[_Union[AbortStoreResponse, _Mapping]] = ..., attach: _Optional[_Union[AttachResponse, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., lookup: _Optional[_Union[LookupResponse, _Mapping]] = ..., reserve_load: _Optional[_Union[ReserveLoadResponse, _Mapping]] = ..., release: _Optional[_Union[ReleaseResponse, _Mapping]] = ..., reserve_store: _Optional[_Union[ReserveStoreResponse, _Mapping]] = ..., commit_store: _Optional[_Union[CommitStoreResponse, _Mapping]] = ..., abort_store: _Optional[_Union[AbortStoreResponse, _Mapping]] = ..., attach: _Optional[_Union[AttachResponse, _Mapping]] = ..., drained: _Optional[_Union[DrainedResponse, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
