@@ -431,6 +431,14 @@ def command_line(args: dict[str, Any]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def vllm_command(argv: Sequence[str]) -> str:
+    """A server's `vllm serve ...` as a user types it: the interpreter and the bench shim that
+    ran vLLM's CLI left out."""
+    start = next((i for i, x in enumerate(argv) if i and x in ("serve", "bench")), 0)
+    shown = ["vllm", *argv[start:]] if start else list(argv)
+    return " ".join(shlex.quote(x) for x in shown)
+
+
 def machine_line(calls: Sequence[Call]) -> tuple[str, str]:
     gpus = sorted({g for c in calls for g in c.machine.get("gpu") or []}) or ["no GPU recorded"]
     versions = sorted({c.vllm_version for c in calls if c.vllm_version})
@@ -508,7 +516,7 @@ def markdown(rep: Report, md_path: Path, command: str) -> str:
     for c in rep.calls:
         for config, s in c.servers.items():
             if s.get("argv"):
-                lines.append(f"# {c.name} {config}\n{' '.join(shlex.quote(a) for a in s['argv'])}")
+                lines.append(f"# {c.name} {config}\n{vllm_command(s['argv'])}")
     lines += ["```", "", "</details>", ""]
     if rep.dropped:
         lines += ["Rows left out: " + "; ".join(rep.dropped), ""]
