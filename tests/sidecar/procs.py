@@ -3,7 +3,8 @@
 - `sidecar_process(...)`: runs `kvoffload sidecar` as a subprocess on a Unix socket, waits for
   health SERVING with a deadline, stops it with SIGTERM; stderr is kept for failure messages.
 - `ServerThread`: the same server in this process (its own event loop in a thread), so a test can
-  call `pool.check_invariants()` on the live Pool while clients talk to it over the socket.
+  check the live Pool (`pool_invariants.check_invariants`) while clients talk to it over the
+  socket.
 - `Client`: a small sync gRPC client with key packing helpers.
 - `python tests/sidecar/procs.py pin|store ...`: client actions run as separate processes (killed
   or exiting on purpose by lifecycle tests).

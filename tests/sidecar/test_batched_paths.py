@@ -13,14 +13,14 @@ import struct
 
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
-from kvoffload_sidecar import allocator, convert, keymap
-from kvoffload_sidecar import pool as pool_module
+from kvoffload_sidecar import allocator, convert, keymap, pool_lookups
 from kvoffload_sidecar.allocator import FreeSlots
 from kvoffload_sidecar.index import SlotIndex, SlotState
 from kvoffload_sidecar.keys import PoolKey
 from kvoffload_sidecar.policies import make_policy
 from kvoffload_sidecar.policies.arc import ARCPolicy
 from kvoffload_sidecar.pool import LoadPin, Pool, StoreDecision, StoreReservation
+from pool_invariants import check_invariants
 
 MiB = 1 << 20
 NEW, PRESENT, NO_SPACE = StoreDecision.NEW, StoreDecision.PRESENT, StoreDecision.NO_SPACE
@@ -285,7 +285,7 @@ def test_random_histories_match_the_key_by_key_rules(make_pool, small_spec, name
             release = rng.sample(pins, rng.randint(1, len(pins)))
             pool.release(ns, cid, release)
             pins = [p for p in pins if p not in release]
-        pool.check_invariants()
+        check_invariants(pool)
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -364,8 +364,8 @@ def test_numpy_and_loop_paths_give_identical_answers(
                 both(lambda p, ns, cid, r=release: p.release(ns, cid, r))
                 pins = [p for p in pins if p not in release]
             if step % 25 == 0:
-                both(lambda p, ns, cid: (p.check_invariants(), p.stats().namespaces))
-        both(lambda p, ns, cid: (p.check_invariants(), p.stats().namespaces))
+                both(lambda p, ns, cid: (check_invariants(p), p.stats().namespaces))
+        both(lambda p, ns, cid: (check_invariants(p), p.stats().namespaces))
         stats = pools[1, False].stats().namespaces[0]
         assert stats.evicted_blocks > 500 and stats.loaded_blocks > 1000, stats
     finally:
@@ -390,7 +390,7 @@ def test_a_repeated_key_in_a_big_new_batch_takes_the_general_path_unchanged(make
     index = pool._namespaces[ns].index  # noqa: SLF001
     assert [index.find(key_bytes(i)) for i in range(100, 160)] == list(res.slots)
     assert free.mark() == (0, mark[1] + 20)  # the 40 freed slots first, then 20 fresh ones
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 @pytest.mark.parametrize("name", POLICIES)
@@ -400,7 +400,7 @@ def test_deferred_touches_evict_exactly_like_immediate_ones(
     """Lookups and loads queue their policy touches until `flush_deferred` or the next policy
     use: a pool flushed after every call and one never flushed evict the same keys and end with
     the same policy order."""
-    monkeypatch.setattr(pool_module, "DEFER_TOUCH_MIN", 2)  # queue from 2 keys up, not 256
+    monkeypatch.setattr(pool_lookups, "DEFER_TOUCH_MIN", 2)  # queue from 2 keys up, not 256
     monkeypatch.setattr(Pool, "_id_base", staticmethod(lambda: 1))  # ids compare across pools
     pools = []
     for d in ("flushed", "queued"):
@@ -437,7 +437,7 @@ def test_deferred_touches_evict_exactly_like_immediate_ones(
     pools[1].flush_deferred()
     assert list(policies[0].keys()) == list(policies[1].keys())
     for pool in pools:
-        pool.check_invariants()
+        check_invariants(pool)
     assert pools[0].stats().namespaces[0].evicted_blocks > 500
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
+from pool_invariants import check_invariants
 from procs import (
     Client,
     FramedSession,
@@ -82,7 +83,7 @@ def test_calls_answer_in_order_and_the_connection_owns_its_pins(
     while client.namespace_stats().pinned_slots and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.namespace_stats().pinned_slots == 0
-    server.pool.check_invariants()
+    check_invariants(server.pool)
 
 
 def test_a_first_frame_that_is_no_attach_is_refused_and_the_connection_closed(
@@ -129,7 +130,7 @@ def test_an_oversized_or_cut_frame_ends_that_connection_only(
         == "lookup"
     )
     again.close()
-    server.pool.check_invariants()
+    check_invariants(server.pool)
 
 
 def test_drain_ends_framed_sessions_and_removes_the_socket(
@@ -213,7 +214,7 @@ def test_connections_served_at_once_race_on_shared_keys_and_leave_the_index_whol
         t.join(50)
     assert not errors, errors[:5]
     assert client.namespace_stats().pinned_slots == 0
-    server.pool.check_invariants()
+    check_invariants(server.pool)
     for fs in sessions:
         fs.close()
     deadline = time.monotonic() + 10
@@ -271,4 +272,4 @@ def test_a_reported_presence_miss_counts_as_a_miss_though_its_keys_were_stored_s
     assert list(plain.lookup.hit_counts) == [2]
     assert client.namespace_stats().hit_blocks == before.hit_blocks + 2
     fs.close()
-    server.pool.check_invariants()
+    check_invariants(server.pool)

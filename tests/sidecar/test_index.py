@@ -7,6 +7,7 @@ from kvoffload_sidecar import keymap
 from kvoffload_sidecar.allocator import FreeSlots
 from kvoffload_sidecar.errors import InvalidArgument, NotFound
 from kvoffload_sidecar.index import SlotIndex, SlotState
+from pool_invariants import check_invariants
 
 MiB = 1 << 20
 
@@ -146,8 +147,8 @@ def test_pool_check_catches_policy_drift(make_pool, small_spec, make_keys):
     reg = pool.register(small_spec(), 1, MiB, "x")
     res = pool.reserve_store(reg.namespace_id, reg.client_id, make_keys([1, 2]))
     pool.commit_store(reg.namespace_id, res.store_id, 0)
-    pool.check_invariants()
+    check_invariants(pool)
     ns = pool._namespaces[reg.namespace_id]
     ns.policy.remove(k(1))  # the policy forgot a committed key
     with pytest.raises(AssertionError, match="policy holds 1 keys, 2 are committed"):
-        pool.check_invariants()
+        check_invariants(pool)

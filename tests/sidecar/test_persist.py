@@ -15,6 +15,7 @@ import pytest
 from kvoffload_sidecar import persist
 from kvoffload_sidecar.keys import NamespaceSpec
 from kvoffload_sidecar.pool import Pool, Registration, StoreDecision
+from pool_invariants import check_invariants
 
 MiB = 1 << 20
 NEW, PRESENT, NO_SPACE = StoreDecision.NEW, StoreDecision.PRESENT, StoreDecision.NO_SPACE
@@ -91,7 +92,7 @@ def test_committed_blocks_survive_with_their_bytes_and_the_generation(pair, smal
     pin = b.reserve_load(reg2.namespace_id, reg2.client_id, pack(1, 2, 3, 4))
     assert tuple(map(int, pin.slots)) == slots  # same keys, same slots
     assert [slot_bytes(b, reg2, s)[:1] for s in slots] == [b"\x0a", b"\x0b", b"\x0c"]
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_reservations_and_pins_of_the_dead_instance_are_not_kept(pair, small_spec, clock):
@@ -117,7 +118,7 @@ def test_reservations_and_pins_of_the_dead_instance_are_not_kept(pair, small_spe
     b.locks.kill(reg.engine)  # every rank of the engine that reserved them exited
     b.reap_idle_clients()  # the reaper tick probes the owners
     assert len(b._namespaces[reg.namespace_id].withheld) == 0  # noqa: SLF001
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_adopted_blocks_are_not_evicted_during_the_grace(pair, small_spec, clock):
@@ -130,7 +131,7 @@ def test_adopted_blocks_are_not_evicted_during_the_grace(pair, small_spec, clock
     clock.now += b.settings.detach_grace_s + 0.1
     assert len(store(b, reg2, 50)) == 1  # the oldest adopted block makes room
     assert b.lookup(reg2.namespace_id, [pack(0), pack(1)]) == [0, 1]
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_a_torn_commit_record_is_never_served(pair, small_spec):
@@ -143,7 +144,7 @@ def test_a_torn_commit_record_is_never_served(pair, small_spec):
     assert b.adoption.adopted_blocks == 2 and b.adoption.discarded == {"torn": 1}
     reg2 = reregister(b, small_spec())
     assert b.lookup(reg2.namespace_id, [pack(1), pack(2), pack(3)]) == [1, 0, 1]
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_an_older_copy_of_a_key_loses_to_the_newer(pair, small_spec):
@@ -158,7 +159,7 @@ def test_an_older_copy_of_a_key_loses_to_the_newer(pair, small_spec):
     reg2 = reregister(b, small_spec())
     pin = b.reserve_load(reg2.namespace_id, reg2.client_id, pack(7))
     assert tuple(map(int, pin.slots)) == (slot,)
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_a_newer_format_is_discarded_cleanly(pair, small_spec):
@@ -202,7 +203,7 @@ def test_a_damaged_namespace_record_is_skipped(pair, small_spec):
     assert b.adoption.discarded == {"namespace": 1}
     reg2 = reregister(b, small_spec())
     assert b.lookup(reg2.namespace_id, [pack(1)]) == [0]
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_tp2_blocks_commit_only_when_every_rank_did(pair, small_spec):
@@ -228,7 +229,7 @@ def test_restart_after_restart_keeps_old_and_new_blocks(pair, small_spec, clock)
     assert c.adoption.boots == 3 and c.adoption.adopted_blocks == 3
     reg3 = reregister(c, small_spec())
     assert c.lookup(reg3.namespace_id, [pack(1, 2, 3)]) == [3]
-    c.check_invariants()
+    check_invariants(c)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -273,7 +274,7 @@ def test_random_histories_adopt_exactly_what_was_committed(pair, small_spec, clo
                 pins.append(pin.pin_id)
         elif pins:
             a.release(ns, cid, [pins.pop()])
-    a.check_invariants()
+    check_invariants(a)
     visible = {k for k in range(40) if a.lookup(ns, [pack(k)]) == [1]}
     expected_tag = {k: t for k, t in committed.items() if k >= 0 and k in visible}
     b = again()
@@ -287,7 +288,7 @@ def test_random_histories_adopt_exactly_what_was_committed(pair, small_spec, clo
         assert k in committed or k in visible, f"key {k} was never committed"
         if k in expected_tag:
             assert got[:1] == bytes([expected_tag[k] % 256]), f"key {k}: wrong bytes"
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_the_scalar_and_numpy_record_checks_agree() -> None:
@@ -318,7 +319,7 @@ def test_small_and_large_commits_are_adopted_alike(make_pool, small_spec, batch)
     assert b.adoption.adopted_blocks == batch and not b.adoption.discarded
     reg2 = b.register(spec, 1, 1 * MiB, "again")
     assert b.lookup(reg2.namespace_id, [keys]) == [batch]
-    b.check_invariants()
+    check_invariants(b)
 
 
 def test_slots_reserved_at_death_stay_withheld_across_restarts_while_their_engine_lives(
@@ -342,7 +343,7 @@ def test_slots_reserved_at_death_stay_withheld_across_restarts_while_their_engin
     c.locks.kill(reg.engine)
     assert c.reclaim_dead_engines() == 1
     assert set(store(c, reg3, 20)) == set(in_flight)  # free once its owner is gone
-    c.check_invariants()
+    check_invariants(c)
 
 
 def test_adoption_keeps_the_lru_order_of_hits_not_of_commits(pair, small_spec, clock):
@@ -360,4 +361,4 @@ def test_adoption_keeps_the_lru_order_of_hits_not_of_commits(pair, small_spec, c
     clock.now += b.settings.detach_grace_s + 0.1  # adopted blocks are evictable again
     assert len(store(b, reg2, 50, 51)) == 2  # two victims: the least recently used
     assert b.lookup(reg2.namespace_id, [pack(1), pack(2), pack(3), pack(4)]) == [1, 0, 0, 1]
-    b.check_invariants()
+    check_invariants(b)

@@ -21,6 +21,7 @@ from kvoffload_sidecar.errors import (
 )
 from kvoffload_sidecar.pool import LoadPin, Pool, Registration, StoreDecision
 from kvoffload_sidecar.region import PrefaultGate
+from pool_invariants import check_invariants
 
 MiB = 1 << 20
 NEW, PRESENT, NO_SPACE = StoreDecision.NEW, StoreDecision.PRESENT, StoreDecision.NO_SPACE
@@ -107,7 +108,7 @@ def test_lookup_returns_longest_committed_prefix(pool, reg):
     ns = ns_stats(pool, reg)
     assert (ns.lookups, ns.hit_blocks, ns.miss_blocks) == (4, 5, 2)
     assert (ns.committed_slots, ns.used_bytes) == (3, 3 * MiB)
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_a_pin_that_counts_as_a_lookup_counts_like_one(pool, reg):
@@ -124,7 +125,7 @@ def test_a_pin_that_counts_as_a_lookup_counts_like_one(pool, reg):
     assert (ns.lookups, ns.hit_blocks, ns.miss_blocks) == (2, 3, 2)
     assert ns.loaded_blocks == 2 + 3
     pool.release(reg.namespace_id, reg.client_id, [plain.pin_id, hit.pin_id])
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_store_is_visible_only_after_every_rank_committed(make_pool, small_spec, policy):
@@ -145,7 +146,7 @@ def test_store_is_visible_only_after_every_rank_committed(make_pool, small_spec,
         pool.commit_store(ns, res.store_id, 2)
     stats = ns_stats(pool, reg)
     assert (stats.stored_blocks, stats.stored_bytes, stats.reserved_slots) == (2, 4 * MiB, 0)
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_reserve_store_answers_present_for_committed_and_in_flight_keys(pool, reg):
@@ -162,7 +163,7 @@ def test_reserve_store_answers_present_for_committed_and_in_flight_keys(pool, re
     assert pool.reserve_store(reg.namespace_id, reg.client_id, pack(1)).decisions == (PRESENT,)
     nothing = pool.reserve_store(reg.namespace_id, reg.client_id, pack(1))
     assert (nothing.store_id, nothing.slots) == (0, ())
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 # -- eviction and pins -------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def test_full_pool_evicts_the_policy_victim(pool, reg):
     assert hits(pool, reg, 1) == 0
     assert pool.lookup(reg.namespace_id, [pack(0), pack(8), pack(2, 3, 4, 5, 6, 7)]) == [1, 1, 6]
     assert ns_stats(pool, reg).evicted_blocks == 1
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_a_reported_miss_counts_without_touching_what_it_names(pool, reg):
@@ -194,7 +195,7 @@ def test_a_reported_miss_counts_without_touching_what_it_names(pool, reg):
     )
     assert store(pool, reg, 8) == (NEW,)
     assert hits(pool, reg, 0) == 0  # a lookup would have made 1 the victim instead
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_pins_survive_eviction_pressure(pool, reg):
@@ -208,12 +209,12 @@ def test_pins_survive_eviction_pressure(pool, reg):
     assert pool.reserve_load(reg.namespace_id, reg.client_id, pack(0)).slots == (pin.slots[0],)
     stats = ns_stats(pool, reg)
     assert (stats.pinned_slots, stats.pinned_bytes, stats.loaded_blocks) == (4, 4 * MiB, 5)
-    pool.check_invariants()
+    check_invariants(pool)
     # Released, the old blocks are ordinary victims again.
     assert pool.release(reg.namespace_id, reg.client_id, [pin.pin_id]) == 4
     assert ns_stats(pool, reg).pinned_slots == 1  # the second load still pins block 0
     assert store(pool, reg, 20, 21, 22) == (NEW, NEW, NEW)
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_no_space_when_everything_is_pinned_or_in_flight(pool, reg):
@@ -225,7 +226,7 @@ def test_no_space_when_everything_is_pinned_or_in_flight(pool, reg):
     assert res.decisions == (NO_SPACE, PRESENT, NO_SPACE)
     assert (res.store_id, res.slots) == (0, ())
     assert ns_stats(pool, reg).evicted_blocks == 0
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_a_store_bigger_than_the_evictable_part_takes_every_victim(pool, reg):
@@ -235,7 +236,7 @@ def test_a_store_bigger_than_the_evictable_part_takes_every_victim(pool, reg):
     assert decisions == (NEW,) * 6 + (NO_SPACE,) * 4
     assert ns_stats(pool, reg).evicted_blocks == 6
     assert hits(pool, reg, 0, 1) == 2
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_once_full_every_later_new_key_is_no_space(pool, reg):
@@ -243,7 +244,7 @@ def test_once_full_every_later_new_key_is_no_space(pool, reg):
     res = pool.reserve_store(reg.namespace_id, reg.client_id, pack(*range(1, 10), 100))
     assert res.decisions == (NEW,) * 7 + (NO_SPACE,) * 2 + (PRESENT,)
     assert hits(pool, reg, 100) == 1
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_abort_frees_the_reservation(pool, reg):
@@ -257,7 +258,7 @@ def test_abort_frees_the_reservation(pool, reg):
         pool.abort_store(ns, res.store_id)
     # The keys and slots are free again: all 8 can be stored.
     assert store(pool, reg, *range(1, 9)) == (NEW,) * 8
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 # -- clients -----------------------------------------------------------------------------------
@@ -303,7 +304,7 @@ def test_detach_releases_pins_after_the_grace_and_keeps_reservations_until_the_e
     with pytest.raises(NotFound):
         pool.detach(reg.client_id)
     assert pool.release(ns, other.client_id, [kept.pin_id]) == 1
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_a_store_committed_within_the_grace_stays(make_pool, small_spec, clock):
@@ -321,7 +322,7 @@ def test_a_store_committed_within_the_grace_stays(make_pool, small_spec, clock):
     assert pool.reap_idle_clients() == 1
     assert hits(pool, scheduler, 1, 2) == 2
     assert ns_stats(pool, scheduler).reserved_slots == 0
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_a_client_reattaching_within_the_grace_keeps_its_pins(make_pool, small_spec, clock):
@@ -336,7 +337,7 @@ def test_a_client_reattaching_within_the_grace_keeps_its_pins(make_pool, small_s
     clock.advance(5.0)
     assert pool.reap_idle_clients() == 0
     assert ns_stats(pool, reg).pinned_slots == 1
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_idle_clients_without_session_are_reaped(make_pool, small_spec, clock):
@@ -360,7 +361,7 @@ def test_idle_clients_without_session_are_reaped(make_pool, small_spec, clock):
     pool.locks.kill(busy.engine)
     assert pool.reclaim_dead_engines() == 1
     assert ns_stats(pool, idle).reserved_slots == 0
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_release_is_all_or_nothing_and_per_client(pool, reg, small_spec):
@@ -376,7 +377,7 @@ def test_release_is_all_or_nothing_and_per_client(pool, reg, small_spec):
         pool.release(ns, reg.client_id, [mine.pin_id, mine.pin_id])
     assert pool.release(ns, reg.client_id, [mine.pin_id]) == 2
     assert pool.reserve_load(ns, reg.client_id, pack(7)) == LoadPin(0, ())
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 # -- namespaces --------------------------------------------------------------------------------
@@ -392,7 +393,7 @@ def test_warm_restart_finds_committed_blocks(pool, reg, small_spec):
     assert hits(pool, again, 1, 2, 3) == 3
     with pytest.raises(FailedPrecondition, match="1 ranks of 1048576"):
         pool.register(small_spec(), 1, 2 * MiB, "wrong slot size")
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_a_different_spec_never_sees_another_namespace(make_pool, small_spec):
@@ -408,7 +409,7 @@ def test_a_different_spec_never_sees_another_namespace(make_pool, small_spec):
         pool.reserve_load(a.namespace_id, b.client_id, pack(1))
     with pytest.raises(NotFound, match="unknown namespace"):
         pool.lookup("0" * 32, [pack(1)])
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_new_namespace_reclaims_the_lru_idle_partition(make_pool, small_spec, clock):
@@ -429,7 +430,7 @@ def test_new_namespace_reclaims_the_lru_idle_partition(make_pool, small_spec, cl
         pool.attach(b.client_id)
     assert hits(pool, a, 1) == 1  # the surviving namespace is untouched
     assert {n.namespace_id for n in pool.stats().namespaces} == {a.namespace_id, c.namespace_id}
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_partition_too_small_for_one_slot(make_pool, small_spec):
@@ -437,7 +438,7 @@ def test_partition_too_small_for_one_slot(make_pool, small_spec):
     with pytest.raises(ResourceExhausted, match="holds no slot"):
         pool.register(small_spec(), 1, 8 * MiB, "huge slots")
     assert pool.stats().namespaces == ()  # no partition was taken
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 # -- pre-fault ---------------------------------------------------------------------------------
@@ -461,7 +462,7 @@ def test_slots_become_allocatable_as_the_prefault_passes_them(make_pool, small_s
     gate.step(6)  # the 8 slot chunks and the last one, which holds the index
     assert pool.wait_ready(5) and pool.stats().pool_ready
     assert store(pool, reg, *range(5, 10)) == (NEW,) * 5
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_prefault_advances_every_rank_region_together(make_pool, small_spec):
@@ -507,7 +508,7 @@ def test_bad_arguments_raise_the_right_error_and_change_nothing(pool, reg, small
         with pytest.raises(error) as info:
             call()
         assert isinstance(info.value, PoolError) and str(info.value)
-        pool.check_invariants()
+        check_invariants(pool)
     after = pool.stats()
     assert after.namespaces[0].committed_slots == before.namespaces[0].committed_slots == 1
     assert after.namespaces[0].reserved_slots == 1
@@ -530,7 +531,7 @@ def test_draining_refuses_new_work_but_finishes_old(pool, reg, small_spec):
     assert pool.commit_store(ns, res.store_id, 0) is True
     assert pool.release(ns, cid, [pin.pin_id]) == 1
     assert pool.lookup(ns, [pack(1, 2)]) == [2]
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 def test_unstarted_pool_refuses_registration(make_pool, small_spec):
@@ -622,7 +623,7 @@ def test_randomized_operations_keep_every_invariant(make_pool, small_spec, evict
     for _batch in range(60):
         for _ in range(50):
             _fuzz_step(rng, fuzz, small_spec)
-        pool.check_invariants()
+        check_invariants(pool)
     stats = pool.stats()
     assert sum(n.stored_blocks for n in stats.namespaces) > 50  # the fuzz really stored
     assert sum(n.evicted_blocks for n in stats.namespaces) > 0  # and really evicted
@@ -657,6 +658,6 @@ def test_threads_racing_with_the_prefault_keep_every_invariant(make_pool, small_
         t.join(60)
     assert not errors, errors
     assert pool.wait_ready(30)
-    pool.check_invariants()
+    check_invariants(pool)
     ns = ns_stats(pool, regs[0])
     assert ns.stored_blocks > 0 and ns.pinned_slots == 0 and ns.reserved_slots == 0

@@ -17,6 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from kvoffload.v1 import pool_pb2 as pb
+from pool_invariants import check_invariants
 from procs import (
     SLOT_BYTES,
     Client,
@@ -45,7 +46,7 @@ BIG_SLOT = 1 << 20  # 16 MiB pool / 1 MiB slots: a pool that fills after a handf
 def server(tmp_path: Path) -> Iterator[ServerThread]:
     with socket_dir() as sock_dir, ServerThread(server_config(tmp_path, sock_dir)) as srv:
         yield srv
-        srv.pool.check_invariants()
+        check_invariants(srv.pool)
 
 
 @pytest.fixture
@@ -137,7 +138,7 @@ def test_racing_clients_never_share_a_slot(server: ServerThread, client: Client)
     assert client.lookup(keys(*all_keys)) == [n_keys]
     ns = client.namespace_stats()
     assert (ns.committed_slots, ns.stored_blocks, ns.reserved_slots) == (n_keys, n_keys, 0)
-    server.pool.check_invariants()
+    check_invariants(server.pool)
 
 
 def test_eviction_under_a_full_pool(client: Client) -> None:
@@ -327,7 +328,7 @@ def test_session_attach_order_errors_and_detach(server: ServerThread, client: Cl
     client.release_locks()  # every rank of the engine exited: the kernel dropped the locks
     server.pool.reclaim_dead_engines()
     assert client.namespace_stats().reserved_slots == 0
-    server.pool.check_invariants()
+    check_invariants(server.pool)
 
 
 def test_an_ended_session_keeps_its_pins_for_the_detach_grace(tmp_path: Path) -> None:

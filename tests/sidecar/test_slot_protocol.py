@@ -18,6 +18,7 @@ from kvoffload_connector.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.slot_versions import SlotVersions
 from kvoffload_sidecar.errors import FailedPrecondition
 from kvoffload_sidecar.pool import Pool, Registration, StoreDecision
+from pool_invariants import check_invariants
 
 MiB = 1 << 20
 NEW, NO_SPACE = StoreDecision.NEW, StoreDecision.NO_SPACE
@@ -149,7 +150,7 @@ def test_a_late_copy_after_session_loss_cannot_reach_a_slot_given_to_another_sto
         assert real_pool.reclaim_dead_engines() == 8
         got = real_pool.reserve_store(ns, other.client_id, pack(100))
         assert got.decisions == (NEW,) and got.slots[0] in set(res.slots)
-        real_pool.check_invariants()
+        check_invariants(real_pool)
         for lock in held:
             lock.release()
     finally:
@@ -168,7 +169,7 @@ def test_a_reregistered_client_of_the_same_engine_finishes_its_reservations(make
     again = register(pool, small_spec)  # same engine, a new session
     assert pool.commit_store(ns, res.store_id, 0, epoch=again.sidecar_epoch, engine=ENGINE)
     assert pool.lookup(ns, [pack(1)]) == [1]
-    pool.check_invariants()
+    check_invariants(pool)
 
 
 # -- fenced commits -------------------------------------------------------------------------

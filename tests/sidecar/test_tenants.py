@@ -21,6 +21,7 @@ from kvoffload_sidecar.tenants import (
     parse_share,
     parse_tenants,
 )
+from pool_invariants import check_invariants
 
 from tests.sidecar.conftest import INDEX_ROOM
 
@@ -170,7 +171,7 @@ def test_a_flood_never_pushes_a_tenant_below_its_guarantee(make_tenancy) -> None
     assert t.present(a_keys) == a_keys
     assert t.used() == {"a": 8, "b": 24, DEFAULT_TENANT: 0}
     assert t.tenant("a").evicted_blocks == 0 and t.tenant("b").evicted_blocks == 10 * 24 - 24
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_above_its_guarantee_a_tenant_loses_its_oldest_blocks_first(make_tenancy) -> None:
@@ -181,7 +182,7 @@ def test_above_its_guarantee_a_tenant_loses_its_oldest_blocks_first(make_tenancy
     t.store("b", list(range(2000, 2032)))  # b wants the whole pool
     assert t.used()["a"] == 8  # pushed down to its guarantee, not below
     assert t.present(a_keys) == a_keys[:4] + a_keys[12:]  # the hit ones and the newest kept
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_at_its_max_a_tenant_replaces_only_its_own_blocks(make_tenancy) -> None:
@@ -195,7 +196,7 @@ def test_at_its_max_a_tenant_replaces_only_its_own_blocks(make_tenancy) -> None:
     assert t.present(first) == first[4:]  # its four oldest went
     assert t.present(list(range(2000, 2008))) == list(range(2000, 2008))
     assert t.pool.stats().namespaces[0].used_bytes == 24 * SLOT  # 8 slots still free
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_victims_come_oldest_first_across_tenants_above_their_guarantee(make_tenancy) -> None:
@@ -213,7 +214,7 @@ def test_victims_come_oldest_first_across_tenants_above_their_guarantee(make_ten
     t.present(a_keys[4:])  # a's blocks are hit: b's are the oldest now
     t.store("c", [3004, 3005])
     assert t.present(b_keys) == b_keys[2:]
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_no_space_when_every_other_tenant_is_at_its_guarantee(make_tenancy) -> None:
@@ -228,7 +229,7 @@ def test_no_space_when_every_other_tenant_is_at_its_guarantee(make_tenancy) -> N
     assert t.store("zzz", [7]) == (NO_SPACE,)  # an unknown salt is the default tenant
     assert t.store("a", [1100, 1101]) == (NEW, NEW)  # a may replace its own
     assert t.used() == {"a": 16, "b": 16, DEFAULT_TENANT: 0}
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_pinned_blocks_are_never_victims(make_tenancy) -> None:
@@ -241,7 +242,7 @@ def test_pinned_blocks_are_never_victims(make_tenancy) -> None:
     assert t.store("a", [1100]) == (NO_SPACE,)  # at its max, and every block of its is pinned
     t.pool.release(t.ns, t.reg.client_id, [pin.pin_id])
     assert t.store("a", [1100]) == (NEW,)
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_one_batch_carries_keys_of_several_tenants(make_tenancy) -> None:
@@ -259,7 +260,7 @@ def test_one_batch_carries_keys_of_several_tenants(make_tenancy) -> None:
     t.pool.commit_store(t.ns, res.store_id, 0)
     assert t.used() == {"a": 16, "b": 2, DEFAULT_TENANT: 1}
     assert (t.tenant("a").stored_blocks, t.tenant("b").stored_blocks) == (17, 2)
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_two_bytes_per_key_when_a_batch_names_many_salts(make_tenancy) -> None:
@@ -303,7 +304,7 @@ def test_aborted_and_abandoned_reservations_give_their_quota_back(make_tenancy) 
     t.pool.locks.kill(other.engine)  # every rank of the engine exited
     t.pool.reclaim_dead_engines()
     assert t.used()["a"] == 0
-    t.pool.check_invariants()
+    check_invariants(t.pool)
 
 
 def test_lookups_count_for_the_tenant_of_their_salt(make_tenancy) -> None:
@@ -342,7 +343,7 @@ def test_adopted_blocks_go_back_to_the_tenant_that_stored_them(
     assert u.present(list(range(1000, 1008))) == list(range(1000, 1008))
     u.store("b", list(range(4000, 4032)))  # b may take all but a's guarantee (8 of 32)
     assert u.used() == {"a": 8, "b": 24, DEFAULT_TENANT: 0}
-    again.check_invariants()
+    check_invariants(again)
 
 
 def test_adopted_blocks_under_other_tenant_names_or_none_are_the_defaults(
@@ -370,7 +371,7 @@ def test_adopted_blocks_under_other_tenant_names_or_none_are_the_defaults(
     renamed = [A_AND_B[0], dict(A_AND_B[1], name="c")]  # b's index now names c: not guessed
     v = boot(tenants(*renamed))
     assert v.used() == {"a": 0, "c": 0, DEFAULT_TENANT: 5}
-    v.pool.check_invariants()
+    check_invariants(v.pool)
     v.pool.close()
     w = boot(tenants(*A_AND_B))  # the codes were cleared: b does not get them back either
     assert w.used() == {"a": 0, "b": 0, DEFAULT_TENANT: 5}
@@ -434,5 +435,5 @@ def test_random_traffic_keeps_every_guarantee_and_max(make_tenancy) -> None:
         else:
             t.pool.lookup(t.ns, [pack([rng.randrange(4000)])], [salt or ""])
         if step % 25 == 0:
-            t.pool.check_invariants()
-    t.pool.check_invariants()
+            check_invariants(t.pool)
+    check_invariants(t.pool)
