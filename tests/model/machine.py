@@ -74,6 +74,7 @@ from tests.model.shim import (
     StepEngine,
     break_worker,
 )
+from tests.sidecar.pool_invariants import check_invariants
 
 CHUNK_BLOCKS = CHUNK // BS
 BLOCK_BYTES = 512
@@ -276,14 +277,15 @@ class SlotProtocol(RuleBasedStateMachine):
             r.state = "prefill"
             self.sched[r.rid] = PROMPT_TOKENS
 
-    @initialize(warm=st.sampled_from([0, None, 1]), stage=st.integers(0, 3), faults=st.booleans())
+    @initialize(warm=st.sampled_from([0, None, 1]), stage=st.integers(0, 4), faults=st.booleans())
     def start(self, warm: int | None, stage: int, faults: bool = True) -> None:
         """Where a schedule starts (each stage runs the rules it names): the other engine
         stored prompt `warm` before this engine's first request (or none); then, by `stage`,
         1: a request for it arrived and vLLM asked about it once (its lookup answered, the
         request waiting with the answer); 2: vLLM admitted it (a hit: its load job is with the
         worker, the copy not run; a miss: computed, its store's reservation queued); 3: the
-        reservation was answered and the store job went to the worker, its copy not run.
+        reservation was answered and the store job went to the worker, its copy not run; 4: then
+        the sidecar restarted and the clients registered again (the copy still to run).
         `faults`: deaths, restarts, resets, late commits and reconnects are enabled (swarm
         testing by family: an example without them spends its steps on the sessions, the
         reaper, eviction and the copies)."""
@@ -298,6 +300,8 @@ class SlotProtocol(RuleBasedStateMachine):
         if stage >= 3:
             self.rpc("scheduler")
             self.step(admit=False, catch_up=False)
+        if stage >= 4:
+            self.restart_sidecar(rejoin=True)
 
     @precondition(lambda self: any(r.state == "waiting" for r in self.reqs.values()))
     @rule(i=st.integers(0, MAX_LIVE - 1), catch_up=st.booleans())
@@ -583,12 +587,15 @@ class SlotProtocol(RuleBasedStateMachine):
         self.other = OtherEngine(self.sidecar, OTHER_ENGINE + self.other_deaths, SPEC, SLOT_BYTES)
 
     @precondition(lambda self: self.faults and self.sidecar.boots <= MAX_RESTARTS)
-    @rule()
-    def restart_sidecar(self) -> None:
+    @rule(rejoin=st.booleans())
+    def restart_sidecar(self, rejoin: bool = False) -> None:
         """The sidecar dies and its successor adopts the pool file (a new instance epoch);
-        every session ends."""
+        every session ends. `rejoin`: the clients' keepers registered again meanwhile."""
         self.sidecar.kill()
         self.sidecar.start()
+        if rejoin:
+            for c in (self.sched_client, self.worker_client, self.other.client):
+                c.ensure()
 
     def _open_stores(self) -> list[tuple[str, int, int]]:
         return [
@@ -626,7 +633,8 @@ class SlotProtocol(RuleBasedStateMachine):
     @invariant()
     def guide_search(self) -> None:
         """Scores for hypothesis' targeted phase: how far a schedule got towards each class
-        (a copy still to run whose slot's state word moved, or whose reservation is gone)."""
+        (a copy still to run whose slot's state word moved, or whose reservation is gone and
+        whose slot went back to the free list or to another store)."""
         pool, w = self.pool, self.worker
         eng = w.engine
         if not isinstance(eng, StepEngine):
@@ -649,14 +657,18 @@ class SlotProtocol(RuleBasedStateMachine):
                 )
                 self.best_load = max(self.best_load, 1 + unpinned + moved)
             elif info[0] == "store":
+                # its reservation gone; then a slot of it neither withheld by an adopter nor
+                # still its own; then that slot reserved or committed by another store
                 gone = info[2] not in ns.index.stores
-                taken = gone and any(int(state[s]) != 0 for _, s, _ in p.blocks)
-                self.best_store = max(self.best_store, 1 + gone + taken)
+                withheld = set(ns.withheld.tolist())
+                loose = [s for _, s, _ in p.blocks if s not in withheld] if gone else []
+                taken = any(int(state[s]) != 0 for s in loose)
+                self.best_store = max(self.best_store, 1 + gone + bool(loose) + taken)
 
     # -- invariants -----------------------------------------------------------------------
     @invariant()
     def pool_bookkeeping_holds(self) -> None:
-        self.pool.check_invariants()
+        check_invariants(self.pool)
 
     @invariant()
     def committed_slots_hold_their_keys(self) -> None:

@@ -84,18 +84,33 @@ class Broken(enum.Flag):
 
     NO_VERSION_CHECK: the worker does not re-read its load's slot versions after the copy.
     TIMER_RECLAIM: an engine counts as dead once the grace has passed since one of its
-    sessions ended (reservations reclaimed by a timer, as if they rested on the session)."""
+    sessions ended (reservations reclaimed by a timer, as if they rested on the session).
+    EARLY_DRAINED: the worker reports drained as soon as it registers with a new sidecar
+    instance, with a store copy into the dead instance's reservation still in flight."""
 
     NONE = 0
     NO_VERSION_CHECK = enum.auto()
     TIMER_RECLAIM = enum.auto()
+    EARLY_DRAINED = enum.auto()
 
 
 def break_worker(worker, broken: Broken) -> None:
     """Apply the worker-side switches to an `OffloadWorker` (NO_VERSION_CHECK: every load's
-    versions "still hold" after its copy)."""
+    versions "still hold" after its copy; EARLY_DRAINED: the drained report skips its wait for
+    the copies in flight)."""
     if Broken.NO_VERSION_CHECK in broken:
         worker._versions_held = lambda job_id: True
+    if Broken.EARLY_DRAINED in broken:
+
+        def report_at_once() -> None:
+            reg, engine = worker._applied, worker._engine_key
+            if reg is None or not reg.epoch or not engine or worker._drained_epoch == reg.epoch:
+                return
+            worker._drained_epoch = epoch = reg.epoch
+            ns, rank = reg.namespace_id, worker.rank
+            worker._rpc.submit(lambda: worker._send_drained(ns, epoch, engine, rank))
+
+        worker._report_drained = report_at_once
 
 
 class ModelLiveness:
