@@ -124,6 +124,7 @@ class Agent:
     def __init__(self, root: Path, *extra_args: str) -> None:
         self.root = root
         self.extra_args = extra_args
+        self.pool_args: list[str] = []  # how the agent gets its grants; default: the file
         self.csi_socket = root / "csi.sock"
         self.pool_file = root / "node-pool.json"
         self.pool_file.write_text(json.dumps(POOL))
@@ -140,8 +141,7 @@ class Agent:
                 str(self.csi_socket),
                 "--node-id",
                 "node-a",
-                "--node-pool",
-                str(self.pool_file),
+                *(self.pool_args or ["--node-pool", str(self.pool_file)]),
                 "--state-dir",
                 str(self.root / "state"),
                 "--publish-root",

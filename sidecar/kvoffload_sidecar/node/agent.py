@@ -1,7 +1,8 @@
 """`kvoffload node-agent`: the node agent (CSI services + tenant memory).
 
-Until the API watch exists the node pool spec comes from `--node-pool FILE` (the same fields as
-the `KVOffloadNodePool` object); the slot protocol inside each tenant is not served yet
+The grants come from the `KVOffloadNodePool` named by `--node-pool-name`, followed through the
+API (follow.py: it also checks the CSIDriver and writes this node's status), or from a fixed
+`--node-pool FILE` with the same fields; the slot protocol inside each tenant is not served yet
 (docs/NODE.md, Open).
 """
 
@@ -18,7 +19,9 @@ from pathlib import Path
 from kvoffload_sidecar.node import holder
 from kvoffload_sidecar.node.attest import CgroupAttestor
 from kvoffload_sidecar.node.csi import NodeAgent, NodeConfig, serve
-from kvoffload_sidecar.node.grants import load_spec
+from kvoffload_sidecar.node.follow import PoolFollower
+from kvoffload_sidecar.node.grants import NodePoolSpec, load_spec
+from kvoffload_sidecar.node.kube import ApiConfig, KubeClient
 from kvoffload_sidecar.node.tenant_memory import MemoryServer, TenantMemory
 
 
@@ -26,7 +29,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvoffload node-agent", description=__doc__)
     p.add_argument("--csi-socket", default="/csi/csi.sock")
     p.add_argument("--node-id", required=True, help="the node's name ($(NODE_NAME))")
-    p.add_argument("--node-pool", type=Path, required=True, help="node pool spec (JSON or YAML)")
+    source_arg = p.add_mutually_exclusive_group(required=True)
+    source_arg.add_argument(
+        "--node-pool-name", help="the KVOffloadNodePool to follow through the API"
+    )
+    source_arg.add_argument(
+        "--node-pool", type=Path, help="a fixed node pool spec (JSON or YAML), no API"
+    )
+    p.add_argument("--api-server", default=None, help="API URL (default: in-cluster)")
+    p.add_argument(
+        "--pool-bytes",
+        type=int,
+        default=None,
+        help="this node's pool (the holder's memory); grants summing past it are refused",
+    )
+    p.add_argument("--resync-seconds", type=int, default=300, help=argparse.SUPPRESS)
     p.add_argument("--state-dir", type=Path, default=Path("/var/lib/kvoffload-node"))
     p.add_argument("--publish-root", type=Path, default=Path("/var/lib/kubelet/pods"))
     p.add_argument("--prefault", action="store_true", help="allocate every tenant's pages now")
@@ -44,21 +61,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    spec = load_spec(ns.node_pool)
     source = None
     if ns.holder_socket:
         source = functools.partial(holder.lend, ns.holder_socket)
-    memory = TenantMemory(spec, prefault=ns.prefault, source=source)
+    fixed = load_spec(ns.node_pool) if ns.node_pool else NodePoolSpec(ns.node_pool_name, ())
+    if ns.pool_bytes is not None and fixed.size_bytes > ns.pool_bytes:
+        p.error(f"the tenants' shares sum to {fixed.size_bytes} bytes, past --pool-bytes")
+    memory = TenantMemory(fixed, prefault=ns.prefault, source=source)
     attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
-    server = MemoryServer(lambda: spec, memory, attest=attest)
+    server = MemoryServer(memory, attest=attest)
     config = NodeConfig(node_id=ns.node_id, state_dir=ns.state_dir, publish_root=ns.publish_root)
-    agent = NodeAgent(config, lambda: spec, server)
+    follower = None
+    if ns.node_pool_name and ns.pool_bytes is None:
+        p.error("--node-pool-name needs --pool-bytes (the holder's memory: grants past it fail)")
+    if ns.node_pool_name:
+        api = ApiConfig(ns.api_server) if ns.api_server else ApiConfig.in_cluster()
+        agent_ref: list[NodeAgent] = []
+        follower = PoolFollower(
+            name=ns.node_pool_name,
+            node_id=ns.node_id,
+            pool_bytes=ns.pool_bytes,
+            memory=memory,
+            bindings=lambda: agent_ref[0].bindings() if agent_ref else [],
+            client=KubeClient(api),
+            resync_s=ns.resync_seconds,
+        )
+        agent = NodeAgent(
+            config,
+            follower.spec,
+            server,
+            precondition=follower.precondition,
+            on_change=follower.changed,
+        )
+        agent_ref.append(agent)
+        follower.start()
+    else:
+        agent = NodeAgent(config, lambda: fixed, server)
     grpc_server = serve(agent, ns.csi_socket)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     print(f"node agent serving {ns.csi_socket} ({len(agent.bindings())} bindings)", flush=True)
     done.wait()
+    if follower is not None:
+        follower.stop()
     grpc_server.stop(2).wait()
     server.close()
     memory.close()

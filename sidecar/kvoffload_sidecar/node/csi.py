@@ -56,10 +56,21 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
     """Both CSI services over one state: the binding store and the memory server."""
 
     def __init__(
-        self, config: NodeConfig, spec: Callable[[], NodePoolSpec], memory: MemoryServer
+        self,
+        config: NodeConfig,
+        spec: Callable[[], NodePoolSpec],
+        memory: MemoryServer,
+        *,
+        precondition: Callable[[], str | None] = lambda: None,
+        on_change: Callable[[], None] = lambda: None,
     ) -> None:
+        """`spec()` is read at every publish (the grants may change while the agent runs);
+        `precondition()` names why no pod may publish now (None: they may); `on_change()` is
+        called after every publish and unpublish (the node's status counts pods)."""
         self._config = config
         self._spec = spec
+        self._precondition = precondition
+        self._on_change = on_change
         self._memory = memory
         self._store = BindingStore(config.state_dir)
         self._bindings: dict[tuple[str, str], Binding] = {}
@@ -77,7 +88,8 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             self._bindings[(b.volume_id, b.target_path)] = b
 
     def bindings(self) -> list[Binding]:
-        return list(self._bindings.values())
+        with self._lock:
+            return list(self._bindings.values())
 
     # Identity
 
@@ -104,12 +116,16 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
 
     def NodePublishVolume(self, request, context):  # noqa: N802
         try:
+            problem = self._precondition()
+            if problem is not None:
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, problem)
             binding = self._check_publish(request)
             with self._lock:
                 self._publish(binding)
         except _Refusal as r:
             log.info("NodePublishVolume %s refused: %s", request.volume_id, r)
             context.abort(r.code, str(r))
+        self._on_change()
         return csi_pb2.NodePublishVolumeResponse()
 
     def NodeUnpublishVolume(self, request, context):  # noqa: N802
@@ -139,6 +155,7 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
                 context.abort(
                     grpc.StatusCode.INTERNAL, f"{request.target_path} not removed: {e.strerror}"
                 )
+        self._on_change()
         return csi_pb2.NodeUnpublishVolumeResponse()
 
     def _check_publish(self, request) -> Binding:

@@ -87,17 +87,32 @@ class TenantMemory:
         source: Callable[[str, int], int] | None = None,
     ) -> None:
         self._regions: dict[str, TenantRegion] = {}
-        make = source or (lambda name, size: create_memfd(name, size, prefault=prefault))
+        self._make = source or (lambda name, size: create_memfd(name, size, prefault=prefault))
+        self._lock = threading.Lock()
         try:
-            for grant in spec.tenants:
-                fd = make(grant.name, grant.share_bytes)
-                self._regions[grant.name] = TenantRegion(grant.name, fd, grant.share_bytes)
+            self.update(spec)
         except BaseException:
             self.close()
             raise
 
+    def update(self, spec: NodePoolSpec) -> None:
+        """Give every tenant of `spec` its memfd. A removed tenant's memfd stays (its published
+        pods keep it); a tenant's size is sealed, so a changed share keeps the size it has."""
+        for grant in spec.tenants:
+            with self._lock:
+                if grant.name in self._regions:
+                    continue
+            fd = self._make(grant.name, grant.share_bytes)
+            with self._lock:
+                self._regions[grant.name] = TenantRegion(grant.name, fd, grant.share_bytes)
+
     def region(self, tenant: str) -> TenantRegion | None:
-        return self._regions.get(tenant)
+        with self._lock:
+            return self._regions.get(tenant)
+
+    def regions(self) -> list[TenantRegion]:
+        with self._lock:
+            return list(self._regions.values())
 
     def close(self) -> None:
         for r in self._regions.values():
@@ -127,13 +142,14 @@ def decide(
     fds: list[int],
     truncated: bool,
     binding: Binding,
-    spec: NodePoolSpec,
     memory: TenantMemory,
     peer_in_pod: bool = True,
 ) -> Answer:
     """The answer to one request on `binding`'s socket (pure: the caller closes `fds`).
 
     `peer_in_pod` is False when attestation placed the connecting process outside the bound pod.
+    The binding is the grant: NodePublishVolume admitted it, and a pod keeps its tenant until it
+    unpublishes, whatever later grants say (a changed grant refuses new publishes only).
     """
     if fds or truncated:
         what = "file descriptors" if fds else f"more than {MAX_REQUEST} bytes"
@@ -161,7 +177,7 @@ def decide(
     if not isinstance(tenant, str) or not tenant:
         return Answer(Code.INVALID_ARGUMENT, "tenant must be a non-empty string")
     # One message whether the tenant exists or not: a pod learns no other tenant's name.
-    if tenant != binding.tenant or not spec.admits(binding.pod, tenant):
+    if tenant != binding.tenant:
         return Answer(Code.PERMISSION_DENIED, f"tenant {tenant!r} is not granted to this pod")
     region = memory.region(tenant)
     if region is None:
@@ -221,14 +237,12 @@ class MemoryServer:
 
     def __init__(
         self,
-        spec: Callable[[], NodePoolSpec],
         memory: TenantMemory,
         *,
         socket_mode: int = 0o666,
         attest: Callable[[int], str | None] | None = None,
     ) -> None:
         """`attest(pid)` names the pod uid of a peer process (attest.py); None: not checked."""
-        self._spec = spec
         self._attest = attest
         self._memory = memory
         self._mode = socket_mode
@@ -361,7 +375,7 @@ class MemoryServer:
             self._drop(conn, listener)
             return
         truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
-        answer = decide(raw, fds, truncated, binding, self._spec(), self._memory, in_pod)
+        answer = decide(raw, fds, truncated, binding, self._memory, in_pod)
         if answer.code is not Code.OK:
             log.info(
                 "refused %s for pod %s: %s",
