@@ -84,3 +84,26 @@ def test_the_crd_is_cluster_scoped_and_the_policy_examples_are_not_node_pools() 
     assert yaml.safe_load(CRD.read_text())["spec"]["scope"] == "Cluster"
     # the policy tests read crds/examples/*.yaml as policies: node pool examples live below
     assert EXAMPLE.parent != ROOT / "crds" / "examples"
+
+
+def test_the_status_entry_a_node_agent_writes_is_what_the_schema_keeps() -> None:
+    """The agent's own entry (every field it writes) passes the status schema; unknown fields
+    would be pruned by the API server, so the emulation refuses them."""
+    from kvoffload_sidecar.node.follow import PoolFollower
+    from kvoffload_sidecar.node.tenant_memory import TenantMemory
+
+    obj = _example()
+    memory = TenantMemory(parse_node_pool(obj))  # sparse memfds: nothing is faulted
+    try:
+        follower = PoolFollower(
+            name="two-teams", node_id="node-a", pool_bytes=1 << 40, memory=memory,
+            bindings=list, client=None,  # type: ignore[arg-type]  # no API call here
+        )  # fmt: skip
+        assert follower.apply({**obj, "metadata": {**obj["metadata"], "generation": 3}})
+        entry = follower.status_entry()
+    finally:
+        memory.close()
+    assert {c["type"] for c in entry["conditions"]} == {"Ready", "GrantsRejected"}
+    assert validate({**obj, "status": {"nodes": {"node-a": entry}}}) == []
+    bad = {**entry, "tenantsUsed": 2}
+    assert validate({**obj, "status": {"nodes": {"node-a": bad}}}) != []
