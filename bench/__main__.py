@@ -26,7 +26,6 @@ BENCHMARKS = {
     "serve": "`vllm serve` under load (sweep) and at 0% hits paired against vLLM alone (paired)",
     "serve_report": "the merged serving report over calls: tables, verdicts, plots",
     "warm_start": "the first long request after a vLLM restart",
-    "fault_drill": "SIGKILLing the sidecar under load: no failed request, no wrong token",
     "router": "routing on the host tier (Dynamo's KV indexer) against round-robin",
 }
 

