@@ -28,6 +28,7 @@ CUSTOM_KINDS = {
     "ServiceMonitor",
     "PodMonitor",
     "KVOffloadPolicy",
+    "KVOffloadNodePool",  # checked against its CRD in test_chart_node_agent.py
     "ClusterKopfPeering",
     "KopfPeering",
 }

@@ -4,13 +4,14 @@ DaemonSet that registers the plugin the standard way, and memory charged where t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 from chart_value_sets import VALUE_SETS
 from kvoffload_sidecar.node.csi import DRIVER_NAME
-from kvoffload_sidecar.node.grants import parse_spec
+from kvoffload_sidecar.node.grants import parse_node_pool
+
+from tests.crds.test_node_pool_crd import validate
 
 pytestmark = pytest.mark.process
 
@@ -70,17 +71,74 @@ def test_the_daemonset_registers_the_plugin_and_charges_the_pool_to_the_agent(re
     paths = {v["name"]: v.get("hostPath", {}).get("path") for v in spec["volumes"]}
     assert paths["registration-dir"] == "/var/lib/kubelet/plugins_registry"
     assert paths["pods-dir"] == "/var/lib/kubelet/pods"
-    assert spec["automountServiceAccountToken"] is False
 
 
-def test_the_configmap_holds_a_pool_spec_the_agent_parses(render) -> None:
-    cm = _kinds(render(*ON, show_only=TEMPLATE))["ConfigMap"]
-    pool = parse_spec(json.loads(cm["data"]["node-pool.json"]))
+def test_the_node_pool_object_holds_the_grants_the_agent_parses(render) -> None:
+    obj = _kinds(render(*ON, show_only=TEMPLATE))["KVOffloadNodePool"]
+    pool = parse_node_pool(obj)
     assert [(t.name, t.share_bytes, t.namespaces) for t in pool.tenants] == [
         ("team-a", 64 << 30, ("team-a",)),
         ("team-b", 1 << 40, ("team-b",)),
     ]
     assert pool.tenant("team-b").service_accounts == ("vllm",)
+    assert validate(obj) == []  # what the CRD accepts
+    agent = _kinds(render(*ON, show_only=TEMPLATE))["DaemonSet"]["spec"]["template"]["spec"]
+    args = agent["containers"][0]["args"]
+    assert f"--node-pool-name={obj['metadata']['name']}" in args
+    assert f"--pool-bytes={(64 << 30) + (1 << 40)}" in args  # the holder's pool, less its own
+
+
+def test_the_agent_may_read_its_pool_and_driver_and_patch_its_status_only(render) -> None:
+    objs = render(*ON, show_only=TEMPLATE)
+    kinds = _kinds(objs)
+    role, binding, sa = kinds["ClusterRole"], kinds["ClusterRoleBinding"], kinds["ServiceAccount"]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["kvoffload.io"],
+            "resources": ["kvoffloadnodepools"],
+            "resourceNames": ["node-pool"],
+            "verbs": ["get", "watch"],
+        },
+        {
+            "apiGroups": ["kvoffload.io"],
+            "resources": ["kvoffloadnodepools/status"],
+            "resourceNames": ["node-pool"],
+            "verbs": ["patch"],
+        },
+        {
+            "apiGroups": ["storage.k8s.io"],
+            "resources": ["csidrivers"],
+            "resourceNames": [DRIVER_NAME],
+            "verbs": ["get"],
+        },
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kvoffload-system"}
+    ]
+    pod = kinds["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is True
+
+
+def test_every_node_agent_rule_says_why() -> None:
+    lines = (REPO / "charts" / "kvoffload" / TEMPLATE).read_text().splitlines()
+    rules = [n for n, line in enumerate(lines) if line.strip().startswith("- apiGroups:")]
+    assert len(rules) == 3
+    for n in rules:
+        assert lines[n - 1].strip().startswith("#"), f"{TEMPLATE}:{n + 1}: a rule without a reason"
+
+
+def test_a_node_pool_without_tenants_does_not_render(helm) -> None:
+    result = helm(
+        "template", "kv", str(REPO / "charts" / "kvoffload"), "--set", "nodeAgent.enabled=true"
+    )
+    assert result.returncode != 0
+    assert "at least one tenant" in result.stderr
 
 
 def test_attestation_off_drops_host_pid(render) -> None:
