@@ -260,3 +260,31 @@ async def test_no_publish_unless_the_csidriver_passes_pod_info(
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert why in refused.value.details()
     assert not kubelet.target(POD_A).exists()
+
+
+def test_a_new_tenant_whose_memfd_cannot_be_made_is_refused_and_the_last_good_kept() -> None:
+    from kvoffload_sidecar.node.follow import PoolFollower
+    from kvoffload_sidecar.node.grants import NodePoolSpec
+    from kvoffload_sidecar.node.holder import HolderError
+    from kvoffload_sidecar.node.tenant_memory import TenantMemory, create_memfd
+
+    def source(name: str, size: int) -> int:
+        if name == "beta":
+            raise HolderError("UNAVAILABLE", "the holder is gone")
+        return create_memfd(name, size)
+
+    memory = TenantMemory(NodePoolSpec("node-pool", ()), source=source)
+    try:
+        follower = PoolFollower(
+            name="node-pool", node_id="node-a", pool_bytes=POOL_BYTES, memory=memory,
+            bindings=list, client=None,  # type: ignore[arg-type]  # no API call here
+        )  # fmt: skip
+        assert follower.apply(pool(ALPHA))
+        assert not follower.apply(pool(ALPHA, BETA, generation=2))
+        assert [t.name for t in follower.spec().tenants] == ["alpha"]
+        entry = follower.status_entry()
+    finally:
+        memory.close()
+    rejected = condition(entry, "GrantsRejected")
+    assert (rejected["status"], rejected["reason"]) == ("True", "MemoryUnavailable")
+    assert "the holder is gone" in rejected["message"] and entry["observedGeneration"] == 1

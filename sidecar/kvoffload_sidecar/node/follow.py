@@ -163,7 +163,10 @@ class PoolFollower:
                 f"already held), past this node's pool of {pool} bytes",
                 generation,
             )
-        self._memory.update(spec)
+        try:
+            self._memory.update(spec)  # new tenants' memfds (the holder's, with one)
+        except Exception as e:  # noqa: BLE001 (any failure: the last good grants stay)
+            return self._reject("MemoryUnavailable", f"a new tenant's memfd: {e}", generation)
         with self._lock:
             self._spec = spec
             self._generation = generation if isinstance(generation, int) else 0
@@ -270,7 +273,7 @@ class PoolFollower:
                         self.apply(None)
                     elif kind == "ERROR":
                         break  # e.g. 410 Gone: read again
-            except (ApiError, OSError, ValueError) as e:
+            except Exception as e:  # noqa: BLE001 (the watch must outlive any one failure)
                 log.warning("node pool watch: %s (again in %.1fs)", e, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)

@@ -1,8 +1,8 @@
 """The admin's node pool: its tenants, their shares, and who may use each.
 
-The cluster-scoped `KVOffloadNodePool` object (crds/kvoffloadnodepool.yaml); until the agent
-watches the API it reads that object, or the chart's `{name, tenants: [{shareBytes, ...}]}`,
-from a JSON or YAML file. A namespace user writes only the tenant
+The cluster-scoped `KVOffloadNodePool` object (crds/kvoffloadnodepool.yaml), as the API returns
+it (follow.py) or from a JSON or YAML file, or `{name, tenants: [{shareBytes, ...}]}` from a
+file. A namespace user writes only the tenant
 name into a pod's volume; whether that pod may use it is decided here, from the admin's object.
 """
 
