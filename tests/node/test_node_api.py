@@ -288,3 +288,11 @@ def test_a_new_tenant_whose_memfd_cannot_be_made_is_refused_and_the_last_good_ke
     rejected = condition(entry, "GrantsRejected")
     assert (rejected["status"], rejected["reason"]) == ("True", "MemoryUnavailable")
     assert "the holder is gone" in rejected["message"] and entry["observedGeneration"] == 1
+
+
+def test_following_the_api_needs_the_nodes_pool_size() -> None:
+    from kvoffload_sidecar.node.agent import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--node-id", "node-a", "--node-pool-name", "node-pool", "--api-server", "http://x"])
+    assert refused.value.code == 2
