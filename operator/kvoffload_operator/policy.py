@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from kvoffload_operator.labels import LabelSelector, selector_from_spec
+from kvoffload_operator.policy_limits import check_bounds, check_keys
 from kvoffload_operator.tenants import TenantSpec, tenants_from_spec
 
 API_GROUP = "kvoffload.io"
@@ -221,6 +222,11 @@ def _int(value: Any, path: str, lo: int, hi: int) -> int:
     return value
 
 
+_REQUEST_ABOVE_LIMIT = (
+    "sidecar.resources: a request must not be above the limit set for the same resource"
+)
+
+
 def _sidecar_resources(value: Any) -> Mapping[str, Any]:
     """``spec.sidecar.resources``: quantities that parse, and no request above the limit the
     policy sets beside it (the API server would refuse every injected pod)."""
@@ -237,7 +243,8 @@ def _sidecar_resources(value: Any) -> Mapping[str, Any]:
     for name in set(requests) & set(limits):
         if quantity_value(requests[name]) > quantity_value(limits[name]):
             raise PolicyError(
-                f"{path}: requests.{name} {requests[name]} is above limits.{name} {limits[name]}"
+                f"spec.{_REQUEST_ABOVE_LIMIT} (requests.{name} {requests[name]} is above "
+                f"limits.{name} {limits[name]})"
             )
     return res
 
@@ -382,6 +389,8 @@ def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
     if not meta.get("name"):
         raise PolicyError("metadata.name: required")
     spec = _map(obj.get("spec"), "spec", _SPEC_KEYS)
+    check_bounds(spec, PolicyError)  # the schema's bounds first: the API server's order
+    check_keys(spec, PolicyError)
     if "pool" not in spec:
         raise PolicyError("spec.pool: required")
     if "selector" not in spec:

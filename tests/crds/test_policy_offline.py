@@ -1,0 +1,149 @@
+"""policy.py (what the offline ``kvoffload inject --policy FILE`` parses with) refuses every
+hostile spec value the CRD refuses, in the CRD's words, and accepts every policy the CRD accepts;
+its table of the schema's bounds is the CRD's, field by field."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import re2
+from kvoffload_operator.policy import PolicyError, policy_from_resource
+from kvoffload_operator.policy_limits import BOUNDS, PREFIX_AT_MOST_253, QUALIFIED_NAME, Bound
+
+from tests.crds.crdschema import openapi_schema, validate
+from tests.crds.test_crd_hostile import EDGE, FIXTURES, HOSTILE, MINIMAL
+
+# the words of a schema refusal (the hostile table's) -> the CRD keyword whose limit it names
+_KEYWORD = {
+    "does not match": "pattern",
+    "is too long": "maxLength",
+    "non-empty": "minLength",
+    "too many properties": "maxProperties",
+    "maximum": "maximum",
+    "minimum": "minimum",
+}
+
+
+def _mutated(mutate: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    obj = copy.deepcopy(MINIMAL)
+    mutate(obj)
+    return obj
+
+
+def _spec_cases() -> Iterator[tuple[str, dict[str, Any], str, str]]:
+    """(id, object, the CRD's refusal, the table's words) of each case refused under spec."""
+    for name, mutate, words in HOSTILE:
+        obj = _mutated(mutate)
+        refusal = next(e for e in validate(obj)[1] if words in e)
+        if refusal.startswith("spec."):  # status cases: the operator writes status, not users
+            yield name, obj, refusal, words
+
+
+SPEC_CASES = list(_spec_cases())
+
+
+def _node(path: str) -> dict[str, Any]:
+    """The schema node at a refusal's path (``spec.a.0.b``: list items by index)."""
+    node = openapi_schema()
+    for part in path.split("."):
+        if part.isdigit():
+            node = node["items"]
+        else:
+            node = (node.get("properties") or {}).get(part) or node["additionalProperties"]
+    return node
+
+
+def test_every_spec_case_of_the_hostile_table_is_here() -> None:
+    statuses = [h[0] for h in HOSTILE if h[0].startswith("status-")]
+    assert len(SPEC_CASES) == len(HOSTILE) - len(statuses) >= 30
+
+
+@pytest.mark.parametrize(
+    ("obj", "refusal", "words"), [c[1:] for c in SPEC_CASES], ids=[c[0] for c in SPEC_CASES]
+)
+def test_policy_py_refuses_what_the_crd_refuses_in_its_words(
+    obj: dict[str, Any], refusal: str, words: str
+) -> None:
+    with pytest.raises(PolicyError) as exc:
+        policy_from_resource(obj)
+    message = str(exc.value)
+    assert words in message
+    where, _, what = refusal.partition(": ")
+    if what.startswith("Invalid value: "):  # a CEL rule: its message, word for word
+        assert what.removeprefix("Invalid value: ") in message
+    else:  # a schema bound: the field and the limit
+        field = message.split(": ", 1)[0].replace("[", ".").replace("]", "")
+        assert field == where
+        assert str(_node(where)[_KEYWORD[words]]) in message
+
+
+GOOD = [(f"fixture:{n}", p) for n, p in FIXTURES] + [(f"edge:{n}", _mutated(m)) for n, m in EDGE]
+
+
+@pytest.mark.parametrize("policy", [g[1] for g in GOOD], ids=[g[0] for g in GOOD])
+def test_policy_py_accepts_what_the_crd_accepts(policy: dict[str, Any]) -> None:
+    obj = copy.deepcopy(policy)
+    obj.setdefault("metadata", {"name": "fixture"})
+    assert validate(obj)[1] == []
+    assert policy_from_resource(obj).pool.size_bytes > 0
+
+
+# Bound's fields -> the CRD's keywords
+_KEYWORDS = {
+    "min_length": "minLength",
+    "max_length": "maxLength",
+    "pattern": "pattern",
+    "max_items": "maxItems",
+    "max_properties": "maxProperties",
+    "minimum": "minimum",
+    "maximum": "maximum",
+}
+
+
+def _crd_bounds(node: dict[str, Any], path: str = "spec") -> Iterator[tuple[str, dict[str, Any]]]:
+    limits = {ours: node[theirs] for ours, theirs in _KEYWORDS.items() if theirs in node}
+    if limits:
+        yield path, limits
+    for key, sub in (node.get("properties") or {}).items():
+        yield from _crd_bounds(sub, f"{path}.{key}")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _crd_bounds(node["additionalProperties"], f"{path}.*")
+    if isinstance(node.get("items"), dict):
+        yield from _crd_bounds(node["items"], f"{path}[]")
+
+
+def test_the_bounds_table_is_the_crds() -> None:
+    """One source of truth: a bound added to or changed in the CRD fails here until policy_limits
+    says the same."""
+    crd = dict(_crd_bounds(openapi_schema()["properties"]["spec"]))
+    ours = {
+        path: {k: getattr(b, k) for k in _KEYWORDS if getattr(b, k) is not None}
+        for path, b in BOUNDS.items()
+    }
+    assert ours == crd
+
+
+PROBES = [
+    "", "a", "A", "a\n", "\n", "a\nb", "-a", "a-", "a.b", "a_b", "a/b", "a b", "a;b", "$(id)",
+    "\x00", "\x7f", "é", "64Gi", "64Gi\n", "1.5", "250m", "1e2", "1e999", "25%", "100%", "100.5%",
+    "ghcr.io/a/b:1", "ghcr.io/a/b:1\n", "[::1]:5000/c", "a/b@sha256:" + "0" * 64, "x" * 300,
+    "example.com/device", "a" * 254 + "/b", "A/b",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    sorted(
+        {b.pattern for b in BOUNDS.values() if b.pattern} | {QUALIFIED_NAME, PREFIX_AT_MOST_253}
+    ),
+)
+def test_pythons_whole_match_is_the_api_servers_regexp(pattern: str) -> None:
+    """fullmatch with Python's re agrees with RE2's search (the API server's Go regexp)."""
+    ours = Bound(pattern=pattern)
+    differ = [
+        p for p in PROBES if (ours._regex.fullmatch(p) is None) == bool(re2.search(pattern, p))
+    ]
+    assert differ == []
