@@ -73,9 +73,10 @@ def selector_from_spec(
                 f"{path}.matchExpressions[{i}].operator: {op!r} is not one of "
                 + ", ".join(_OPERATORS)
             )
-        if op in ("In", "NotIn") and not values:
-            raise error(f"{path}.matchExpressions[{i}].values: required for {op}")
-        if op in ("Exists", "DoesNotExist") and values:
-            raise error(f"{path}.matchExpressions[{i}].values: must be empty for {op}")
+        if (op in ("In", "NotIn")) != bool(values):  # the CRD's rule, in its words
+            raise error(
+                f"{path}.matchExpressions[{i}]: values must be non-empty for In/NotIn and empty "
+                f"for Exists/DoesNotExist (operator {op})"
+            )
         reqs.append(Requirement(str(expr.get("key", "")), op, values))
     return LabelSelector(tuple(sorted((str(k), str(v)) for k, v in labels.items())), tuple(reqs))

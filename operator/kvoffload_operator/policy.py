@@ -1,7 +1,9 @@
 """`KVOffloadPolicy` spec → typed, validated `Policy` (pure: no kopf, no Kubernetes client).
 
-`policy_from_resource` applies the CRD's defaults and re-checks its CEL rules in Python, so the
-offline CLI (no API server) rejects exactly what the API server would, with the same messages.
+`policy_from_resource` applies the CRD's defaults and re-checks its schema bounds (the table of
+`policy_limits`) and its CEL rules in Python, so the offline CLI (no API server) rejects exactly
+what the API server would, with the same messages (tests/crds/test_policy_offline.py holds it to
+that).
 """
 
 from __future__ import annotations
@@ -292,14 +294,17 @@ def pool_from_spec(raw: Mapping[str, Any]) -> PoolSpec:
             f"spec.pool.size: {size!r} should match {_SIZE_PATTERN.pattern!r} "
             "(a quantity string such as 64Gi)"
         )
-    size_bytes = parse_quantity(size)
+    value = quantity_value(size)
+    if value != value.to_integral_value():
+        raise PolicyError("spec.pool.size must be a whole number of bytes")
+    size_bytes = int(value)
     if size_bytes <= 0:
-        raise PolicyError("spec.pool.size: must be greater than 0")
+        raise PolicyError("spec.pool.size must be greater than 0")
     if size_bytes > MAX_POOL_BYTES:
-        raise PolicyError("spec.pool.size: must be at most 4Ti")
+        raise PolicyError("spec.pool.size must be at most 4Ti")
     hugepages = bool(raw.get("hugepages", False))
     if hugepages and size_bytes % HUGEPAGE_BYTES:
-        raise PolicyError("spec.pool.size: must be a multiple of 2Mi when hugepages is true")
+        raise PolicyError("spec.pool.size must be a multiple of 2Mi when hugepages is true")
     numa = raw.get("numaNode")
     return PoolSpec(
         size=str(size),
@@ -319,7 +324,7 @@ def _offload(raw: Mapping[str, Any]) -> OffloadSpec:
     if chunk is not None:
         chunk = _int(chunk, "spec.offload.chunkSize", CHUNK_ALIGN, MAX_CHUNK_TOKENS)
     if chunk is not None and chunk % CHUNK_ALIGN:
-        raise PolicyError("spec.offload.chunkSize: must be a multiple of 16 tokens")
+        raise PolicyError("spec.offload.chunkSize must be a multiple of 16 tokens")
     return OffloadSpec(
         mode=_enum(Mode, raw.get("mode", "eager"), "spec.offload.mode"),
         chunk_size=chunk,
@@ -342,7 +347,7 @@ def _sidecar(raw: Mapping[str, Any]) -> SidecarSpec:
         raise PolicyError("spec.sidecar.extraCapabilities: must not repeat a capability")
     if caps and profile is SecurityProfile.PRIVILEGED:
         raise PolicyError(
-            "spec.sidecar: extraCapabilities is redundant with securityProfile "
+            "spec.sidecar.extraCapabilities is redundant with securityProfile "
             "privileged (a privileged container has every capability)"
         )
     return SidecarSpec(
@@ -364,8 +369,8 @@ def _connector(raw: Mapping[str, Any]) -> ConnectorSpec:
     reserved = sorted(set(extra) & {"socket", "chunk_size", "mode", "load_mode"})
     if reserved:
         raise PolicyError(
-            f"spec.connector.extraConfig: {', '.join(reserved)} are set by the "
-            "policy itself (spec.offload); remove them"
+            "spec.connector.extraConfig must not set socket, chunk_size, mode or load_mode "
+            f"(they come from the policy): {', '.join(reserved)}"
         )
     delivery = _enum(Delivery, raw.get("delivery", "initContainer"), "spec.connector.delivery")
     if raw.get("image") and delivery is not Delivery.INIT_CONTAINER:

@@ -185,6 +185,11 @@ HOSTILE: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         "every key must be a resource name",
     ),
     (
+        "limit-name-newline",
+        _set("spec.sidecar.resources.limits", {"cpu\n": "1"}),
+        "limits: every key must be a resource name",
+    ),
+    (
         "request-above-limit",
         _set("spec.sidecar.resources", {"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}),
         "a request must not be above the limit",

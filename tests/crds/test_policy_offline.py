@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import re2
+import yaml
+from kvoffload_operator.cli import main_inject
 from kvoffload_operator.policy import PolicyError, policy_from_resource
 from kvoffload_operator.policy_limits import BOUNDS, PREFIX_AT_MOST_253, QUALIFIED_NAME, Bound
 
@@ -80,6 +83,56 @@ def test_policy_py_refuses_what_the_crd_refuses_in_its_words(
         assert str(_node(where)[_KEYWORD[words]]) in message
 
 
+BAD = {
+    p.name: yaml.safe_load(p.read_text())
+    for p in sorted((Path(__file__).parent / "bad").glob("*.yaml"))
+}
+
+
+def _cel_refusals(obj: dict[str, Any]) -> list[str]:
+    return [
+        e.split(": Invalid value: ", 1)[1] for e in validate(obj)[1] if ": Invalid value: " in e
+    ]
+
+
+def _python_refusal(obj: dict[str, Any]) -> str:
+    with pytest.raises(PolicyError) as exc:
+        policy_from_resource(obj)
+    return str(exc.value)
+
+
+CEL_BAD = {name: obj for name, obj in BAD.items() if _cel_refusals(obj)}
+
+
+@pytest.mark.parametrize("obj", list(CEL_BAD.values()), ids=list(CEL_BAD))
+def test_a_bad_example_a_cel_rule_refuses_is_refused_in_its_words(obj: dict[str, Any]) -> None:
+    message = _python_refusal(obj)
+    assert any(m in message for m in _cel_refusals(obj)), message
+
+
+def test_every_cel_rule_on_the_spec_has_its_words_in_policy_py() -> None:
+    """Keeps the promise when a rule is added: its message must be what policy.py says for some
+    hostile case or bad example (add one of those with the rule)."""
+    spec = openapi_schema()["properties"]["spec"]
+    rules = [
+        r["message"] for _, n in _crd_nodes(spec) for r in n.get("x-kubernetes-validations") or []
+    ]
+    said = [_python_refusal(obj) for _, obj, _, _ in SPEC_CASES] + [
+        _python_refusal(obj) for obj in BAD.values()
+    ]
+    assert len(rules) >= 20
+    assert [m for m in rules if not any(m in s for s in said)] == []
+
+
+def _crd_nodes(node: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    yield "", node
+    for sub in (node.get("properties") or {}).values():
+        yield from _crd_nodes(sub)
+    for key in ("additionalProperties", "items"):
+        if isinstance(node.get(key), dict):
+            yield from _crd_nodes(node[key])
+
+
 GOOD = [(f"fixture:{n}", p) for n, p in FIXTURES] + [(f"edge:{n}", _mutated(m)) for n, m in EDGE]
 
 
@@ -147,3 +200,30 @@ def test_pythons_whole_match_is_the_api_servers_regexp(pattern: str) -> None:
         p for p in PROBES if (ours._regex.fullmatch(p) is None) == bool(re2.search(pattern, p))
     ]
     assert differ == []
+
+
+POD = {
+    "apiVersion": "v1",
+    "kind": "Pod",
+    "metadata": {"name": "engine", "labels": {"app": "vllm"}},
+    "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai", "args": ["m"]}]},
+}
+
+
+def test_kvoffload_inject_refuses_each_hostile_policy_file(tmp_path: Path, capsys) -> None:
+    """The command users run offline: exit 2 and the refusal on stderr, nothing written."""
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(yaml.safe_dump(POD))
+    out = tmp_path / "out.yaml"
+    wrong = []
+    for name, obj, _, words in SPEC_CASES:
+        policy = tmp_path / f"{name}.yaml"
+        policy.write_text(yaml.safe_dump(obj))
+        rc = main_inject(["-f", str(manifest), "--policy", str(policy), "-o", str(out)])
+        err = capsys.readouterr().err
+        if rc != 2 or out.exists() or "invalid policy: spec." not in err or words not in err:
+            wrong.append((name, rc, err))
+    assert wrong == []
+    policy.write_text(yaml.safe_dump(MINIMAL))  # the control: the same command injects
+    assert main_inject(["-f", str(manifest), "--policy", str(policy), "-o", str(out)]) == 0
+    assert "kvoffload-sidecar" in out.read_text()
