@@ -173,6 +173,9 @@ class Chaos(threading.Thread):
         rec["restarted"] = True
         rec["serve_s"] = t_up - t_kill - rec["down_s"]
         rec["adoption"] = {"outcome": st.adoption.outcome, "blocks": st.adoption.adopted_blocks}
+        # slots the dead instance had reserved: withheld until every worker rank reported
+        # drained (at its first step after registering again), the engine living on
+        rec["withheld"] = fd.slots(st)["withheld"]
         rec["register_s"] = None
         end = time.monotonic() + self.args.serve_s
         while time.monotonic() < end:  # the connector's own reconnect (default backoff)
@@ -181,9 +184,6 @@ class Chaos(threading.Thread):
                 rec["register_s"] = time.monotonic() - t_up
                 break
             time.sleep(0.02)
-        # slots the dead instance had reserved: withheld until every worker rank reported
-        # drained (at its first step after registering again), the engine living on
-        rec["withheld"] = fd.slots(st)["withheld"] if st is not None else None
         rec["withheld_free_s"] = None
         end = time.monotonic() + self.args.serve_s
         while time.monotonic() < end:
