@@ -74,8 +74,7 @@ def test_bad_policy_file_is_a_clear_error(tmp_path: Path, capsys) -> None:
     rc = main_inject(["-f", str(manifest), "--policy", str(bad), "-o", str(out)])
     assert rc == 2 and not out.exists()
     assert (
-        "invalid policy: spec.offload.chunkSize must be a multiple of 16"
-        in capsys.readouterr().err
+        "invalid policy: spec.offload.chunkSize must be a multiple of 16" in capsys.readouterr().err
     )
 
 
