@@ -74,6 +74,11 @@ LONGEST_FIRST = (
     "tests/connector/test_vllm026_compat.py",
     "tests/connector/test_dynamo_indexer.py",
     "tests/connector/test_warm_start_bench.py",
+    "tests/bench/test_serve_sweep.py",
+    "tests/bench/test_serve_paired.py",
+    "tests/connector/test_vllm_quotas.py",
+    "tests/connector/test_vllm_idle.py",
+    "tests/operator/test_security_operator.py",
     "tests/connector/test_layout.py",
     "tests/model/test_slot_protocol_model.py",
 )

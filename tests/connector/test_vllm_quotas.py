@@ -96,10 +96,12 @@ def test_a_flooding_tenant_cannot_take_a_guaranteed_tenants_hits(tmp_path: Path)
     assert t["b"]["stored_blocks"] >= 5 * SLOTS, t
     assert t["b"]["evicted_blocks"] >= t["b"]["stored_blocks"] - SLOTS, t
     # the connector sent each request's salt with its stores and lookups: a's and b's pool
-    # traffic is theirs, none of it the default tenant's
+    # traffic is theirs, none of it the default tenant's (b's prompts never repeat: the presence
+    # map, mapped from engine start, answers most of its misses with no lookup at all)
     a_rounds = len(quotas["calm"]) + len(quotas["flood"])
     assert t["a"]["stored_blocks"] == t["a"]["used_slots"] == 3 * hittable // 64, t
     assert t["a"]["hit_blocks"] >= a_rounds * 3 * hittable // 64, t
-    assert t["b"]["lookups"] > 0 and t["default"]["lookups"] == t["default"]["stored_blocks"] == 0
+    assert t["a"]["lookups"] > 0, t
+    assert t["default"]["lookups"] == t["default"]["stored_blocks"] == 0, t
     # Without quotas the same flood pushes a's prefixes out: the test can fail.
     assert hit_rate(plain["flood"][1:], hittable) <= 0.5, plain["flood"]

@@ -246,7 +246,7 @@ def test_random_schedules_keep_every_byte():
 
 def test_the_search_finds_class_1_without_the_version_re_read():
     with step_engines(), pytest.raises(AssertionError, match="class 1"):
-        run_state_machine_as_test(NO_VERSIONS, settings=_settings(600, 20, shrink=False))
+        run_state_machine_as_test(NO_VERSIONS, settings=_settings(2000, 20, shrink=False))
 
 
 @pytest.mark.skipif(
