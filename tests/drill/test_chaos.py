@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from drill_process import run_drill
 
 CHAOS_S = float(os.environ.get("KVO_CHAOS_S", "60"))
 RUN_TIMEOUT_S = 240 + 2 * CHAOS_S  # both engines' start, the phases, the reference, slack
@@ -37,29 +35,9 @@ MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
 def run_chaos(out: Path, *extra: str, timeout_s: float = RUN_TIMEOUT_S) -> dict:
     """chaos_drill.py in a subprocess; its JSON report, with its exit status and log."""
-    cmd = [sys.executable, str(DRILL), "--model", str(MODEL), "--chaos-s", f"{CHAOS_S:g}"]
+    cmd = ["--model", str(MODEL), "--chaos-s", f"{CHAOS_S:g}"]
     cmd += ["--out", str(out), "--sidecar-log", str(out.with_suffix(".sidecar.log")), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        log, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the drill stops its sidecar and reference engine on SIGTERM
-        try:
-            log, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        pytest.fail(f"the chaos drill did not finish in {timeout_s:g} s:\n{log[-6000:]}")
-    if not out.exists():
-        pytest.fail(f"no report ({proc.returncode}):\n{log[-8000:]}")
-    rep = json.loads(out.read_text())
-    rep["returncode"] = proc.returncode
-    rep["log_tail"] = log[-4000:]
-    return rep
+    return run_drill(DRILL, cmd, out, timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from drill_process import run_drill
 
 KILLS = int(os.environ.get("KVO_FAULT_DRILL_KILLS", "40"))
 BUDGET_S = max(120, round(2.4 * KILLS))  # the kill phase stops here on a box too slow
@@ -39,9 +37,7 @@ MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 @pytest.fixture(scope="module")
 def drill(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("drill") / "fault_drill.json"
-    cmd = [
-        sys.executable,
-        str(DRILL),
+    args = [
         "--model",
         str(MODEL),
         "--kills",
@@ -61,27 +57,8 @@ def drill(tmp_path_factory) -> dict:
         "--sidecar-log",
         str(out.with_suffix(".sidecar.log")),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        # Caps, not targets: one CI box ran every test 1.8x slower than the others.
-        log, _ = proc.communicate(timeout=DRILL_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # the drill stops its sidecar on SIGTERM; vLLM's processes follow it
-        try:
-            log, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        pytest.fail(f"the drill did not finish in {DRILL_TIMEOUT_S} s:\n{log[-6000:]}")
-    if not out.exists():
-        pytest.fail(f"no report ({proc.returncode}):\n{log[-8000:]}")
-    report = json.loads(out.read_text())
-    report["returncode"] = proc.returncode
-    report["log_tail"] = log[-4000:]
+    # Caps, not targets: one CI box ran every test 1.8x slower than the others.
+    report = run_drill(DRILL, args, out, DRILL_TIMEOUT_S)
     report["sidecar_log"] = str(out.with_suffix(".sidecar.log"))
     return report
 
