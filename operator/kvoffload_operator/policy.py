@@ -77,13 +77,28 @@ class Delivery(str, Enum):
     INIT_CONTAINER = "initContainer"
 
 
+class Placement(str, Enum):
+    """Where the pool is: ``pod``, a sidecar's pool in each pod; ``node``, a tenant of the node
+    agent's pool, reached through its CSI volume (docs/NODE.md)."""
+
+    POD = "pod"
+    NODE = "node"
+
+
 @dataclass(frozen=True)
 class PoolSpec:
-    size: str  # the quantity as written, for messages
-    size_bytes: int
+    size: str  # the quantity as written, for messages ("" with placement node and no size)
+    size_bytes: int  # 0 with placement node and no size: the node pool's tenant share counts
     eviction: Eviction = Eviction.LRU
     hugepages: bool = False
     numa_node: int | None = None
+    placement: Placement = Placement.POD
+    node_pool: str | None = None  # placement node: the KVOffloadNodePool's name
+    tenant: str | None = None  # placement node: its tenant, asked for in the CSI volume
+
+    @property
+    def node(self) -> bool:
+        return self.placement is Placement.NODE
 
 
 @dataclass(frozen=True)
@@ -186,10 +201,15 @@ def quantity_value(text: str | int) -> Decimal:
 def policy_hash(policy: Policy) -> str:
     """Hash of everything that changes injected pods, after defaulting (so a spec written with
     or without its defaults hashes the same); ``rollout``, ``priority`` and names do not count."""
+    pool = dataclasses.asdict(policy.pool) | {"size": policy.pool.size_bytes}
+    # only with node: hashes of pod-placement policies stay as they were; with node, the size
+    # is not used, so writing one rolls nothing
+    for key in ("size", "size_bytes") if policy.pool.node else ("placement", "node_pool", "tenant"):
+        del pool[key]
     relevant = {
         "selector": dataclasses.asdict(policy.selector),
         "vllmContainer": policy.vllm_container,
-        "pool": dataclasses.asdict(policy.pool) | {"size": policy.pool.size_bytes},
+        "pool": pool,
         "offload": dataclasses.asdict(policy.offload),
         "sidecar": dataclasses.asdict(policy.sidecar),
         "connector": dataclasses.asdict(policy.connector),
@@ -281,13 +301,37 @@ _SPEC_KEYS = (
 )
 # the CRD's pattern for spec.pool.size (a subset of quantities: no milli, no exponents)
 _SIZE_PATTERN = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
-_POOL_KEYS = ("size", "eviction", "hugepages", "numaNode")
+_POOL_KEYS = ("placement", "nodePool", "tenant", "size", "eviction", "hugepages", "numaNode")
 
 
 def pool_from_spec(raw: Mapping[str, Any]) -> PoolSpec:
     """``spec.pool`` → `PoolSpec`; the same checks as the CRD's CEL rules."""
+    placement = _enum(Placement, raw.get("placement", "pod"), "spec.pool.placement")
+    eviction = _enum(Eviction, raw.get("eviction", "lru"), "spec.pool.eviction")
+    node_pool, tenant = raw.get("nodePool"), raw.get("tenant")
+    for key, value in (("nodePool", node_pool), ("tenant", tenant)):
+        if value is not None and not isinstance(value, str):
+            raise PolicyError(f"spec.pool.{key}: must be a string, got {value!r}")
+    if placement is Placement.NODE:
+        if node_pool is None or tenant is None:
+            raise PolicyError("spec.pool.nodePool and pool.tenant are required with placement node")
+        if (
+            raw.get("hugepages", False)
+            or raw.get("numaNode") is not None
+            or eviction is Eviction.ARC
+        ):
+            raise PolicyError(
+                "spec.pool.hugepages, pool.numaNode and pool.eviction arc are for placement pod "
+                "(with node, the node agent owns the pool's memory)"
+            )
+        if "size" not in raw:  # the node pool's tenant share is the memory: size is not used
+            return PoolSpec(
+                size="", size_bytes=0, placement=placement, node_pool=node_pool, tenant=tenant
+            )
+    elif node_pool is not None or tenant is not None:
+        raise PolicyError("spec.pool.nodePool and pool.tenant are used only with placement node")
     if "size" not in raw:
-        raise PolicyError("spec.pool.size: required (e.g. 64Gi)")
+        raise PolicyError("spec.pool.size is required with placement pod (e.g. 64Gi)")
     size = raw["size"]
     if not isinstance(size, str) or not _SIZE_PATTERN.match(size):
         raise PolicyError(
@@ -309,9 +353,12 @@ def pool_from_spec(raw: Mapping[str, Any]) -> PoolSpec:
     return PoolSpec(
         size=str(size),
         size_bytes=size_bytes,
-        eviction=_enum(Eviction, raw.get("eviction", "lru"), "spec.pool.eviction"),
+        eviction=eviction,
         hugepages=hugepages,
         numa_node=None if numa is None else _int(numa, "spec.pool.numaNode", 0, 1023),
+        placement=placement,
+        node_pool=node_pool,
+        tenant=tenant,
     )
 
 
@@ -366,11 +413,11 @@ def _sidecar(raw: Mapping[str, Any]) -> SidecarSpec:
 
 def _connector(raw: Mapping[str, Any]) -> ConnectorSpec:
     extra = _map(raw.get("extraConfig"), "spec.connector.extraConfig")
-    reserved = sorted(set(extra) & {"socket", "chunk_size", "mode", "load_mode"})
+    reserved = sorted(set(extra) & {"socket", "chunk_size", "mode", "load_mode", "placement"})
     if reserved:
         raise PolicyError(
-            "spec.connector.extraConfig must not set socket, chunk_size, mode or load_mode "
-            f"(they come from the policy): {', '.join(reserved)}"
+            "spec.connector.extraConfig must not set socket, chunk_size, mode, load_mode or "
+            f"placement (they come from the policy): {', '.join(reserved)}"
         )
     delivery = _enum(Delivery, raw.get("delivery", "initContainer"), "spec.connector.delivery")
     if raw.get("image") and delivery is not Delivery.INIT_CONTAINER:
@@ -381,6 +428,32 @@ def _connector(raw: Mapping[str, Any]) -> ConnectorSpec:
         if not isinstance(value, str):
             raise PolicyError(f"spec.connector.extraConfig.{key}: must be a string, got {value!r}")
     return ConnectorSpec(delivery=delivery, image=raw.get("image") or None, extra_config=extra)
+
+
+_NODE_SIDECAR = (
+    "spec.sidecar.image, sidecar.resources, sidecar.extraCapabilities and securityProfile "
+    "privileged are for placement pod (placement node injects no pool sidecar)"
+)
+_NODE_TENANTS = (
+    "spec.tenants are for placement pod (with placement node, the node pool's tenant is the "
+    "pods' share)"
+)
+
+
+def _check_node_placement(spec: Mapping[str, Any], pool: PoolSpec) -> None:
+    """The CRD's rules on ``spec`` for placement node: nothing that only a sidecar would use."""
+    if not pool.node:
+        return
+    sidecar = _map(spec.get("sidecar"), "spec.sidecar")
+    if (
+        sidecar.get("image")
+        or "resources" in sidecar
+        or sidecar.get("extraCapabilities")
+        or sidecar.get("securityProfile") == SecurityProfile.PRIVILEGED.value
+    ):
+        raise PolicyError(_NODE_SIDECAR)
+    if spec.get("tenants"):
+        raise PolicyError(_NODE_TENANTS)
 
 
 def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
@@ -400,12 +473,14 @@ def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
         raise PolicyError("spec.pool: required")
     if "selector" not in spec:
         raise PolicyError("spec.selector: required (use {} to match every pod)")
+    selector = selector_from_spec(spec["selector"], "spec.selector", PolicyError)
+    pool = pool_from_spec(_map(spec["pool"], "spec.pool", _POOL_KEYS))
     policy = Policy(
         name=str(meta["name"]),
         namespace=str(meta.get("namespace") or "default"),
         generation=int(meta.get("generation") or 1),
-        selector=selector_from_spec(spec["selector"], "spec.selector", PolicyError),
-        pool=pool_from_spec(_map(spec["pool"], "spec.pool", _POOL_KEYS)),
+        selector=selector,
+        pool=pool,
         offload=_offload(_map(spec.get("offload"), "spec.offload", _OFFLOAD_KEYS)),
         sidecar=_sidecar(
             _map(
@@ -436,6 +511,7 @@ def policy_from_resource(obj: Mapping[str, Any]) -> Policy:
         priority=_int(spec.get("priority", 0), "spec.priority", -1000, 1000),
         tenants=tenants_from_spec(spec.get("tenants"), PolicyError),
     )
+    _check_node_placement(spec, pool)
     return dataclasses.replace(policy, spec_hash=policy_hash(policy))
 
 

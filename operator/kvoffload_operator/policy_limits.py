@@ -60,6 +60,9 @@ class Bound:
 
 LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 _DNS = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+# Kubernetes object names: a DNS-1123 label (63 at most) and a DNS-1123 subdomain (253)
+DNS_LABEL = rf"^{_DNS}$"
+DNS_SUBDOMAIN = rf"^{_DNS}(\.{_DNS})*$"
 # a qualified name with an optional DNS-subdomain prefix: label keys and resource names
 QUALIFIED_NAME = rf"^({_DNS}(\.{_DNS})*/)?[A-Za-z0-9]([-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?$"
 PREFIX_AT_MOST_253 = r"^([^/]{1,253}/)?[^/]+$"
@@ -93,6 +96,8 @@ BOUNDS: dict[str, Bound] = {
         max_length=32, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
     ),
     "spec.pool.numaNode": Bound(minimum=0, maximum=1023),
+    "spec.pool.nodePool": Bound(max_length=253, pattern=DNS_SUBDOMAIN),
+    "spec.pool.tenant": Bound(max_length=63, pattern=DNS_LABEL),
     "spec.offload.chunkSize": Bound(minimum=16, maximum=8192),
     "spec.sidecar.image": Bound(max_length=512, pattern=IMAGE),
     "spec.sidecar.resources.requests": Bound(max_properties=16),

@@ -115,6 +115,14 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
 
 
 LONG_PREFIX = "a" * 250 + ".example"  # a DNS-subdomain-shaped prefix of 258 characters
+
+
+def _node_pool(**fields: Any) -> Callable[[dict[str, Any]], None]:
+    """A mutation to placement node (tenant team-a of gpu-nodes, no size), with ``fields``."""
+    return _set("spec.pool", {"placement": "node", "nodePool": "gpu-nodes", "tenant": "team-a",
+                              **fields})  # fmt: skip
+
+
 SHA = "sha256:" + "0" * 64
 SALTS = {"tenants": [{"name": "a", "cacheSalts": ["a"]}]}
 # (id, mutation, what the refusal says); each is accepted by a CRD without the bound
@@ -218,6 +226,19 @@ HOSTILE: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
         _set("spec.tenants", [{"name": "a", "cacheSalts": ["team\na"]}]),
         "does not match",
     ),
+    # placement node: the names of the node pool (DNS-1123 subdomain) and its tenant (label)
+    ("node-pool-upper", _node_pool(nodePool="GPU-Nodes"), "does not match"),
+    ("node-pool-shell", _node_pool(nodePool="gpu;rm -rf /"), "does not match"),
+    ("node-pool-newline", _node_pool(nodePool="gpu-nodes\n"), "does not match"),
+    ("node-pool-slash", _node_pool(nodePool="gpu/nodes"), "does not match"),
+    ("node-pool-trailing-dot", _node_pool(nodePool="gpu-nodes."), "does not match"),
+    ("node-pool-254", _node_pool(nodePool="a" * 254), "is too long"),
+    ("tenant-dot", _node_pool(tenant="team.a"), "does not match"),
+    ("tenant-underscore", _node_pool(tenant="team_a"), "does not match"),
+    ("tenant-leading-dash", _node_pool(tenant="-team"), "does not match"),
+    ("tenant-newline", _node_pool(tenant="team-a\n"), "does not match"),
+    ("tenant-empty", _node_pool(tenant=""), "does not match"),
+    ("tenant-64", _node_pool(tenant="a" * 64), "is too long"),
     # status (written by the operator; bounded all the same)
     ("status-count-negative", _set("status.matchedPods", -1), "minimum"),
     ("status-count-huge", _set("status.injectedPods", 10**7), "maximum"),
@@ -280,6 +301,12 @@ EDGE: list[tuple[str, Callable[[dict[str, Any]], None]]] = [
     ),
     ("extra", _set("spec.connector.extraConfig", {"lookup_timeout_ms": "150", "Flag_2": "a b=c"})),
     ("name", _set("spec.vllmContainer.name", "vllm-0")),
+    (
+        "node-names",
+        _node_pool(nodePool=".".join(["a" * 63, "b" * 63, "c" * 63, "d" * 61]), tenant="t" * 63),
+    ),
+    ("node-with-size", _node_pool(size="64Gi", eviction="lru", hugepages=False)),
+    ("node-minimal", _node_pool()),
     ("status", _set("status.skipped", {"has-kv-transfer-config": 2})),
 ]
 
