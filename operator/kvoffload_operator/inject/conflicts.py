@@ -23,6 +23,8 @@ from kvoffload_operator.inject.site import Problem, Site
 LWS_SIZE_ANNOTATION = "leaderworkerset.sigs.k8s.io/size"
 RAY_NODE_TYPE_LABEL = "ray.io/node-type"
 KVOFFLOAD_DIR = "/kvoffload"
+NODE_DIR = "/var/run/kvoffload"  # placement node's mount of the node agent's CSI volume
+NODE_DRIVER = "node.kvoffload.io"
 
 # flags, and their keys in a --config YAML file the script writes (``kv-transfer-config: ...``)
 _KV_TRANSFER_RE = re.compile(
@@ -174,11 +176,20 @@ def hand_wired(pod: Mapping[str, Any], container: Mapping[str, Any] | None) -> S
                 message=f"{who_of(c)} already runs the kvoffload sidecar "
                 f"({' '.join(words[:2]) or image}): the pod wires kvoffload by hand",
             )
+    for v in spec.get("volumes") or []:
+        csi = v.get("csi") if isinstance(v, Mapping) else None
+        if isinstance(csi, Mapping) and csi.get("driver") == NODE_DRIVER:
+            return Site(
+                False,
+                problem=Problem.HAND_WIRED,
+                message=f"volume {v.get('name')!r} is already the kvoffload node agent's "
+                f"({NODE_DRIVER}): the pod wires kvoffload by hand",
+            )
     targets = [container] if container is not None else list(spec.get("containers") or [])
     for c in targets:
         for mount in c.get("volumeMounts") or []:
-            path = str(mount.get("mountPath", ""))
-            if path == KVOFFLOAD_DIR or path.startswith(KVOFFLOAD_DIR + "/"):
+            path = posixpath.normpath(str(mount.get("mountPath", "")))
+            if any(path == d or path.startswith(d + "/") for d in (KVOFFLOAD_DIR, NODE_DIR)):
                 return Site(
                     False,
                     problem=Problem.HAND_WIRED,

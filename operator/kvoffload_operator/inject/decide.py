@@ -5,9 +5,12 @@ Precedence (first match wins; every step reads only the pod and the policies):
 2. no policy of the namespace selects the pod's labels                          → NO_MATCHING_POLICY
 3. already injected (status annotation or our sidecar present): by the winning
    policy → ALREADY_INJECTED (no change); by another → CONFLICTING_POLICIES
-4. kvoffload wired by hand (its sidecar, mounts under /kvoffload, KVOffloadConnector) → HAND_WIRED
-5. ``hostNetwork: true`` (the sidecar's ports would bind on the node)           → HOST_NETWORK
-6. a per-pod ``kvoffload.io/pool-size`` the policy rules reject, or an unknown
+4. kvoffload wired by hand (its sidecar, mounts under /kvoffload or /var/run/kvoffload, the
+   node agent's CSI volume, KVOffloadConnector)                                   → HAND_WIRED
+5. ``hostNetwork: true`` (the sidecar's ports would bind on the node; not with placement node,
+   which adds no sidecar)                                                        → HOST_NETWORK
+6. a per-pod ``kvoffload.io/pool-size`` the policy rules reject (ignored with placement node:
+   the node pool's tenant share is the memory), or an unknown
    ``kvoffload.io/inject-via``                                                    → INVALID_OVERRIDE
 7. the engine spans pods (LeaderWorkerSet size > 1, Ray cluster nodes)          → MULTI_NODE
 8. the vLLM container: named (pod annotation, else ``spec.vllmContainer.name``) or detected
@@ -83,7 +86,7 @@ class Decision:
     reason: SkipReason | None
     policy: Policy | None
     container: str | None = None  # the vLLM container's name when inject
-    pool_bytes: int | None = None  # after a per-pod override
+    pool_bytes: int | None = None  # after a per-pod override; None with placement node
     losers: tuple[Policy, ...] = ()
     message: str = ""
     edit: Edit = None  # where the flag goes: a shell script, env; None: appended to args
@@ -228,16 +231,17 @@ def decide(
     )
     if wired is not None:
         return _skip_decision(wired, policy, losers)
-    if spec.get("hostNetwork"):
+    node = policy.pool.node  # no sidecar: no ports, no pool size of the pod's own
+    if spec.get("hostNetwork") and not node:
         return Decision.skip(
             SkipReason.HOST_NETWORK,
             policy,
             "hostNetwork pods would bind the sidecar's ports on the node",
             losers,
         )
-    pool_bytes = policy.pool.size_bytes
+    pool_bytes = None if node else policy.pool.size_bytes
     override = (meta.get("annotations") or {}).get(ann.POOL_SIZE)
-    if override is not None:
+    if override is not None and not node:
         try:
             pool_bytes = pool_from_spec(
                 {"size": override, "hugepages": policy.pool.hugepages}

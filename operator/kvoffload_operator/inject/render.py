@@ -14,6 +14,11 @@ What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
 - annotations ``kvoffload.io/status|policy|policy-generation`` and label ``kvoffload.io/injected``;
 - in a Guaranteed pod, limits equal to requests on what is added, and with pod-level resources
   the sidecar's share added to them (`qos.py`: the pod keeps its QoS class and its budget).
+With ``spec.pool.placement: node`` (docs/NODE.md) there is no sidecar and neither the pool nor
+the socket emptyDir: the volume ``kvoffload-node`` is a CSI inline volume of the node agent's
+driver (``node.kvoffload.io``, read-write, ``volumeAttributes: {tenant: T}``) mounted at
+``/var/run/kvoffload`` in the vLLM container, and the connector's config names the socket there
+and ``placement: node``; the installer, ``PYTHONPATH`` and ``PYTHONHASHSEED`` are as above.
 Nothing else the user wrote is removed or replaced (a user's ``/dev/shm`` mount stays as it is).
 """
 
@@ -46,6 +51,9 @@ INSTALLER_NAME = "kvoffload-connector-install"
 POOL_VOLUME, RUN_VOLUME, PYTHON_VOLUME = "kvoffload-pool", "kvoffload-run", "kvoffload-python"
 POOL_DIR, RUN_DIR, PYTHON_DIR = "/kvoffload/pool", "/kvoffload/run", "/kvoffload/python"
 SOCKET = RUN_DIR + "/pool.sock"
+# placement node: the node agent's CSI inline volume, where it binds this pod's sockets
+NODE_VOLUME, NODE_DIR, NODE_DRIVER = "kvoffload-node", "/var/run/kvoffload", "node.kvoffload.io"
+NODE_SOCKET = NODE_DIR + "/pool.sock"
 GRPC_PORT, METRICS_PORT = 9400, 9401
 POD_IP_ENV = "KVOFFLOAD_POD_IP"  # the sidecar's listeners bind it (`$(...)` in its args)
 CONNECTOR_CLASS = "KVOffloadConnector"
@@ -68,10 +76,12 @@ def kv_transfer_config(policy: Policy) -> dict[str, Any]:
     (``--block-size``), so by default the connector derives it from the engine's block size."""
     extra: dict[str, Any] = {
         **policy.connector.extra_config,
-        "socket": SOCKET,
+        "socket": NODE_SOCKET if policy.pool.node else SOCKET,
         "mode": policy.offload.mode.value,
         "load_mode": policy.offload.load_mode.value,
     }
+    if policy.pool.node:  # the connector expects no pool file path, and says so in its status
+        extra["placement"] = policy.pool.placement.value
     if policy.offload.chunk_size is not None:
         extra["chunk_size"] = policy.offload.chunk_size
     return {
@@ -212,15 +222,34 @@ def installer_container(
     }
 
 
-def _volumes(policy: Policy, pool_bytes: int) -> list[dict[str, Any]]:
-    sizing = size_pool(policy.pool, pool_bytes)
-    vols = [
-        {
-            "name": POOL_VOLUME,
-            "emptyDir": {"medium": sizing.pool_medium, "sizeLimit": sizing.pool_size_limit},
+def node_volume(policy: Policy) -> dict[str, Any]:
+    """The node agent's CSI inline volume. Read-write: the kubelet applies a pod's fsGroup only
+    to volumes that are not read-only (the directory is the agent's either way). The tenant is a
+    request, never a credential: the agent checks it against the node pool's grants for the
+    namespace and service account the kubelet gives it."""
+    return {
+        "name": NODE_VOLUME,
+        "csi": {
+            "driver": NODE_DRIVER,
+            "readOnly": False,
+            "volumeAttributes": {"tenant": str(policy.pool.tenant)},
         },
-        {"name": RUN_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": RUN_DIR_LIMIT}},
-    ]
+    }
+
+
+def _volumes(policy: Policy, pool_bytes: int | None) -> list[dict[str, Any]]:
+    if policy.pool.node:
+        vols = [node_volume(policy)]
+    else:
+        assert pool_bytes is not None
+        sizing = size_pool(policy.pool, pool_bytes)
+        vols = [
+            {
+                "name": POOL_VOLUME,
+                "emptyDir": {"medium": sizing.pool_medium, "sizeLimit": sizing.pool_size_limit},
+            },
+            {"name": RUN_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": RUN_DIR_LIMIT}},
+        ]
     if policy.connector.delivery is Delivery.INIT_CONTAINER:
         vols.append({"name": PYTHON_VOLUME, "emptyDir": {"sizeLimit": PYTHON_DIR_LIMIT}})
     return vols
@@ -232,10 +261,13 @@ def _patch_vllm(container: dict[str, Any], policy: Policy, edit: Edit) -> list[s
     insert_flag(container, edit, "--kv-transfer-config", config)
     touched = [edit.name] if isinstance(edit, EnvEdit) else []  # `inject-via: env`
     mounts = container.setdefault("volumeMounts", [])
-    mounts += [
-        {"name": POOL_VOLUME, "mountPath": POOL_DIR},
-        {"name": RUN_VOLUME, "mountPath": RUN_DIR},
-    ]
+    if policy.pool.node:
+        mounts.append({"name": NODE_VOLUME, "mountPath": NODE_DIR})
+    else:
+        mounts += [
+            {"name": POOL_VOLUME, "mountPath": POOL_DIR},
+            {"name": RUN_VOLUME, "mountPath": RUN_DIR},
+        ]
     env = container.setdefault("env", [])
     names = {e.get("name"): e for e in env}
     # an envFrom source may set it, and this webhook cannot read ConfigMaps or Secrets: an env
@@ -266,21 +298,23 @@ def _patch_vllm(container: dict[str, Any], policy: Policy, edit: Edit) -> list[s
 
 def render(pod: Mapping[str, Any], decision: Decision, defaults: RenderDefaults) -> dict[str, Any]:
     """The injected copy of ``pod``; ``decision`` must say inject."""
-    if not decision.inject or decision.policy is None or decision.pool_bytes is None:
-        raise ValueError("render() needs a decision to inject")
     policy, pool_bytes = decision.policy, decision.pool_bytes
+    if not decision.inject or policy is None or (pool_bytes is None and not policy.pool.node):
+        raise ValueError("render() needs a decision to inject")
     out = copy.deepcopy(dict(pod))
     spec = out.setdefault("spec", {})
     guaranteed = is_guaranteed(spec)  # the user's pod, before anything is added
-    inits = spec.setdefault("initContainers", [])
-    added = []
+    inits = []  # after the user's init containers, so theirs (a model download) run first
     if policy.connector.delivery is Delivery.INIT_CONTAINER:
         inits.append(installer_container(policy, defaults, guaranteed))
-        added.append(INSTALLER_NAME)
-    sidecar = sidecar_container(policy, pool_bytes, defaults, guaranteed)
-    inits.append(sidecar)
-    added.append(SIDECAR_NAME)
-    grown = grow_pod_level(spec, sidecar["resources"])
+    grown = None
+    if pool_bytes is not None and not policy.pool.node:  # node: the agent's pool, no sidecar
+        sidecar = sidecar_container(policy, pool_bytes, defaults, guaranteed)
+        inits.append(sidecar)
+        grown = grow_pod_level(spec, sidecar["resources"])
+    if inits:  # none with a preinstalled connector and node placement
+        spec.setdefault("initContainers", []).extend(inits)
+    added = [c["name"] for c in inits]
     volumes = _volumes(policy, pool_bytes)
     spec["volumes"] = [*(spec.get("volumes") or []), *volumes]
     vllm = next(c for c in spec["containers"] if c.get("name") == decision.container)
@@ -295,6 +329,12 @@ def render(pod: Mapping[str, Any], decision: Decision, defaults: RenderDefaults)
         "volumes": [v["name"] for v in volumes],
         "env": env,
     }
+    if policy.pool.node:  # only with node: pod-placement status annotations stay as they were
+        status |= {
+            "placement": policy.pool.placement.value,
+            "nodePool": policy.pool.node_pool,
+            "tenant": policy.pool.tenant,
+        }
     if guaranteed:
         status["qos"] = "Guaranteed"  # kept: the injected containers' limits equal requests
     if grown:
