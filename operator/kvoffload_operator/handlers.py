@@ -91,7 +91,8 @@ def _refresh_status(
             raise
         pods, visible = [], False
     mine = injected_pods(policy, pods)
-    reports = _ask_sidecars(mine, memo)
+    # placement node: no sidecar in the pods (the NodePlacement condition says so)
+    reports = [] if policy.pool.node else _ask_sidecars(mine, memo)
     new = build_status(
         policy,
         pods,
@@ -107,7 +108,7 @@ def _refresh_status(
     if {k: status.get(k) for k in new} != new:
         patch.status.update(status_patch(status, new, sent.get(key, {})))
         sent[key] = new
-    _report_problems(degraded_problems(mine, reports), memo)
+    _report_problems(degraded_problems(mine, reports, node=policy.pool.node), memo)
 
 
 def _ask_sidecars(mine: list[Mapping[str, Any]], memo: Any) -> list[SidecarReport]:

@@ -27,6 +27,12 @@ PYTHONHASHSEED unset with a vLLM that seeds block hashes per process: hits last 
 life, a restarted engine finds nothing). Such a pod serves as well as it can and better than
 without kvoffload, so it is not ``Degraded``; ``notedPods`` counts them and the message names
 up to 5 with their note.
+
+``NodePlacement`` (only with ``spec.pool.placement: node``): the pods have no sidecar, so no
+``Stats`` is asked of them (``readySidecars``, ``unreachableSidecars``, ``pool*`` and the
+Stats-derived causes stay empty) and the condition says where the pool is instead: the node
+pool's tenant, whose agents report in the ``KVOffloadNodePool``'s ``status.nodes``. A pod the
+scheduler cannot place is not blamed on kvoffload there: nothing injected requests the pool.
 """
 
 from __future__ import annotations
@@ -201,11 +207,15 @@ def _severity(problem: ContainerProblem) -> int:
 
 
 def degraded_problems(
-    mine: Sequence[Mapping[str, Any]], reports: Sequence[SidecarReport] = ()
+    mine: Sequence[Mapping[str, Any]],
+    reports: Sequence[SidecarReport] = (),
+    *,
+    node: bool = False,
 ) -> list[ContainerProblem]:
     """Every cause of ``Degraded`` among the injected pods ``mine``, worst first (see the module
-    doc): a pod with a failing container gets no Stats-derived problem."""
-    failing = [*unschedulable_problems(mine), *container_problems(mine)]
+    doc): a pod with a failing container gets no Stats-derived problem. ``node``: placement node,
+    where nothing injected requests the pool, so an unschedulable pod is not kvoffload's doing."""
+    failing = [*([] if node else unschedulable_problems(mine)), *container_problems(mine)]
     blocked = {p.pod_key for p in failing}
     live = {(p.get("metadata") or {}).get("uid") or "" for p in mine}
     names = {
@@ -416,6 +426,9 @@ def build_status(
         if _active(p) and policy.selector.matches((p.get("metadata") or {}).get("labels"))
     ]
     mine = injected_pods(policy, matched)
+    node = policy.pool.node
+    if node:  # no sidecar to have asked; whatever was passed is not these pods'
+        reports = ()
     winners: dict[str, bool] = {}  # other winner -> decided by name only
     for pod in matched:
         sel = select_policy((pod.get("metadata") or {}).get("labels"), namespace_policies)
@@ -432,7 +445,11 @@ def build_status(
             "True",
             "Applied",
             f"{len(matched)} pods matched, {len(mine)} injected, "
-            f"{sum(map(sidecar_ready, mine))} sidecars ready",
+            + (
+                f"using tenant {policy.pool.tenant!r} of node pool {policy.pool.node_pool!r}"
+                if node
+                else f"{sum(map(sidecar_ready, mine))} sidecars ready"
+            ),
             gen,
             now,
         )
@@ -470,7 +487,7 @@ def build_status(
             gen,
             now,
         )
-    problems = degraded_problems(mine, reports)
+    problems = degraded_problems(mine, reports, node=node)
     conditions = set_condition(conditions, "Degraded", *_degraded(problems), gen, now)
     degraded_pods, degraded_reasons = degraded_counts(problems)
     noted = noted_pods(mine, reports)
@@ -489,6 +506,21 @@ def build_status(
         gen,
         now,
         status="False",
+    )
+    conditions = _optional_condition(
+        conditions,
+        "NodePlacement",
+        (
+            "SidecarStatsNotAsked",
+            f"pods use tenant {policy.pool.tenant!r} of node pool {policy.pool.node_pool!r} "
+            "through the node agent's CSI volume: they have no sidecar, so none is asked for "
+            "Stats (readySidecars, unreachableSidecars, poolCapacity and poolUsed stay 0); the "
+            f"node agents report in KVOffloadNodePool {policy.pool.node_pool!r} (status.nodes)",
+        )
+        if node
+        else None,
+        gen,
+        now,
     )
     weak = [(p, algo) for p in mine if (algo := weak_hash_algo_of(p)) is not None]
     conditions = _optional_condition(
