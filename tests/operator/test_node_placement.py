@@ -240,6 +240,21 @@ def test_a_pod_that_already_has_the_node_volume_is_hand_wired(pool: dict[str, An
     assert decision.reason is SkipReason.HAND_WIRED and "/var/run/kvoffload" in decision.message
 
 
+def test_a_guaranteed_pod_stays_guaranteed_and_its_pod_level_budget_is_not_grown() -> None:
+    """Nothing injected holds the pool (the node agent's holder does): pod-level resources stay
+    as written, and the installer's limits equal its requests."""
+    pod = vllm_pod()
+    quantities = {"cpu": "4", "memory": "16Gi"}
+    pod["spec"]["containers"][0]["resources"] = {"requests": quantities, "limits": quantities}
+    pod["spec"]["resources"] = {"requests": quantities, "limits": quantities}
+    out = inject_pod(pod, [policy()]).pod
+    assert out["spec"]["resources"] == pod["spec"]["resources"]
+    (installer,) = out["spec"]["initContainers"]
+    assert installer["resources"]["requests"] == installer["resources"]["limits"]
+    status = json.loads(out["metadata"]["annotations"][ann.STATUS])
+    assert status["qos"] == "Guaranteed" and "podResources" not in status
+
+
 def test_the_property_test_runs_over_node_placement_fixtures() -> None:
     """test_injected_property checks every fixture (structure, delivery, both schemas, the
     execution): the node-placement golden cases are among them, and they inject."""
