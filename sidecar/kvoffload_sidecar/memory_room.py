@@ -115,18 +115,24 @@ def memory_room(
     return None
 
 
-def pool_shortfall(pool_bytes: int, resident_bytes: int, room: MemoryRoom | None) -> str | None:
+def pool_shortfall(
+    pool_bytes: int,
+    resident_bytes: int,
+    room: MemoryRoom | None,
+    *,
+    container: str = "the sidecar container",
+    remedy: str = "raise spec.sidecar.resources.limits.memory or lower the pool size",
+) -> str | None:
     """Why a pool of `pool_bytes` cannot be pre-faulted under `room` (None: it fits).
     `resident_bytes`: the pool file's pages already in memory (a restart's adopted file),
-    charged already wherever they are."""
+    charged already wherever they are. `container` and `remedy` word the answer."""
     if room is None:
         return None
     needed = max(0, pool_bytes - resident_bytes) + pool_bytes // INDEX_DIVISOR + SELF_RESERVE_BYTES
     if needed <= room.free:
         return None
     return (
-        f"the pool ({format_bytes(pool_bytes)}) does not fit the sidecar container's memory "
+        f"the pool ({format_bytes(pool_bytes)}) does not fit {container}'s memory "
         f"limit ({format_bytes(room.limit)}, {format_bytes(room.usage)} in use, "
-        f"{format_bytes(needed)} needed): raise spec.sidecar.resources.limits.memory or lower "
-        "the pool size"
+        f"{format_bytes(needed)} needed): {remedy}"
     )

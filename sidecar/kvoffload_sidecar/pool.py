@@ -40,6 +40,7 @@ from kvoffload_sidecar.errors import (
     Unavailable,
 )
 from kvoffload_sidecar.keys import NamespaceId
+from kvoffload_sidecar.memfd_region import FdBacking, MemfdRegion
 from kvoffload_sidecar.persist import Adoption
 from kvoffload_sidecar.policies.factory import resolve_policy
 from kvoffload_sidecar.pool_adoption import PoolAdoption
@@ -107,9 +108,12 @@ class Pool(
         clock: Callable[[], float] = time.monotonic,
         prefault_gate: PrefaultGate | None = None,
         liveness: Liveness | None = None,
+        backing: FdBacking | None = None,
     ) -> None:
         """`liveness(start, length)`: whether some process holds a lock on those bytes of the
-        pool file (engine_locks.py); default: `F_OFD_GETLK` on the pool file itself."""
+        pool file (engine_locks.py); default: `F_OFD_GETLK` on the pool file itself.
+        `backing`: the pool lives in that memfd instead of a file in `pool_dir` (node mode:
+        memfd_region.py); the regions the pool hands out then name no path."""
         s = settings
         if not isinstance(s.max_namespaces, int) or not 1 <= s.max_namespaces <= 1024:
             raise ValueError(f"max_namespaces must be in 1..1024, got {s.max_namespaces!r}")
@@ -121,17 +125,33 @@ class Pool(
         self.settings = s
         self._clock = clock
         self._lock = threading.Lock()
-        self._region = Region(
-            Path(s.pool_dir),
-            s.pool_size,
-            lock=self._lock,
-            chunk_bytes=s.prefault_chunk_bytes,
-            hugepages=s.hugepages,
-            numa_node=s.numa_node,
-            prefault=s.prefault,
-            gate=prefault_gate,
-            on_progress=self._on_prefault_progress,
-        )
+        if backing is not None:
+            if s.hugepages:
+                raise ValueError("a pool in a memfd has no huge pages (hugepages is for files)")
+            self._region: Region = MemfdRegion(
+                backing,
+                s.pool_size,
+                lock=self._lock,
+                chunk_bytes=s.prefault_chunk_bytes,
+                numa_node=s.numa_node,
+                prefault=s.prefault,
+                gate=prefault_gate,
+                on_progress=self._on_prefault_progress,
+            )
+        else:
+            if s.pool_dir is None:
+                raise ValueError("a pool needs pool_dir, or a memfd backing")
+            self._region = Region(
+                Path(s.pool_dir),
+                s.pool_size,
+                lock=self._lock,
+                chunk_bytes=s.prefault_chunk_bytes,
+                hugepages=s.hugepages,
+                numa_node=s.numa_node,
+                prefault=s.prefault,
+                gate=prefault_gate,
+                on_progress=self._on_prefault_progress,
+            )
         self._geometry = persist.geometry(s.pool_size, s.max_namespaces, s.hugepages)
         self._partitions: list[NamespaceId | None] = [None] * s.max_namespaces
         self._namespaces: dict[NamespaceId, NamespaceState] = {}

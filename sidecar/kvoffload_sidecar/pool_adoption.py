@@ -67,6 +67,11 @@ class PoolAdoption:
         else:
             if found is None:
                 adoption = Adoption("new", "no pool file was left: created one")
+            elif found.format_version == 0 and region.path is None:
+                # a memfd no agent wrote an index into (it is zero-filled when made); its
+                # writers, should a pod have written anyway, are fenced as after a discard
+                adoption = Adoption("new", f"{region.name} held no pool index: started one")
+                self._writers_clear = False
             else:
                 adoption = Adoption("discarded", found.problem or "", found.format_version)
                 # Workers of the file's earlier contents may still copy into it: no slot goes
@@ -79,9 +84,9 @@ class PoolAdoption:
         self.adoption = adoption
         if adoption.outcome == "adopted":
             log.warning(
-                "adopted the pool file %s (boot %d, generation %s): %d committed blocks in %d "
+                "adopted %s (boot %d, generation %s): %d committed blocks in %d "
                 "namespace(s) in %.3f s; not adopted: %s",
-                self.path,
+                region.name,
                 adoption.boots,
                 self.generation,
                 adoption.adopted_blocks,
@@ -91,9 +96,9 @@ class PoolAdoption:
             )
         elif adoption.outcome == "discarded":
             log.warning(
-                "discarded the contents of the pool file %s: %s; stores start once the "
+                "discarded the contents of %s: %s; stores start once the "
                 "workers of its earlier contents drained or exited",
-                self.path,
+                region.name,
                 adoption.reason,
             )
 
@@ -167,7 +172,8 @@ class PoolAdoption:
         self._update_ready(ns)
 
     def _regions_of(self, layout: NamespaceLayout) -> tuple[RankRegion, ...]:
-        path = str(self.path)
+        # a memfd has no path: the client maps the one it received (node mode)
+        path = "" if self._region.path is None else str(self._region.path)
         return tuple(
             RankRegion(
                 r, path, layout.rank_offset(r), layout.slot_bytes_per_rank, layout.slot_count

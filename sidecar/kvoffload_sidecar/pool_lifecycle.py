@@ -41,10 +41,10 @@ class PoolLifecycle:
         with self._lock:
             self._on_prefault_progress()
         log.info(
-            "pool %s: %d bytes at %s, %d partition(s), eviction %s",
+            "pool %s: %d bytes in %s, %d partition(s), eviction %s",
             self.generation,
             self.settings.pool_size,
-            self.path,
+            self._region.name,
             self.settings.max_namespaces,
             self.settings.eviction,
         )
@@ -95,16 +95,16 @@ class PoolLifecycle:
             except (OSError, ValueError) as exc:
                 self._started = False  # every call answers FAILED_PRECONDITION from now on
                 log.error(
-                    "the pool file %s %s and cannot be rebuilt (%s): serving without a pool",
-                    self.path,
+                    "%s %s and cannot be rebuilt (%s): serving without a pool",
+                    self._region.name,
                     problem,
                     exc,
                 )
                 return True
         log.warning(
-            "the pool file %s %s under the sidecar: rebuilt it (generation %s -> %s), its "
+            "%s %s under the sidecar: rebuilt it (generation %s -> %s), its "
             "contents are gone; connectors register again",
-            self.path,
+            self._region.name,
             problem,
             old,
             self.generation,

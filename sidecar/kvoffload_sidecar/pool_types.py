@@ -28,7 +28,7 @@ class PoolSettings:
     """How the pool is built; the server fills it from its flags."""
 
     pool_size: int  # bytes, exactly the file size
-    pool_dir: Path  # memory-backed directory shared with the vLLM container
+    pool_dir: Path | None  # memory-backed directory shared with vLLM (None: a memfd backing)
     eviction: str = "lru"  # "lru" | "arc" | "package.module:Class"
     hugepages: bool = False  # pool_dir is hugetlbfs: pool_size must be a multiple of 2 MiB
     numa_node: int | None = None  # bind pre-faulted pages to this node (best effort)

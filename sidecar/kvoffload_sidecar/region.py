@@ -64,7 +64,7 @@ class Region:
 
     def __init__(
         self,
-        pool_dir: Path,
+        pool_dir: Path | None,
         size: int,
         *,
         lock: threading.Lock,
@@ -75,8 +75,9 @@ class Region:
         gate: PrefaultGate | None = None,
         on_progress: Callable[[], None] = lambda: None,
     ) -> None:
-        self.pool_dir = Path(pool_dir)
-        self.path = self.pool_dir / POOL_FILE_NAME
+        # None for a region over a given fd (memfd_region.py): no directory, no file name
+        self.pool_dir = Path(pool_dir) if pool_dir is not None else None
+        self.path = self.pool_dir / POOL_FILE_NAME if self.pool_dir is not None else None
         self.size = size
         self.page_bytes = HUGE_PAGE_BYTES if hugepages else mmap.PAGESIZE
         self.hugepages = hugepages
@@ -102,6 +103,11 @@ class Region:
         self.finished_at: float | None = None
         self.locked = False  # mlock'ed after pre-fault (`lock_pages`)
         self.lock_seconds: float | None = None
+
+    @property
+    def name(self) -> str:
+        """What logs call the memory behind the pool."""
+        return f"the pool file {self.path}"
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -371,11 +377,11 @@ class Region:
                 if self._file_size() < start + length:  # touching past the end is SIGBUS
                     self.error = "the pool file shrank under the mapping"
                     log.warning(
-                        "pool pre-fault paused at %d of %d bytes: the pool file %s shrank "
+                        "pool pre-fault paused at %d of %d bytes: %s shrank "
                         "under the mapping (the reaper rebuilds it)",
                         self._done_bytes,
                         self.size,
-                        self.path,
+                        self.name,
                     )
                     break
                 self._touch(start, length)
