@@ -152,6 +152,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         self._sessions_lock = threading.Lock()  # framed connections open and close in threads
         self.session_socket_name = ""  # the framed socket's file name, told to registrants
         self.presence_map_name = ""  # the presence map's file name (presence.py), likewise
+        self.tenant_memory = ""  # node mode: the tenant whose memfd holds the regions
         self._session_tasks: set[asyncio.Task[Any]] = set()  # open gRPC Session handlers
         self._ending: set[asyncio.Task[Any]] = set()  # of those, cancelled by cancel_sessions
         self.status_dir: Path | None = None  # where connectors write their status files
@@ -164,6 +165,7 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         convert.registration_to_proto(reg, out)
         out.session_socket = self.session_socket_name
         out.presence_map = self.presence_map_name
+        out.tenant_memory = self.tenant_memory
 
     def _lookup(self, req: pb.LookupRequest, _session: int, out: pb.LookupResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)

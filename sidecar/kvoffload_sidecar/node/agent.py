@@ -2,8 +2,8 @@
 
 The grants come from the `KVOffloadNodePool` named by `--node-pool-name`, followed through the
 API (follow.py: it also checks the CSIDriver and writes this node's status), or from a fixed
-`--node-pool FILE` with the same fields; the slot protocol inside each tenant is not served yet
-(docs/NODE.md, Open).
+`--node-pool FILE` with the same fields. Each tenant's memfd gets its pool (pools.py): every
+published pod's `pool.sock` and `session.sock` serve the slot protocol on its tenant's pool.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from kvoffload_sidecar.node.csi import NodeAgent, NodeConfig, serve
 from kvoffload_sidecar.node.follow import PoolFollower
 from kvoffload_sidecar.node.grants import NodePoolSpec, load_spec
 from kvoffload_sidecar.node.kube import ApiConfig, KubeClient
+from kvoffload_sidecar.node.pools import PoolOptions, TenantPools
 from kvoffload_sidecar.node.tenant_memory import MemoryServer, TenantMemory
+from kvoffload_sidecar.tenants import parse_tenants
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -59,15 +61,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="take the tenants' memfds from `kvoffload node-holder` (they outlive the agent)",
     )
+    p.add_argument(
+        "--max-namespaces",
+        type=int,
+        default=1,
+        help="partitions of every tenant's pool, one namespace (model, layout, ...) each",
+    )
+    p.add_argument(
+        "--cache-salt-tenants",
+        type=parse_tenants,
+        default=None,
+        help="quotas by vLLM cache_salt inside every tenant's pool (the sidecar's --tenants)",
+    )
+    p.add_argument("--client-timeout-s", type=float, default=60.0, help=argparse.SUPPRESS)
+    p.add_argument("--detach-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     source = None
+    allocate = None
     if ns.holder_socket:
         source = functools.partial(holder.lend, ns.holder_socket)
+
+        def allocate(tenant: str):  # the holder faults each range: its container is charged
+            return functools.partial(holder.prefault, ns.holder_socket, tenant)
+
     fixed = load_spec(ns.node_pool) if ns.node_pool else NodePoolSpec(ns.node_pool_name, ())
     if ns.pool_bytes is not None and fixed.size_bytes > ns.pool_bytes:
         p.error(f"the tenants' shares sum to {fixed.size_bytes} bytes, past --pool-bytes")
+    if not 1 <= ns.max_namespaces <= 1024:
+        p.error("--max-namespaces must be in 1..1024")
+    options = PoolOptions(
+        max_namespaces=ns.max_namespaces,
+        salt_tenants=ns.cache_salt_tenants,
+        client_timeout_s=ns.client_timeout_s,
+        detach_grace_s=ns.detach_grace_s,
+    )
+    pools = TenantPools(options, allocate=allocate)
     memory = TenantMemory(fixed, prefault=ns.prefault, source=source)
+    memory.subscribe(pools.add)  # each tenant's pool, over its memfd (adopting its index)
     attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
     server = MemoryServer(memory, attest=attest)
     config = NodeConfig(node_id=ns.node_id, state_dir=ns.state_dir, publish_root=ns.publish_root)
@@ -92,11 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             server,
             precondition=follower.precondition,
             on_change=follower.changed,
+            pools=pools,
         )
         agent_ref.append(agent)
         follower.start()
     else:
-        agent = NodeAgent(config, lambda: fixed, server)
+        agent = NodeAgent(config, lambda: fixed, server, pools=pools)
     grpc_server = serve(agent, ns.csi_socket)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -106,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if follower is not None:
         follower.stop()
     grpc_server.stop(2).wait()
+    pools.close()
     server.close()
     memory.close()
     return 0

@@ -1,12 +1,13 @@
 """The CSI Identity and Node services the kubelet calls (the CSI spec's own messages, v1.12).
 
-NodePublishVolume turns one pod's inline volume into that pod's socket: it checks the kubelet's
-pod fields and the requested tenant against the admin's grants, creates `target_path`, binds
-`memory.sock` in it, and records the binding before it answers. NodeUnpublishVolume undoes it and
-answers OK for a volume it does not know, as the spec requires. Codes follow the spec's tables:
-INVALID_ARGUMENT for requests this driver cannot serve, PERMISSION_DENIED for a tenant the pod
-may not use (known or not), ALREADY_EXISTS for the same volume and path asked with another pod or
-tenant.
+NodePublishVolume turns one pod's inline volume into that pod's sockets: it checks the kubelet's
+pod fields and the requested tenant against the admin's grants, creates `target_path`, records
+the binding, binds `memory.sock` in it and, with the slot protocol served (pools.py), the pod's
+`pool.sock` and `session.sock` on its tenant's pool, before it answers. NodeUnpublishVolume
+undoes it and answers OK for a volume it does not know, as the spec requires. Codes follow the
+spec's tables: INVALID_ARGUMENT for requests this driver cannot serve, PERMISSION_DENIED for a
+tenant the pod may not use (known or not), ALREADY_EXISTS for the same volume and path asked
+with another pod or tenant.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvoffload.csi.v1 import csi_pb2, csi_pb2_grpc
 from kvoffload_sidecar.node.bindings import SOCKET_NAME, Binding, BindingStore
 from kvoffload_sidecar.node.grants import NodePoolSpec
 from kvoffload_sidecar.node.identity import IdentityError, parse_volume_context
+from kvoffload_sidecar.node.pools import POOL_SOCKET, SESSION_SOCKET, TenantPools
 from kvoffload_sidecar.node.tenant_memory import MemoryServer
 
 log = logging.getLogger(__name__)
@@ -63,15 +65,18 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
         *,
         precondition: Callable[[], str | None] = lambda: None,
         on_change: Callable[[], None] = lambda: None,
+        pools: TenantPools | None = None,
     ) -> None:
         """`spec()` is read at every publish (the grants may change while the agent runs);
         `precondition()` names why no pod may publish now (None: they may); `on_change()` is
-        called after every publish and unpublish (the node's status counts pods)."""
+        called after every publish and unpublish (the node's status counts pods); `pools`
+        serves each pod's slot protocol on its tenant's pool (None: memory.sock only)."""
         self._config = config
         self._spec = spec
         self._precondition = precondition
         self._on_change = on_change
         self._memory = memory
+        self._pools = pools
         self._store = BindingStore(config.state_dir)
         self._bindings: dict[tuple[str, str], Binding] = {}
         self._lock = threading.Lock()  # publish and unpublish of any volumes, one at a time
@@ -85,7 +90,16 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
                 self._store.remove(b.volume_id, b.target_path)
                 continue
             self._memory.attach(b)
+            self._attach_pool(b)
             self._bindings[(b.volume_id, b.target_path)] = b
+
+    def _attach_pool(self, b: Binding) -> None:
+        if self._pools is None:
+            return
+        try:
+            self._pools.attach(b)
+        except (OSError, RuntimeError) as e:  # memory.sock is served: the pod runs without
+            log.error("pod %s: pool.sock not served: %s", b.pod.describe(), e)
 
     def bindings(self) -> list[Binding]:
         with self._lock:
@@ -142,11 +156,14 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
         key = (request.volume_id, request.target_path)
         with self._lock:
             self._memory.detach(*key)
+            if self._pools is not None:
+                self._pools.detach(*key)
             self._bindings.pop(key, None)
             self._store.remove(*key)
             # Remove what this driver created there, and nothing else.
-            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-                os.unlink(os.path.join(request.target_path, SOCKET_NAME))
+            for name in (SOCKET_NAME, POOL_SOCKET, SESSION_SOCKET):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    os.unlink(os.path.join(request.target_path, name))
             try:
                 os.rmdir(request.target_path)
             except FileNotFoundError:
@@ -213,7 +230,8 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
                     f"volume {b.volume_id} is published at {b.target_path} for another "
                     "pod, tenant or group",
                 )
-            if os.path.exists(b.socket_path):
+            pools = self._pools
+            if os.path.exists(b.socket_path) and (pools is None or pools.knows(*key)):
                 return  # the kubelet retried a publish that succeeded
         parent = os.path.dirname(b.target_path)
         if not os.path.isdir(parent):
@@ -234,6 +252,7 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             os.chmod(b.target_path, 0o755)
         self._store.save(b)  # before the socket exists: a crash leaves a record, never an orphan
         self._memory.attach(b)
+        self._attach_pool(b)
         self._bindings[key] = b
 
 

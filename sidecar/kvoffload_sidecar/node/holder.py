@@ -11,6 +11,12 @@ request is `{"v": 1, "op": "lend", "tenant": NAME, "size": BYTES}`; the answer `
 "code": CODE, ...}` with a new open file description of the tenant's memfd when CODE is "OK",
 created on first request. A different size for a known tenant is FAILED_PRECONDITION (its size
 is sealed); a peer of another uid than the holder's is PERMISSION_DENIED.
+
+`{"v": 1, "op": "prefault", "tenant": NAME, "offset": O, "length": N}` allocates that range of
+a held tenant's memfd (`posix_fallocate`) before answering "OK": the agent's pool pre-faults in
+its own order (the slots it hands out first) while the pages are charged to the holder's
+container, whose memory is the node pool. A range outside the memfd is INVALID_ARGUMENT, a
+tenant not held FAILED_PRECONDITION, an allocation the kernel refuses UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -74,6 +80,20 @@ class Holder:
                 )
             return "OK", "", open_description(held.fd)
 
+    def prefault(self, tenant: str, offset: int, length: int) -> tuple[str, str]:
+        """(code, message): allocate [offset, offset + length) of a held tenant's memfd."""
+        with self._lock:
+            held = self._held.get(tenant)
+        if held is None:
+            return "FAILED_PRECONDITION", f"tenant {tenant!r} is not held"
+        if offset + length > held.size:
+            return "INVALID_ARGUMENT", f"range past the {held.size} bytes of {tenant!r}"
+        try:
+            os.posix_fallocate(held.fd, offset, length)
+        except OSError as e:
+            return "UNAVAILABLE", f"cannot allocate: {e.strerror or e}"
+        return "OK", ""
+
     def handle(self, raw: bytes, fds: list[int], peer_uid: int) -> tuple[dict, int | None]:
         for fd in fds:
             os.close(fd)
@@ -81,19 +101,16 @@ class Holder:
             return {"code": "PERMISSION_DENIED", "message": "only the agent's uid is served"}, None
         try:
             doc = json.loads(raw.decode())
-            ok = (
-                isinstance(doc, dict)
-                and set(doc) == {"v", "op", "tenant", "size"}
-                and doc["v"] == PROTOCOL_VERSION
-                and doc["op"] == "lend"
-                and isinstance(doc["tenant"], str)
-                and doc["tenant"]
-                and isinstance(doc["size"], int)
-                and doc["size"] > 0
-            )
         except (UnicodeDecodeError, ValueError):
-            ok = False
-        if fds or not ok:
+            doc = None
+        if fds or not isinstance(doc, dict):
+            return {"code": "INVALID_ARGUMENT", "message": "expected a lend request"}, None
+        if doc.get("op") == "prefault" and _fields(doc, "offset", "length"):
+            if doc["offset"] < 0 or doc["length"] <= 0:
+                return {"code": "INVALID_ARGUMENT", "message": "expected a range"}, None
+            code, message = self.prefault(doc["tenant"], doc["offset"], doc["length"])
+            return {"code": code, "message": message}, None
+        if doc.get("op") != "lend" or not _fields(doc, "size") or doc["size"] <= 0:
             return {"code": "INVALID_ARGUMENT", "message": "expected a lend request"}, None
         code, message, fd = self.lend(doc["tenant"], doc["size"])
         return {"code": code, "message": message, "size": doc["size"]}, fd
@@ -137,6 +154,32 @@ class Holder:
                 except OSError as e:
                     log.info("holder connection ended: %s", e)
         listener.close()
+
+
+def _fields(doc: dict, *numbers: str) -> bool:
+    """`doc` is exactly {v, op, tenant, *numbers}, with a tenant name and integer numbers."""
+    return (
+        set(doc) == {"v", "op", "tenant", *numbers}
+        and doc["v"] == PROTOCOL_VERSION
+        and isinstance(doc["tenant"], str)
+        and bool(doc["tenant"])
+        and all(isinstance(doc[n], int) and not isinstance(doc[n], bool) for n in numbers)
+    )
+
+
+def prefault(path: str, tenant: str, offset: int, length: int, *, timeout: float = 60.0) -> None:
+    """Have the holder at `path` allocate that range of `tenant`'s memfd; raise HolderError."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        doc = {"v": PROTOCOL_VERSION, "op": "prefault", "tenant": tenant}
+        s.send(json.dumps({**doc, "offset": offset, "length": length}).encode())
+        data, fds, _, _ = socket.recv_fds(s, MAX_REQUEST, 4)
+    for fd in fds:
+        os.close(fd)
+    answer = json.loads(data.decode()) if data else {"code": "UNAVAILABLE"}
+    if answer.get("code") != "OK":
+        raise HolderError(str(answer.get("code")), str(answer.get("message", "")))
 
 
 def lend(path: str, tenant: str, size: int, *, timeout: float = 5.0) -> int:

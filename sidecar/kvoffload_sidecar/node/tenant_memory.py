@@ -89,6 +89,7 @@ class TenantMemory:
         self._regions: dict[str, TenantRegion] = {}
         self._make = source or (lambda name, size: create_memfd(name, size, prefault=prefault))
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[TenantRegion], None]] = []
         try:
             self.update(spec)
         except BaseException:
@@ -103,8 +104,28 @@ class TenantMemory:
                 if grant.name in self._regions:
                     continue
             fd = self._make(grant.name, grant.share_bytes)
+            region = TenantRegion(grant.name, fd, grant.share_bytes)
             with self._lock:
-                self._regions[grant.name] = TenantRegion(grant.name, fd, grant.share_bytes)
+                self._regions[grant.name] = region
+                listeners = list(self._listeners)
+            for listener in listeners:
+                self._tell(listener, region)
+
+    def subscribe(self, listener: Callable[[TenantRegion], None]) -> None:
+        """Call `listener(region)` for every tenant's memfd, those made and those to come (the
+        tenant's pool is built over it). A listener that fails is logged: the memfd stays."""
+        with self._lock:
+            self._listeners.append(listener)
+            regions = list(self._regions.values())
+        for region in regions:
+            self._tell(listener, region)
+
+    @staticmethod
+    def _tell(listener: Callable[[TenantRegion], None], region: TenantRegion) -> None:
+        try:
+            listener(region)
+        except Exception:  # noqa: BLE001 - the memory handover must outlive a failed pool
+            log.exception("tenant %s: its memory's listener failed", region.tenant)
 
     def region(self, tenant: str) -> TenantRegion | None:
         with self._lock:

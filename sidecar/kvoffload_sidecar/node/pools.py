@@ -1,0 +1,397 @@
+"""The slot protocol inside each tenant: one `Pool` per tenant memfd, and each published pod's
+own gRPC server (`pool.sock`) and framed session socket (`session.sock`) on its tenant's Pool.
+
+The `Pool` is the sidecar's (index in the memory, namespaces, cache_salt quotas, engine locks),
+over the tenant's memfd instead of a pool file (`kvoffload_sidecar.memfd_region`). It is built
+when the tenant's memfd is accepted; after an agent restart the holder lends the same memfd
+again and the new Pool adopts the index it holds, as a restarted sidecar adopts its pool file.
+
+A pod's sockets sit beside its `memory.sock`, in the directory the kubelet published, with the
+same mode and group rules (0666, or 0660 and the pod's fsGroup). The servicer of a pod's server
+holds only its bound tenant's Pool: the tenant comes from the binding, never from a request.
+Register answers name that tenant (`RegisterResponse.tenant_memory`) and no path: offsets are
+into the memfd the pod gets from `memory.sock`. No presence map is offered (empty name).
+
+Every pod server runs on one asyncio loop in one thread (the sidecar's servicer is asynchronous;
+Pool calls take microseconds under the Pool's lock), and its framed sessions on their own
+threads as in the sidecar. gRPC removes a Unix socket at its address when the server stops, so
+each pod server keeps its directory open (`/proc/self/fd/<dir>/pool.sock`, also how a path
+longer than `sun_path` is bound) until it has stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvoffload_sidecar.errors import PoolError
+from kvoffload_sidecar.frames import FramedSessions
+from kvoffload_sidecar.memfd_region import FdBacking
+from kvoffload_sidecar.memory_room import MemoryRoom, memory_room, pool_shortfall
+from kvoffload_sidecar.metrics import SidecarMetrics
+from kvoffload_sidecar.node.bindings import Binding
+from kvoffload_sidecar.node.tenant_memory import TenantRegion, bind_in_dir, set_socket_owner
+from kvoffload_sidecar.pool import Pool, PoolSettings
+from kvoffload_sidecar.server import (
+    MAX_MESSAGE_BYTES,
+    SERVICE_NAME,
+    PoolServicer,
+    add_servicer,
+    new_server,
+)
+from kvoffload_sidecar.tenants import TenantsConfig
+
+log = logging.getLogger(__name__)
+
+POOL_SOCKET = "pool.sock"
+SESSION_SOCKET = "session.sock"
+_BACKLOG = 64
+_CALL_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """How every tenant's Pool is built and its pods served (the agent's flags)."""
+
+    max_namespaces: int = 1
+    eviction: str = "lru"
+    client_timeout_s: float = 60.0
+    detach_grace_s: float = 2.0
+    salt_tenants: TenantsConfig | None = None  # cache_salt quotas inside every tenant's pool
+    prefault: bool = True  # False: every slot ready at once (tests only)
+    prefault_chunk_bytes: int = 64 << 20
+    max_sessions: int = 64  # framed sessions per pod socket
+    unpublish_grace_s: float = 1.0  # in-flight calls of a pod whose volume goes
+
+    @property
+    def reap_interval_s(self) -> float:
+        """As the sidecar's: a quarter of the idle timeout or half the detach grace."""
+        period = self.client_timeout_s / 4
+        if self.detach_grace_s > 0:
+            period = min(period, self.detach_grace_s / 2)
+        return min(10.0, max(0.1, period))
+
+    def settings(self, size: int) -> PoolSettings:
+        return PoolSettings(
+            pool_size=size,
+            pool_dir=None,
+            eviction=self.eviction,
+            max_namespaces=self.max_namespaces,
+            prefault_chunk_bytes=self.prefault_chunk_bytes,
+            client_timeout_s=self.client_timeout_s,
+            detach_grace_s=self.detach_grace_s,
+            prefault=self.prefault,
+            tenants=self.salt_tenants,
+        )
+
+
+@dataclass
+class PodFramedSessions(FramedSessions):
+    """The framed session socket in a pod's directory: bound through the directory (the path
+    may exceed `sun_path`), mode and group set as on `memory.sock`."""
+
+    directory: str = ""
+    mode: int = 0o666
+    group: int | None = None
+
+    async def start(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            bind_in_dir(listener, self.directory, self.path.name)
+            set_socket_owner(self.directory, self.path.name, self.mode, self.group)
+            listener.listen(_BACKLOG)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        threading.Thread(
+            target=self._accept_forever,
+            args=(listener,),
+            name="kvoffload-node-framed",
+            daemon=True,
+        ).start()
+
+
+@dataclass
+class PodServer:
+    """One published pod's servers over its tenant's Pool."""
+
+    binding: Binding
+    server: grpc.aio.Server
+    servicer: PoolServicer
+    health: health.aio.HealthServicer
+    frames: PodFramedSessions
+    dir_fd: int  # the pod's directory, open until gRPC removed its socket (module docstring)
+
+
+@dataclass
+class TenantPool:
+    tenant: str
+    pool: Pool
+    metrics: SidecarMetrics
+    reaper: asyncio.Task[None] | None = None
+    pods: dict[tuple[str, str], PodServer] = field(default_factory=dict)
+
+
+class TenantPools:
+    """Every tenant's Pool in this agent, and the pod servers on them.
+
+    `add(region)` is `TenantMemory.subscribe`'s listener. `allocate(tenant)`, when given, is
+    how that tenant's pages are allocated for the pre-fault (the holder does it: its container
+    is charged); without it the agent allocates them itself, and a tenant whose pool does not
+    fit the agent container's memory limit gets no pool (`problems`).
+    """
+
+    def __init__(
+        self,
+        options: PoolOptions | None = None,
+        *,
+        allocate: Callable[[str], Callable[[int, int], None]] | None = None,
+        socket_mode: int = 0o666,
+        room: Callable[[], MemoryRoom | None] = memory_room,
+    ) -> None:
+        self.options = options or PoolOptions()
+        self._allocate = allocate
+        self._mode = socket_mode
+        self._room = room
+        self._lock = threading.Lock()  # tenants and pods, across CSI threads and the loop
+        self._tenants: dict[str, TenantPool] = {}
+        self._pods: dict[tuple[str, str], TenantPool] = {}
+        self._waiting: dict[tuple[str, str], Binding] = {}  # pods whose tenant has no pool yet
+        self.problems: dict[str, str] = {}  # tenant -> why it has no pool
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="node-pools", daemon=True
+        )
+        self._thread.start()
+        self._closed = False
+
+    # -- tenants -----------------------------------------------------------------------------
+
+    def add(self, region: TenantRegion) -> None:
+        """Build and start `region`'s tenant's Pool (adopting an index it holds)."""
+        with self._lock:
+            if self._closed or region.tenant in self._tenants:
+                return
+        problem = self._room_problem(region)
+        if problem is not None:
+            self.problems[region.tenant] = problem
+            log.error("tenant %s gets no pool: %s", region.tenant, problem)
+            return
+        allocate = self._allocate(region.tenant) if self._allocate is not None else None
+        backing = FdBacking(region.fd, f"tenant {region.tenant}'s memory", allocate)
+        pool = Pool(self.options.settings(region.size), backing=backing)
+        try:
+            pool.start()
+        except (OSError, ValueError, PoolError) as exc:
+            pool.close()
+            self.problems[region.tenant] = str(exc)
+            log.error("tenant %s gets no pool: %s", region.tenant, exc)
+            return
+        tp = TenantPool(region.tenant, pool, SidecarMetrics(pool))
+        tp.reaper = self._call(self._start_reaper(tp))
+        with self._lock:
+            self._tenants[region.tenant] = tp
+            self.problems.pop(region.tenant, None)
+            waiting = [b for b in self._waiting.values() if b.tenant == region.tenant]
+            for b in waiting:
+                del self._waiting[(b.volume_id, b.target_path)]
+        a = pool.adoption
+        log.info(
+            "tenant %s: pool of %d bytes, %s (%s%d committed blocks in %d namespace(s))",
+            region.tenant,
+            region.size,
+            a.outcome,
+            f"{a.reason}; " if a.reason else "",
+            a.adopted_blocks,
+            a.adopted_namespaces,
+        )
+        for b in waiting:  # pods published (or restored) before their tenant had a pool
+            try:
+                self.attach(b)
+            except (OSError, RuntimeError) as e:
+                log.error("pod %s: pool.sock not served: %s", b.pod.describe(), e)
+
+    def _room_problem(self, region: TenantRegion) -> str | None:
+        if self._allocate is not None:
+            log.info(
+                "tenant %s: the holder allocates its pages (its container is charged): the "
+                "agent container's memory limit is not checked",
+                region.tenant,
+            )
+            return None
+        with self._lock:
+            pending = sum(
+                tp.pool.region.size - tp.pool.region.prefaulted_bytes
+                for tp in self._tenants.values()
+            )
+        resident = os.fstat(region.fd).st_blocks * 512
+        return pool_shortfall(
+            region.size + pending,
+            resident,
+            self._room(),
+            container="the node agent container",
+            remedy="take the memory from the holder (--holder-socket), raise the agent "
+            "container's memory limit or lower the tenants' shares",
+        )
+
+    def pool(self, tenant: str) -> Pool | None:
+        with self._lock:
+            tp = self._tenants.get(tenant)
+        return tp.pool if tp is not None else None
+
+    async def _start_reaper(self, tp: TenantPool) -> asyncio.Task[None]:
+        return asyncio.create_task(self._reap(tp))
+
+    async def _reap(self, tp: TenantPool) -> None:
+        """The sidecar's reaper for one tenant's Pool: idle clients, dead engines, and the
+        memory changed under it (its sessions then end: the connectors register again)."""
+        while True:
+            await asyncio.sleep(self.options.reap_interval_s)
+            try:
+                if tp.pool.check_file():
+                    for pod in list(tp.pods.values()):
+                        pod.servicer.cancel_sessions()
+                        pod.frames.close_all()
+            except Exception:  # noqa: BLE001
+                log.exception("tenant %s: checking its memory failed", tp.tenant)
+            try:
+                tp.pool.reap_idle_clients()
+            except Exception:  # noqa: BLE001
+                log.exception("tenant %s: reaping idle clients failed", tp.tenant)
+
+    # -- pods --------------------------------------------------------------------------------
+
+    def knows(self, volume_id: str, target_path: str) -> bool:
+        """That pod's servers run, or wait for its tenant's pool."""
+        key = (volume_id, target_path)
+        with self._lock:
+            return key in self._pods or key in self._waiting
+
+    def serving(self, volume_id: str, target_path: str) -> bool:
+        with self._lock:
+            return (volume_id, target_path) in self._pods
+
+    def attach(self, binding: Binding) -> bool:
+        """Serve `pool.sock` and `session.sock` in the pod's (existing) directory on its
+        tenant's Pool, replacing servers of the same volume. False (logged) when the tenant
+        has no pool yet: the pod serves without one, as with no sidecar, and gets its
+        sockets once its tenant's pool is built (`add`)."""
+        key = (binding.volume_id, binding.target_path)
+        self.detach(*key)
+        with self._lock:
+            tp = self._tenants.get(binding.tenant)
+            if tp is None:
+                self._waiting[key] = binding
+        if tp is None:
+            why = self.problems.get(binding.tenant, "its memory is not on this node yet")
+            log.warning(
+                "pod %s: no pool.sock yet, tenant %s has no pool (%s)",
+                binding.pod.describe(),
+                binding.tenant,
+                why,
+            )
+            return False
+        pod = self._call(self._start_pod(tp, binding))
+        with self._lock:
+            tp.pods[key] = pod
+            self._pods[key] = tp
+        return True
+
+    def detach(self, volume_id: str, target_path: str) -> bool:
+        """Stop that pod's servers (their sessions end: the clients detach) and remove its
+        sockets; False when none were served."""
+        key = (volume_id, target_path)
+        with self._lock:
+            self._waiting.pop(key, None)
+            tp = self._pods.pop(key, None)
+            pod = tp.pods.pop(key, None) if tp is not None else None
+        if pod is None:
+            return False
+        self._call(self._stop_pod(pod, self.options.unpublish_grace_s))
+        return True
+
+    async def _start_pod(self, tp: TenantPool, b: Binding) -> PodServer:
+        servicer = PoolServicer(tp.pool, tp.metrics)
+        servicer.tenant_memory = b.tenant
+        servicer.session_socket_name = SESSION_SOCKET
+        server = new_server()
+        add_servicer(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        mode = self._mode if b.mount_group is None else self._mode & 0o660
+        frames = PodFramedSessions(
+            servicer,
+            Path(b.target_path) / SESSION_SOCKET,
+            MAX_MESSAGE_BYTES,
+            self.options.max_sessions,
+            directory=b.target_path,
+            mode=mode,
+            group=b.mount_group,
+        )
+        dfd = os.open(b.target_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(POOL_SOCKET, dir_fd=dfd)
+            server.add_insecure_port(f"unix:/proc/self/fd/{dfd}/{POOL_SOCKET}")
+            set_socket_owner(b.target_path, POOL_SOCKET, mode, b.mount_group)
+            await frames.start()
+            await server.start()
+        except BaseException:
+            await server.stop(None)
+            await frames.stop(0)
+            os.close(dfd)
+            raise
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return PodServer(b, server, servicer, health_servicer, frames, dfd)
+
+    @staticmethod
+    async def _stop_pod(pod: PodServer, grace: float) -> None:
+        try:
+            await pod.health.enter_graceful_shutdown()
+            await asyncio.gather(pod.server.stop(grace), pod.frames.stop(grace))
+        finally:
+            os.close(pod.dir_fd)  # only now: gRPC unlinked its socket through it
+
+    # -- life --------------------------------------------------------------------------------
+
+    def _call(self, coro: Any) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(_CALL_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Stop every pod server and every Pool (the memfds stay: the holder keeps them, and a
+        new agent adopts their indexes)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            tenants = list(self._tenants.values())
+            self._tenants.clear()
+            self._pods.clear()
+        for tp in tenants:
+            tp.pool.begin_drain()
+            for pod in list(tp.pods.values()):
+                with contextlib.suppress(Exception):
+                    self._call(self._stop_pod(pod, self.options.unpublish_grace_s))
+            tp.pods.clear()
+            if tp.reaper is not None:
+                self._loop.call_soon_threadsafe(tp.reaper.cancel)
+            tp.pool.close()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        if not self._loop.is_running():
+            self._loop.close()
