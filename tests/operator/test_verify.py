@@ -261,3 +261,15 @@ def test_cli_withdraws_a_rendering_that_fails(
     assert template["spec"] == original["spec"]["template"]["spec"]
     err = capsys.readouterr().err
     assert "unique-mount-paths" in err and "/kvoffload/pool" in err
+
+
+def test_an_args_only_container_runs_its_images_entrypoint() -> None:
+    """No command: vLLM images run `vllm serve`, KServe's huggingfaceserver its module."""
+    for image, start in (
+        ("vllm/vllm-openai:v0.11.0", ("vllm", "serve")),
+        ("kserve/huggingfaceserver:v0.15.2-gpu", ("python3", "-m", "huggingfaceserver")),
+    ):
+        mutated, intent = injected(pod(image=image, args=["--model_id=m", "--backend=vllm"]))
+        run = run_delivery(mutated, intent)
+        assert run.status == OK, run.message
+        assert run.engine_argv[: len(start) + 1] == (*start, "--model_id=m")

@@ -1,13 +1,14 @@
 """Run an injected vLLM container's command line against a stand-in engine (tests and
 ``kvoffload inject --verify``; never the webhook: see `verify` for why).
 
-The container's ``command`` + ``args`` (``vllm serve`` when it has no command: the image's
-entrypoint), ``$(VAR)``-expanded as the kubelet does with the container's env, run in the shell
-that will run them (``/bin/sh`` is dash here, ``bash`` is bash), with ``eval``, ``exec``,
-``"$@"`` and scripts from ConfigMaps of the input set all doing what they do in the pod. On
-``PATH`` there are only stubs: ``vllm`` and ``python``/``python3`` record their argv as JSON
-(an engine invocation — ``vllm serve|bench throughput|latency``, ``python -m
-vllm.entrypoints...`` — then ends the run), wrappers (``env``, ``nohup``, ``numactl``, ...) run
+The container's ``command`` + ``args`` (with no command, the image's entrypoint: ``python3 -m
+huggingfaceserver`` for KServe's huggingfaceserver, else ``vllm serve``), ``$(VAR)``-expanded
+as the kubelet does with the container's env, run in the shell that will run them (``/bin/sh``
+is dash here, ``bash`` is bash), with ``eval``, ``exec``, ``"$@"`` and scripts from ConfigMaps
+of the input set all doing what they do in the pod. On ``PATH`` there are only stubs: ``vllm``
+and ``python``/``python3`` record their argv as JSON (an engine invocation — ``vllm
+serve|run-batch|bench throughput|latency``, ``python -m vllm.entrypoints...`` or ``python -m
+huggingfaceserver`` — then ends the run), wrappers (``env``, ``nohup``, ``numactl``, ...) run
 their command from the same stubs, and every other name the script mentions exits 0. The value
 of the first engine invocation's ``--kv-transfer-config`` must be the policy's JSON, once.
 
@@ -46,6 +47,8 @@ from kvoffload_operator.inject.verify import (
 
 OK, FAILED, UNVERIFIED = "ok", "failed", "unverified"
 ENTRYPOINT = ("vllm", "serve")  # what vLLM images run when a container has no command
+# KServe's huggingfaceserver image (python/huggingface_server.Dockerfile) runs its module
+HUGGINGFACESERVER = ("python3", "-m", "huggingfaceserver")
 UNKNOWN = "kvoffload-verify-unknown"  # stands for env values from Secrets, ConfigMaps, fields
 DEFAULT_TIMEOUT = 10.0
 _NOBODY = 65534
@@ -386,6 +389,12 @@ def _env(run: _Run, container: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
+def entrypoint(container: Mapping[str, Any]) -> tuple[str, ...]:
+    """What the container's image runs when the container sets no ``command``."""
+    image = str(container.get("image", "")).split("@")[0].rsplit("/", 1)[-1].split(":")[0]
+    return HUGGINGFACESERVER if "huggingfaceserver" in image else ENTRYPOINT
+
+
 def run_delivery(
     pod: Mapping[str, Any],
     intent: Intent,
@@ -398,7 +407,7 @@ def run_delivery(
     if container is None:
         return ExecResult(FAILED, f"no container {intent.container!r}")
     env_map = container_env(container, UNKNOWN)
-    command = [str(w) for w in container.get("command") or ENTRYPOINT]
+    command = [str(w) for w in container.get("command") or entrypoint(container)]
     words = [
         kubelet_expand(w, env_map) for w in command + [str(a) for a in container.get("args") or []]
     ]
