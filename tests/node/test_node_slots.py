@@ -24,6 +24,7 @@ import grpc
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
+from kvoffload_sidecar.memory_room import MemoryRoom
 from kvoffload_sidecar.node.bindings import Binding
 from kvoffload_sidecar.node.holder import Holder
 from kvoffload_sidecar.node.identity import PodIdentity
@@ -378,3 +379,25 @@ def test_a_pod_bound_before_its_tenant_has_a_pool_gets_its_sockets_once_it_has_o
         pools.close()
         os.close(fd)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_without_the_holder_a_tenant_past_the_agents_memory_limit_gets_no_pool() -> None:
+    """The agent allocating its tenants' pages itself is charged for them: a tenant that does
+    not fit its container's limit (counting the other tenants' pre-faults still to come) gets no
+    pool, and says why, rather than getting the agent OOM-killed part-way."""
+    room = MemoryRoom(limit=160 * MiB, usage=40 * MiB)  # 120 MiB free
+    pools = TenantPools(PoolOptions(), room=lambda: room)
+    fds = [create_memfd(name, 64 * MiB) for name in ("alpha", "beta")]
+    try:
+        # the first tenant fits (64 MiB + its index + the agent's reserve)
+        pools.add(TenantRegion("alpha", fds[0], 64 * MiB))
+        alpha = pools.pool("alpha")
+        assert alpha is not None and alpha.wait_ready(30)
+        room = MemoryRoom(limit=160 * MiB, usage=40 * MiB + 64 * MiB)  # alpha is charged now
+        pools.add(TenantRegion("beta", fds[1], 64 * MiB))
+        assert pools.pool("beta") is None
+        assert "does not fit the node agent container's memory limit" in pools.problems["beta"]
+    finally:
+        pools.close()
+        for fd in fds:
+            os.close(fd)
