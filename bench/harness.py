@@ -22,6 +22,8 @@ from typing import Any
 
 __all__ = [
     "bootstrap_median_ci",
+    "call_names",
+    "cell",
     "machine",
     "percentile",
     "read_result",
@@ -66,6 +68,17 @@ def result_stem(path: Path) -> str:
     """`h200_01` for `h200_01.json` and for `h200_01.json.xz`."""
     name = path.name.removesuffix(".xz")
     return name.removesuffix(".json") if name.endswith(".json") else Path(name).stem
+
+
+def call_names(files: Sequence[Path]) -> dict[str, Path]:
+    """One name per results file: its stem, or its folder and stem where stems repeat (each
+    device call writes `$OUT/NAME.json`); a file given twice is refused."""
+    if len(set(map(Path.resolve, files))) != len(files):
+        raise SystemExit("a file is given twice")
+    stems = [result_stem(f) for f in files]
+    if len(set(stems)) == len(stems):
+        return dict(zip(stems, files, strict=True))
+    return {f"{f.parent.name}/{s}": f for f, s in zip(files, stems, strict=True)}
 
 
 def machine() -> dict[str, Any]:
@@ -118,23 +131,37 @@ def spread(values: Iterable[float]) -> dict[str, float]:
 
 
 def bootstrap_median_ci(
-    values: Sequence[float], resamples: int = 2000, seed: int = 0, level: float = 0.95
+    values: Sequence[float],
+    resamples: int = 2000,
+    seed: int = 0,
+    level: float = 0.95,
+    q: float = 50.0,
 ) -> tuple[float, float]:
-    """A percentile-bootstrap confidence interval of the median of `values` (paired ratios:
-    is 1.0 inside?). Seeded, so a report is reproducible from its samples."""
+    """A percentile-bootstrap confidence interval of the median of `values` (or of their q-th
+    percentile; paired ratios: is 1.0 inside?). Seeded, so a report is reproducible."""
     if not values:
         return float("nan"), float("nan")
     rng = random.Random(seed)
     n = len(values)
-    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    lo = percentile(meds, 100 * (1 - level) / 2)
-    return lo, percentile(meds, 100 * (1 + level) / 2)
+    stat = statistics.median if q == 50.0 else (lambda v: percentile(v, q))
+    stats = sorted(stat(rng.choices(values, k=n)) for _ in range(resamples))
+    return percentile(stats, 100 * (1 - level) / 2), percentile(stats, 100 * (1 + level) / 2)
 
 
 def rotations(items: Sequence[Any], rounds: int) -> list[list[Any]]:
     """`rounds` orders of `items`, rotating which goes first (A B C, B C A, C A B, ...)."""
     n = len(items)
     return [[items[(r + i) % n] for i in range(n)] for r in range(rounds)] if n else []
+
+
+def cell(values: Sequence[float], digits: int = 0) -> str:
+    """`median (min-max)` of `values`: the value alone for one, "-" for none."""
+    if not values:
+        return "-"
+    s = spread(values)
+    if s["n"] == 1:
+        return f"{s['p50']:,.{digits}f}"
+    return f"{s['p50']:,.{digits}f} ({s['min']:,.{digits}f}-{s['max']:,.{digits}f})"
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
@@ -174,5 +201,5 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         if value != value:  # nan
             return "-"
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
+        return f"{value:.4g}" if abs(value) < 1e3 else f"{value:.0f}"
     return str(value)

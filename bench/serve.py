@@ -1,61 +1,43 @@
-"""`vllm serve` under load, per configuration, with vLLM's own clients. Modes:
+"""`vllm serve` under load, per configuration, with vLLM's own client. Modes:
 
     python -m bench serve sweep  [flags]   a rate sweep: throughput, TTFT, TPOT per point
     python -m bench serve paired [flags]   a paired light-load A/B at 0% hits
     python -m bench serve merge FILES... --pair kvo-eager/none   paired calls merged
-    python -m bench serve modes FILES...   each paired call's two TTFT modes
-    python bench/serve.py vllm ARGS...     `vllm ARGS` from this interpreter (the servers, clients)
+    python -m bench serve report FILES... --md MD [--plots DIR]  sweep calls merged (serve_report)
+    python bench/serve.py vllm ARGS...     `vllm ARGS` from this interpreter (servers, clients)
 
-`bash bench/gpu_run.sh serve BUDGET_S sweep|paired [flags]` runs one on the GPU machine;
-`python -m bench serve_report` merges sweep calls into docs/SERVE_SWEEP.md.
+`bash bench/gpu_run.sh serve BUDGET_S MODE [flags]` runs sweep or paired on the GPU machine.
 
-**sweep.** For each configuration (in the order given: rotate it between calls) this starts
-vLLM's OpenAI-compatible server (`vllm serve`, dummy weights, the served model folder of
-`build_model_dir`), waits for /health, then drives it with clients others use:
+**sweep.** Each configuration in turn (rotate the order between calls) gets its own `vllm serve`
+(dummy weights, the model folder of `build_model_dir`), an unreported warm-up, then each point:
+`random` (`vllm bench serve --dataset-name random`: 0% hits) at --random-rates, `prefix`
+(`--dataset-name prefix_repetition`: --num-prefixes prefixes of --prefix-len tokens, each
+request one + its own suffix, Poisson arrivals, a fresh seed each) at --rates, `chat`
+(bench/serve_chat.py) at --chat-clients conversations. Per point: the client's throughput, TTFT,
+TPOT and, from /metrics before and after, hit rates by tier, tokens by source, preemptions.
 
-    random   `vllm bench serve --dataset-name random`: nothing repeats, 0% hits, at --random-rates
-    prefix   `vllm bench serve --dataset-name prefix_repetition`: --num-prefixes shared prefixes
-             of --prefix-len tokens, each request one of them + a distinct --suffix-len suffix,
-             shuffled, at each of --rates (requests/s, Poisson arrivals; `inf` = all at once).
-             Each rate gets its own seed (new prefixes: every point starts cold).
-    chat     bench/serve_chat.py: multi-turn conversations (shared system prompt, growing
-             history, think time), at each of --chat-clients concurrent conversations
+**paired.** Every configuration's server at once on the one GPU. A round sends one fresh random
+prompt (0% hits) to each server, one at a time, in an order that rotates every round; rounds
+seconds apart see the same machine, so each round's TTFT ratio to the baseline (the first
+configuration) is a fair pair: the median ratio with a bootstrap 95% interval. A server keeps a
+small offset all call long that follows its start order, so start two servers of each
+configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`): each side pooled
+(geometric mean per round) is balanced for it, and `none#2` against `none` is the offset.
+`--warmup-burst N` first sends N fresh prompts to every server at once, unreported (it brings
+`store_threshold: auto` to its 0%-hit state).
 
-Configurations (the same GPU KV cache, `--num-gpu-blocks-override`, and the same host memory,
---cpu-gib, for every one):
-
-    none        no KV connector
-    offloading  vLLM's OffloadingConnector (`cpu_bytes_to_use`, as --kv-offloading-size sets it)
-    simple      vLLM's SimpleCPUOffloadConnector, same capacity
-    kvo-eager   kvoffload as shipped (eager stores, layered loads) on a fresh sidecar
-    kvo-lazy    kvoffload with lazy stores (only blocks about to leave the GPU)
-    noop        a connector that does nothing (bench/noop_connector.py): vLLM's own cost of
-                having any connector
-
-`+key=value` after a kvo name overrides a connector key (kvo-eager+store_ctas=4); `+pool_gib=N`
-sets that server's sidecar pool size instead of --cpu-gib. `#N` after a configuration names one
-more server of it (`none#2`). Per configuration and point: request and output-token throughput,
-TTFT and TPOT p50/p99 (the client's), and from the server's /metrics before and after the point:
-GPU prefix-cache hit rate, host-tier (external) hit rate, preemptions. The JSON is rewritten
-after every point; tables are printed last.
-
-**paired.** Every configuration's server runs at once on the one GPU, each with its share of GPU
-memory and the same GPU KV cache. The client sends one request at a time: a round sends one
-fresh random prompt (0% hits on either tier) to each server, in an order that rotates every
-round. On a shared GPU VM the host's speed drifts by 10-20% over minutes, more than the 1%
-judged; rounds seconds apart see the same machine, so each round's TTFT ratio to the baseline
-(the first configuration) is a fair pair: the median ratio with a bootstrap 95% interval. A
-server keeps a small offset for the whole call that follows its start order, so a call starts
-two servers of each configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`): the
-pooled ratio (geometric mean of each configuration's servers, round by round) is balanced for
-the start order, and `none#2` against `none` measures the offset. `--warmup-burst N` first sends
-N fresh prompts to every server at once, unreported: it brings `store_threshold: auto` to its
-0%-hit state (the gate closes after 64 requests that repeat nothing) in ~10 s.
+Configurations, each with the same GPU KV cache (`--num-gpu-blocks-override`) and --cpu-gib of
+host memory: `none`, `offloading` (vLLM's OffloadingConnector), `simple`
+(SimpleCPUOffloadConnector), `kvo-eager` (kvoffload as shipped), `kvo-lazy` (stores only of
+blocks about to leave the GPU), each kvo one on a fresh sidecar. `+key=value` after a kvo name
+overrides a connector key, `+pool_gib=N` its sidecar's pool; `#N` names one more server of it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import importlib.metadata
 import json
 import math
@@ -67,8 +49,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -77,20 +61,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_gpu import kv_transfer_config as e2e_kv_transfer_config  # noqa: E402
+from e2e_gpu import sidecar_stats  # noqa: E402
 from harness import (  # noqa: E402
     bootstrap_median_ci,
+    call_names,
     machine,
     percentile,
     read_result,
-    result_stem,
     rotations,
     table,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy", "noop")
+CONFIGS = ("none", "offloading", "simple", "kvo-eager", "kvo-lazy")
 SERVED_NAME = "bench-model"
-# vLLM counters read before and after each point (summed over labels)
+# vLLM's counters read before and after each point (summed over labels); kvoffload's below
 COUNTERS = (
     "vllm:num_preemptions",
     "vllm:prefix_cache_queries",
@@ -99,15 +84,13 @@ COUNTERS = (
     "vllm:external_prefix_cache_hits",
     "vllm:prompt_tokens",
     "vllm:generation_tokens",
-    # kvoffload's connector counters on the same endpoint (0 for the other configurations)
     "kvoffload_connector_below_threshold_store_chunks",
-    "kvoffload_connector_lookup_waits",
-    "kvoffload_connector_refresh_waits",
 )
-# prompt tokens by where their KV came from, counted once per request (the hit counters above
-# count every scheduling attempt, so a request that waits at the queue's head counts many times)
+# prompt tokens by where their KV came from, once per request (the hit counters above count
+# every scheduling attempt: a request waiting at the queue's head counts many times)
 BY_SOURCE = "vllm:prompt_tokens_by_source"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SHARES = ("computed_share", "gpu_cached_share", "host_cached_share")
 
 
 @dataclass(frozen=True)
@@ -121,18 +104,12 @@ class Point:
 
     @property
     def label(self) -> str:
-        rate = "inf" if math.isinf(self.rate) else f"{self.rate:g}"
-        return f"{self.workload}@{rate}"
-
-    @property
-    def file_label(self) -> str:
-        return self.label.replace("@", "-").replace(".", "_")
+        return f"{self.workload}@{'inf' if math.isinf(self.rate) else f'{self.rate:g}'}"
 
     def expected_s(self) -> float:
         """How long the client should need at the offered rate (chat: its own deadline)."""
-        if math.isinf(self.rate) or self.workload == "chat":
-            return 0.0
-        return self.requests / self.rate
+        inf = math.isinf(self.rate) or self.workload == "chat"
+        return 0.0 if inf else self.requests / self.rate
 
 
 def config_of(label: str) -> str:
@@ -143,32 +120,21 @@ def config_of(label: str) -> str:
 def kv_transfer_config(config: str, socket_path: str, cpu_bytes: int) -> dict[str, Any] | None:
     """The `--kv-transfer-config` of one configuration."""
     base, *overrides = config.split("+")
-    overrides = [o for o in overrides if not o.startswith("pool_gib=")]  # the sidecar's, not ours
-    if base == "noop":
-        return {
-            "kv_connector": "NoopConnector",
-            "kv_connector_module_path": "noop_connector",
-            "kv_role": "kv_both",
-        }
-    if base in ("none", "offloading", "simple"):  # as the end-to-end bench configures them
-        return e2e_kv_transfer_config(base, socket_path, cpu_bytes)
+    extra = dict(o.split("=", 1) for o in overrides if not o.startswith("pool_gib="))
     if base in ("kvo-eager", "kvo-lazy"):
         return {
             "kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload_connector.connector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "socket": socket_path,
-                "mode": base.split("-")[1],
-                **dict(o.split("=", 1) for o in overrides),
-            },
+            "kv_connector_extra_config": {"socket": socket_path, "mode": base[4:], **extra},
         }
+    if base in CONFIGS:  # as the end-to-end benchmark configures them
+        return e2e_kv_transfer_config(base, socket_path, cpu_bytes)
     raise ValueError(f"unknown configuration {config!r}; known: {', '.join(CONFIGS)}")
 
 
 def pool_gib(config: str, default: float) -> float:
-    """A kvo configuration's sidecar pool size: `+pool_gib=N` overrides --cpu-gib for that
-    server alone (the pool a server maps is part of its state between requests)."""
+    """A kvo server's sidecar pool: `+pool_gib=N`, else --cpu-gib."""
     given = [o.split("=", 1)[1] for o in config.split("+")[1:] if o.startswith("pool_gib=")]
     return float(given[-1]) if given else default
 
@@ -186,15 +152,13 @@ def plan_points(a: argparse.Namespace) -> list[Point]:
     points += [
         Point("prefix", r, count(r, a.num_prefixes), 2000 + i) for i, r in enumerate(a.rates)
     ]
-    points += [Point("chat", c, 0, 3000 + i) for i, c in enumerate(a.chat_clients)]
-    return points
+    return points + [Point("chat", c, 0, 3000 + i) for i, c in enumerate(a.chat_clients)]
 
 
 # -- the served model: `vllm serve` tokenizes text and the GPU machine cannot fetch a tokenizer.
-# A word-level one: token id i is the word `w{i}`, words split on whitespace and joined with
-# spaces, so a text of N such words is exactly N tokens and decode/encode round-trips (`vllm bench
-# serve`'s datasets decode random ids and re-encode them; the chat client counts tokens as words).
-# The last ids are Llama-3's special tokens and a minimal chat template joins the messages.
+# A word-level one: token id i is the word `w{i}`, split on whitespace, so a text of N such words
+# is exactly N tokens and decode/encode round-trip (`vllm bench serve`'s datasets decode random
+# ids and encode them again). The last ids are Llama-3's special tokens; a minimal chat template.
 
 SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>")
 EOT = "<|eot_id|>"
@@ -205,63 +169,47 @@ CHAT_TEMPLATE = (
 )
 
 
-def word(token_id: int) -> str:
-    return f"w{token_id}"
-
-
 def build_tokenizer(vocab_size: int):
     """A `tokenizers.Tokenizer` over `vocab_size` ids: words w0.. then the special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     specials = (*SPECIAL, EOT)
     plain = vocab_size - len(specials)
-    vocab = {word(i): i for i in range(plain)}
-    vocab.update({tok: plain + k for k, tok in enumerate(specials)})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=word(0)))
+    vocab = {f"w{i}": i for i in range(plain)} | {t: plain + k for k, t in enumerate(specials)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(list(specials))
     return tok
 
 
 def build_model_dir(config_json: Path, out: Path) -> Path:
-    """`out` holds config.json (copied) plus tokenizer.json/tokenizer_config.json; returns `out`."""
+    """`out` holds config.json (copied) plus the tokenizer's files; returns `out`."""
     out.mkdir(parents=True, exist_ok=True)
     config = json.loads(config_json.read_text())
-    vocab_size = int(config["vocab_size"])
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(int(config["vocab_size"]))
     tok.save(str(out / "tokenizer.json"))
     eot_id = tok.token_to_id(EOT)
     config = {**config, "bos_token_id": tok.token_to_id(SPECIAL[0]), "eos_token_id": eot_id}
     (out / "config.json").write_text(json.dumps(config))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": SPECIAL[0],
-                "eos_token": EOT,
-                "pad_token": SPECIAL[1],
-                "model_max_length": int(config.get("max_position_embeddings", 131072)),
-                "chat_template": CHAT_TEMPLATE,
-                "clean_up_tokenization_spaces": False,
-            }
-        )
-    )
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL[0], "eos_token": EOT,
+        "pad_token": SPECIAL[1], "chat_template": CHAT_TEMPLATE,
+        "model_max_length": int(config.get("max_position_embeddings", 131072)),
+        "clean_up_tokenization_spaces": False,
+    }  # fmt: skip
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eot_id}))
-    for extra in ("special_tokens_map.json",):
-        (out / extra).unlink(missing_ok=True)
     return out
 
 
-# -- the server --------------------------------------------------------------------------------
-
+# -- servers ------------------------------------------------------------------------------------
 
 _PORTS_GIVEN: set[int] = set()
 
 
 def free_port() -> int:
-    """A port free now and not handed to another server of this process: two quick bind(0)s
-    can return the same port, and a server whose port another one took answers the health
-    check with the other's."""
+    """A port free now and not handed out before by this process (two quick bind(0)s can
+    return the same port, and a server on a taken port answers with the other's health)."""
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -274,6 +222,41 @@ def free_port() -> int:
 def vllm_cli(*args: str) -> list[str]:
     """`vllm ARGS...` through this interpreter (`vllm_main`)."""
     return [sys.executable, str(Path(__file__).resolve()), "vllm", *args]
+
+
+def spawn(argv: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A server process in its own session, its output (after the command line) in `log_path`."""
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(argv)}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log_path: Path) -> float:
+    """Seconds until `url`/health answers 200; raises when the process exits or time runs out."""
+    t0 = time.monotonic()
+    while time.monotonic() < t0 + timeout_s and proc.poll() is None:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            if r.status == 200:
+                return time.monotonic() - t0
+        time.sleep(0.5)
+    why = (
+        f"exited with {proc.returncode}" if proc.poll() is not None else f"not up in {timeout_s} s"
+    )
+    raise RuntimeError(f"vllm serve {why}: {log_path.read_text(errors='replace')[-4000:]}")
+
+
+def stop(proc: subprocess.Popen | None) -> None:
+    """SIGINT to the server's process group (vLLM shuts down cleanly), SIGKILL after 30 s."""
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
 
 
 class Server:
@@ -290,11 +273,8 @@ class Server:
 
     def argv(self) -> list[str]:
         a = self.a
-        kv = kv_transfer_config(
-            config_of(self.config),
-            self.sidecar.socket if self.sidecar else "",
-            int(a.cpu_gib * (1 << 30)),
-        )
+        socket_path = self.sidecar.socket if self.sidecar else ""
+        kv = kv_transfer_config(config_of(self.config), socket_path, int(a.cpu_gib * (1 << 30)))
         argv = vllm_cli("serve", str(self.model_dir), "--served-model-name", SERVED_NAME)
         argv += f"--port {self.port} --host 127.0.0.1 --load-format dummy --dtype {a.dtype}".split()
         argv += f"--seed 0 --max-model-len {a.max_model_len} --enable-prefix-caching".split()
@@ -316,53 +296,22 @@ class Server:
         if self.config.startswith("kvo"):
             from kvoffload_connector.sidecar_proc import SidecarProcess
 
-            self.sidecar = SidecarProcess(
-                str(int(pool_gib(config_of(self.config), self.a.cpu_gib) * (1 << 30))),
-                log_path=self.log_path.with_suffix(".sidecar.log"),
-            )
-            self.sidecar.start(timeout_s=120)
+            size = int(pool_gib(config_of(self.config), self.a.cpu_gib) * (1 << 30))
+            log_path = self.log_path.with_suffix(".sidecar.log")
+            self.sidecar = SidecarProcess(str(size), log_path=log_path).start(timeout_s=120)
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core apart
         env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
-        if config_of(self.config) == "noop":  # bench/noop_connector.py
-            env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (str(ROOT / "bench"), env.get("PYTHONPATH", "")) if p
-            )
-        t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(self.argv())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-        deadline = t0 + self.a.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.start_s = time.monotonic() - t0
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vllm serve not healthy in {self.a.start_timeout_s} s: {self.tail()}")
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
+        self.proc = spawn(self.argv(), self.log_path, env)
+        self.start_s = wait_healthy(self.proc, self.url, self.a.start_timeout_s, self.log_path)
 
     def counters(self) -> dict[str, float]:
-        """vLLM's counters (COUNTERS), summed over their labels."""
+        """COUNTERS and the prompt tokens by source, summed over their labels."""
         from prometheus_client.parser import text_string_to_metric_families
 
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as r:
             text = r.read().decode()
-        found = dict.fromkeys(COUNTERS, 0.0)
-        found.update(dict.fromkeys((f"{BY_SOURCE}:{s}" for s in SOURCES), 0.0))
+        found = dict.fromkeys([*COUNTERS, *(f"{BY_SOURCE}:{s}" for s in SOURCES)], 0.0)
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 if not s.name.endswith("_total"):
@@ -374,64 +323,92 @@ class Server:
         return found
 
     def sidecar_stats(self) -> dict[str, Any] | None:
-        if self.sidecar is None:
-            return None
-        try:
-            from google.protobuf.json_format import MessageToDict
-
-            return MessageToDict(self.sidecar.stats())
-        except Exception as e:  # noqa: BLE001 - stats are a report, never a failure
-            return {"error": f"{type(e).__name__}: {e}"}
+        return sidecar_stats(self.sidecar.socket) if self.sidecar else None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop(self.proc)
         if self.sidecar is not None:
             self.sidecar.close()
 
 
-# -- the clients -------------------------------------------------------------------------------
+# -- the clients --------------------------------------------------------------------------------
 
 
-def bench_serve_argv(
-    a: argparse.Namespace, server: Server, point: Point, result: Path
-) -> list[str]:
+def in_thread(fn: Callable[[], Any], timeout_s: float) -> int | str:
+    """`fn()` in a thread with a deadline: 0, "error: ..." or "timeout" (a wedged server must
+    not hang the call)."""
+    outcome: list[int | str] = []
+
+    def run() -> None:
+        try:
+            fn()
+            outcome.append(0)
+        except BaseException as e:  # noqa: BLE001 - the client's failure is the point's result
+            outcome.append(f"error: {type(e).__name__}: {e}"[:300])
+
+    worker = threading.Thread(target=run, name="bench-client", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    return outcome[0] if outcome else "timeout"
+
+
+def bench_serve_args(a: argparse.Namespace, server: Server, point: Point, result: Path) -> list:
+    """`vllm bench serve`'s arguments for one point."""
     rate = "inf" if math.isinf(point.rate) else f"{point.rate:g}"
-    dataset = point.workload if point.workload == "random" else "prefix_repetition"
-    argv = vllm_cli(
-        "bench", "serve", "--base-url", server.url, "--tokenizer", str(server.model_dir)
-    )
+    argv = ["--base-url", server.url, "--tokenizer", str(server.model_dir)]
     argv += f"--backend vllm --endpoint /v1/completions --model {SERVED_NAME}".split()
     argv += f"--num-prompts {point.requests} --request-rate {rate} --seed {point.seed}".split()
     argv += ["--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]
     argv += ["--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--save-detailed"]
     argv += ["--result-dir", str(result.parent), "--result-filename", result.name]
-    argv += ["--dataset-name", dataset]
     if point.workload == "random":
-        argv += (
-            f"--random-input-len {a.random_input_len} --random-output-len {a.output_len}".split()
-        )
-        return argv + ["--random-range-ratio", "0"]
+        argv += ["--dataset-name", "random", "--random-range-ratio", "0"]
+        argv += ["--random-input-len", str(a.random_input_len)]
+        return argv + ["--random-output-len", str(a.output_len)]
+    argv += ["--dataset-name", "prefix_repetition"]
     argv += f"--prefix-repetition-prefix-len {a.prefix_len}".split()
     argv += f"--prefix-repetition-suffix-len {a.suffix_len}".split()
     argv += f"--prefix-repetition-num-prefixes {a.num_prefixes}".split()
-    argv += f"--prefix-repetition-output-len {a.output_len}".split()
-    return argv
+    return argv + f"--prefix-repetition-output-len {a.output_len}".split()
 
 
-def chat_argv(a: argparse.Namespace, server: Server, point: Point, result: Path) -> list[str]:
-    argv = [sys.executable, str(ROOT / "bench" / "serve_chat.py"), "--base-url", server.url]
-    argv += f"--model {SERVED_NAME} --clients {int(point.rate)} --seed {point.seed}".split()
-    argv += f"--conversations {a.chat_conversations} --turns {a.chat_turns}".split()
-    argv += f"--system-tokens {a.chat_system_tokens} --user-tokens {a.chat_user_tokens}".split()
-    argv += f"--first-user-tokens {a.chat_first_user_tokens}".split()
-    argv += f"--reply-tokens {a.chat_reply_tokens} --think-s {a.chat_think_s}".split()
-    return argv + ["--timeout-s", str(a.chat_timeout_s), "--out", str(result)]
+def run_client(
+    a: argparse.Namespace, server: Server, point: Point, result: Path, log: Path, timeout_s: float
+) -> int | str:
+    """The point's client in this process (vLLM's `vllm.benchmarks.serve`: its parser, datasets
+    and metrics, without paying vLLM's import again; chat: bench/serve_chat.py). Writes the
+    client's JSON to `result`; its return code."""
+    if point.workload == "chat":
+        from serve_chat import ChatWorkload, run_chat
+
+        w = ChatWorkload(
+            conversations=a.chat_conversations, turns=a.chat_turns,
+            system_tokens=a.chat_system_tokens, first_user_tokens=a.chat_first_user_tokens,
+            user_tokens=a.chat_user_tokens, reply_tokens=a.chat_reply_tokens,
+            think_s=a.chat_think_s, clients=int(point.rate), seed=point.seed,
+        )  # fmt: skip
+
+        def chat() -> None:
+            res = asyncio.run(run_chat(server.url, SERVED_NAME, w, a.chat_timeout_s))
+            if not any(r.http_status is not None for r in res.requests):
+                raise RuntimeError("the server never answered")
+            doc = {"summary": res.summary, "workload": asdict(w)}
+            result.write_text(json.dumps(doc))
+
+        return in_thread(chat, timeout_s)
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(bench_serve_args(a, server, point, result))
+
+    def bench() -> None:
+        with open(log, "a") as out, contextlib.redirect_stdout(out):
+            bench_main(args)
+
+    return in_thread(bench, timeout_s)
 
 
 RESULT_KEYS = ("completed", "failed", "duration", "request_throughput", "output_throughput")
@@ -440,83 +417,37 @@ RESULT_KEYS += tuple(
 )
 
 
-def bench_serve_in_process(argv: list[str], log_path: Path, timeout_s: float) -> int | str:
-    """`vllm bench serve ARGV` run by vLLM's own code in this process (`vllm.benchmarks.serve`:
-    its parser, datasets, request functions and metrics), so a point does not pay vLLM's ~15 s
-    import again. A thread with a deadline: a wedged server gives "timeout", not a hang."""
-    import contextlib
-    import threading
-
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.benchmarks.serve import main as bench_main
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    outcome: list[int | str] = []
-
-    def run() -> None:
-        with open(log_path, "a") as log, contextlib.redirect_stdout(log):
-            try:
-                bench_main(args)
-                outcome.append(0)
-            except BaseException as e:  # noqa: BLE001 - the client's failure is the point's result
-                print(f"vllm bench serve failed: {type(e).__name__}: {e}", file=log)
-                outcome.append(f"error: {type(e).__name__}: {e}"[:300])
-
-    worker = threading.Thread(target=run, name="bench-serve", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    return outcome[0] if outcome else "timeout"
+def _ratio(num: float, den: float) -> float | None:
+    return round(num / den, 4) if den > 0 else None
 
 
 def run_point(
     a: argparse.Namespace, server: Server, point: Point, work: Path, timeout_s: float
 ) -> dict[str, Any]:
     """One point against a running server: the client's summary plus the counters' deltas."""
-    result = work / f"{server.config}.{point.file_label}.json"
+    result = work / f"{server.config}.{point.label.replace('@', '-')}.json"
     result.unlink(missing_ok=True)
-    argv = (chat_argv if point.workload == "chat" else bench_serve_argv)(a, server, point, result)
-    log_path = work / f"client.{server.config}.log"
     before = server.counters()
     t0 = time.monotonic()
-    with open(log_path, "ab") as log:
-        log.write(f"\n$ {' '.join(argv)}\n".encode())
-    rc: int | str
-    if point.workload == "chat":
-        with open(log_path, "ab") as log:
-            try:
-                rc = subprocess.run(
-                    argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
-                ).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-    else:
-        rc = bench_serve_in_process(argv[argv.index("serve") + 1 :], log_path, timeout_s)
-    wall = time.monotonic() - t0
-    delta = {k: v - before[k] for k, v in server.counters().items()}
+    rc = run_client(a, server, point, result, work / f"client.{server.config}.log", timeout_s)
     row: dict[str, Any] = {
         "config": server.config,
         "workload": point.workload,
         "rate": point.rate,
         "point": point.label,
         "rc": rc,
-        "wall_s": round(wall, 1),
+        "wall_s": round(time.monotonic() - t0, 1),
     }
+    delta = {k: v - before[k] for k, v in server.counters().items()}
     try:
         res = json.loads(result.read_text())
         result.unlink()  # its summary lives on in the row; per-request times below
     except (OSError, ValueError):
         res = {}
-    if point.workload != "chat":
-        # per request (for spreads and plots): TTFT, and TPOT as the mean inter-token gap
+    if point.workload != "chat":  # per request, for spreads and plots
         row["ttfts_ms"] = [round(t * 1e3, 2) for t in res.get("ttfts", []) if t]
         row["tpots_ms"] = [round(sum(i) / len(i) * 1e3, 3) for i in res.get("itls", []) if i]
-        # decode steps that waited on a long step (a full chunked-prefill step of an 8B model on
-        # an H100 takes ~200 ms): per request, the count of its gaps over 100 ms
-        row["slow_itls"] = [sum(g > 0.1 for g in i) for i in res.get("itls", []) if i]
-    summary = res.get("summary", res)  # serve_chat.py nests its summary
+    summary = res.get("summary", res)  # the chat client nests its summary
     row.update({k: summary.get(k) for k in RESULT_KEYS})
     if point.workload == "chat":
         row["workload_params"] = res.get("workload")
@@ -526,29 +457,19 @@ def run_point(
     row["host_hit_rate"] = _ratio(
         delta["vllm:external_prefix_cache_hits"], delta["vllm:external_prefix_cache_queries"]
     )
-    # share of all prompt tokens served from the host tier (the GPU tier asks first)
-    row["host_hit_share"] = _ratio(
-        delta["vllm:external_prefix_cache_hits"], delta["vllm:prefix_cache_queries"]
-    )
     row["preemptions"] = delta["vllm:num_preemptions"]
-    # steps kvoffload told vLLM "not yet" for a request (vLLM skipped it those steps)
-    row["kvo_waits"] = (
-        delta["kvoffload_connector_lookup_waits"] + delta["kvoffload_connector_refresh_waits"]
-    )
-    # where each prompt token's KV came from (once per request; None where vLLM lacks it)
     prompt = sum(delta[f"{BY_SOURCE}:{s}"] for s in SOURCES)
-    shares = ("computed_share", "gpu_cached_share", "host_cached_share")
-    for source, key in zip(SOURCES, shares, strict=True):
+    for source, key in zip(SOURCES, SHARES, strict=True):
         row[key] = _ratio(delta[f"{BY_SOURCE}:{source}"], prompt)
     row["counters"] = delta
     return row
 
 
-def _ratio(num: float, den: float) -> float | None:
-    return round(num / den, 4) if den > 0 else None
+# -- the sweep ----------------------------------------------------------------------------------
 
 
-# -- the sweep ---------------------------------------------------------------------------------
+def _save(out: Path, report: dict[str, Any]) -> None:
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
 def sweep(a: argparse.Namespace) -> dict[str, Any]:
@@ -560,10 +481,12 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
     points = plan_points(a)
     if any(p.workload != "chat" for p in points):
         import vllm.benchmarks.serve  # noqa: F401 - once, before any server: no point pays it
+    import vllm
+
     report: dict[str, Any] = {
         "benchmark": "serve_sweep",
-        "machine": {**machine(), "vllm_version": _vllm_version()},
-        "args": {k: v for k, v in vars(a).items() if k != "func"},
+        "machine": {**machine(), "vllm_version": str(vllm.__version__)},
+        "args": vars(a),
         "points": [asdict(p) for p in points],
         "servers": {},
         "rows": [],
@@ -584,22 +507,20 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
             entry["argv"] = server.argv()  # after start: the sidecar's socket is in it
             entry["start_s"] = round(server.start_s, 1)
             print(f"   started in {server.start_s:.0f} s", flush=True)
-            if a.warmup_requests:
-                entry["warmup"] = warm_up(a, server, work)
+            if a.warmup_requests:  # unreported: allocator, first-touched memory, kernels
+                warm = Point("random", math.inf, a.warmup_requests, 999)
+                entry["warmup"] = {"rc": run_point(a, server, warm, work, a.point_timeout_s)["rc"]}
             for point in points:
                 left = t_end - time.monotonic()
                 if left < 20:
                     entry.setdefault("skipped", []).append(point.label)
                     continue
-                # a wedged server must not eat the call: a point gets a generous multiple of
-                # its own length, then the configuration is given up
+                # a wedged server must not eat the call: a generous multiple of the point's length
                 limit = min(left - 10, a.point_timeout_s + 3 * point.expected_s())
-                wall0 = time.time()
                 row = run_point(a, server, point, work, timeout_s=limit)
                 row["order"] = a.configs.index(config)
-                row["wall_span"] = [round(wall0, 3), round(time.time(), 3)]  # for side probes
                 report["rows"].append(row)
-                print(f"   {point.label}: {_brief(row)}", flush=True)
+                print(f"   {point.label}: {brief(row)}", flush=True)
                 _save(out, report)
                 if row["rc"] != 0:
                     raise RuntimeError(f"{point.label}: client rc {row['rc']}")
@@ -618,47 +539,6 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def warm_up(a: argparse.Namespace, server: Server, work: Path) -> dict[str, Any]:
-    """A short burst of random prompts, not reported, before a configuration's first point:
-    every configuration meets its first measured request warm (allocator, first-touched host
-    memory, lazily built kernels). Without it the configuration that runs first after the
-    machine starts tends to be the slowest of its call."""
-    point = Point("random", math.inf, a.warmup_requests, 999)
-    t0 = time.monotonic()
-    row = run_point(a, server, point, work, timeout_s=a.point_timeout_s)
-    return {
-        "requests": a.warmup_requests,
-        "rc": row["rc"],
-        "wall_s": round(time.monotonic() - t0, 1),
-    }
-
-
-def _vllm_version() -> str:
-    try:
-        import vllm
-
-        return str(vllm.__version__)
-    except Exception as e:  # noqa: BLE001 - a report field, never a failure
-        return f"unknown ({type(e).__name__})"
-
-
-def _save(out: Path, report: dict[str, Any]) -> None:
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-
-
-def _brief(row: dict[str, Any]) -> str:
-    def f(k: str, d: int = 1) -> str:
-        v = row.get(k)
-        return "-" if v is None else f"{v:.{d}f}"
-
-    return (
-        f"rc {row['rc']} {row.get('completed')} req, {f('request_throughput', 2)} req/s, "
-        f"TTFT p50 {f('median_ttft_ms')} p99 {f('p99_ttft_ms')} ms, TPOT p50 "
-        f"{f('median_tpot_ms')} p99 {f('p99_tpot_ms')} ms, host hits {f('host_hit_rate', 3)}, "
-        f"preempt {row.get('preemptions')}"
-    )
-
-
 TABLE_COLUMNS = (
     ("req/s", "request_throughput", 2),
     ("tok/s", "output_throughput", 0),
@@ -666,30 +546,25 @@ TABLE_COLUMNS = (
     ("TTFT p99", "p99_ttft_ms", 1),
     ("TPOT p50", "median_tpot_ms", 2),
     ("TPOT p99", "p99_tpot_ms", 2),
-    ("ITL p99", "p99_itl_ms", 1),
     ("GPU hit", "gpu_hit_rate", 3),
     ("host hit", "host_hit_rate", 3),
     ("preempt", "preemptions", 0),
-    ("kvo waits", "kvo_waits", 0),
 )
+
+
+def brief(r: dict[str, Any]) -> dict[str, Any]:
+    """A row's table line: its configuration, requests, and TABLE_COLUMNS."""
+    line = {"config": r["config"], "rc": r["rc"], "n": r.get("completed")}
+    return line | {n: "-" if r.get(k) is None else f"{r[k]:.{d}f}" for n, k, d in TABLE_COLUMNS}
 
 
 def tables(rows: list[dict[str, Any]]) -> list[str]:
     """One table per point: a line per configuration."""
-    out = []
-    for label in dict.fromkeys(r["point"] for r in rows):
-        lines = []
-        for r in (r for r in rows if r["point"] == label):
-            line: dict[str, Any] = {"config": r["config"], "n": r.get("completed")}
-            for name, key, digits in TABLE_COLUMNS:
-                v = r.get(key)
-                line[name] = "-" if v is None else f"{v:.{digits}f}"
-            lines.append(line)
-        out.append(f"-- {label} --\n{table(lines)}")
-    return out
+    points = dict.fromkeys(r["point"] for r in rows)
+    return [f"-- {p} --\n{table([brief(r) for r in rows if r['point'] == p])}" for p in points]
 
 
-# -- paired light load ----------------------------------------------------------------------
+# -- paired light load --------------------------------------------------------------------------
 
 
 def random_prompt(rng: random.Random, tokens: int, vocab: int) -> list[int]:
@@ -697,102 +572,62 @@ def random_prompt(rng: random.Random, tokens: int, vocab: int) -> list[int]:
     return [rng.randrange(16, vocab - 16) for _ in range(tokens)]
 
 
-def timed_request(url: str, prompt: list[int], max_tokens: int, timeout_s: float) -> dict:
-    """One streamed completion: seconds to the first token and to the last, tokens seen."""
-    body = json.dumps(
-        {
-            "model": SERVED_NAME,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-        }
-    ).encode()
+def completion(url: str, prompt: list[int], max_tokens: int, timeout_s: float = 300) -> dict:
+    """One streamed completion: seconds to the first token and to the last, token chunks seen,
+    prompt tokens and those served from a cache (with `--enable-prompt-tokens-details`)."""
+    body = {
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
     req = urllib.request.Request(
-        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
     )
     t0 = time.perf_counter()
-    first = None
-    chunks = 0
+    first, chunks, usage = None, 0, {}
     with urllib.request.urlopen(req, timeout=timeout_s) as r:
         for raw in r:
             line = raw.strip()
             if not line.startswith(b"data:") or line == b"data: [DONE]":
                 continue
-            if first is None:
-                first = time.perf_counter() - t0
-            chunks += 1
+            chunk = json.loads(line[5:])
+            if chunk.get("choices"):
+                first = time.perf_counter() - t0 if first is None else first
+                chunks += 1
+            usage = chunk.get("usage") or usage
     if first is None:
         raise RuntimeError("the stream ended without a token")
-    return {"ttft_s": first, "e2e_s": time.perf_counter() - t0, "chunks": chunks}
+    return {
+        "ttft_s": first,
+        "e2e_s": time.perf_counter() - t0,
+        "chunks": chunks,
+        "prompt_tokens": int(usage.get("prompt_tokens", len(prompt))),
+        "cached_tokens": int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        "output_tokens": int(usage.get("completion_tokens", 0)),
+    }
 
 
 def warmup_burst(
     servers: list[Server], rng: random.Random, a: argparse.Namespace, vocab: int
 ) -> dict[str, dict[str, float]]:
     """`a.warmup_burst` fresh prompts to every server at once, `a.warmup_concurrency` in flight
-    per server; per server label: requests answered and seconds. A request that fails fails
-    the call (a server that cannot serve its warm-up cannot be measured)."""
-    if a.warmup_burst < 1:
-        return {}
-    work = [
-        (s, random_prompt(rng, a.prompt_tokens, vocab))
-        for s in servers
-        for _ in range(a.warmup_burst)
-    ]
+    per server; per server: requests answered and seconds. A failed request fails the call."""
+    n = a.warmup_burst
+    jobs = [(s, random_prompt(rng, a.prompt_tokens, vocab)) for s in servers for _ in range(n)]
 
     def send(job: tuple[Server, list[int]]) -> str:
-        server, prompt = job
-        timed_request(server.url, prompt, a.output_tokens, a.request_timeout_s)  # raises
-        return server.config
+        completion(job[0].url, job[1], a.output_tokens, a.request_timeout_s)
+        return job[0].config
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(max_workers=a.warmup_concurrency * len(servers)) as pool:
-        answered = list(pool.map(send, work))
+        answered = list(pool.map(send, jobs))
     seconds = round(time.monotonic() - t0, 1)
     return {s.config: {"requests": answered.count(s.config), "seconds": seconds} for s in servers}
 
 
-def paired_summary(ttft: dict[str, list[float]], baseline: str) -> list[dict[str, Any]]:
-    """Per configuration: TTFT p50/p90 (ms) and, against `baseline`, the median of the
-    per-round ratios with its bootstrap 95% interval (round i of every configuration is a pair)."""
-    rows = []
-    for config, xs in ttft.items():
-        row: dict[str, Any] = {
-            "config": config,
-            "n": len(xs),
-            "ttft_p50_ms": round(statistics.median(xs) * 1e3, 2),
-            "ttft_p90_ms": round(percentile(xs, 90) * 1e3, 2),
-        }
-        if config != baseline:
-            ratios = [a / b for a, b in zip(xs, ttft[baseline], strict=True)]
-            lo, hi = bootstrap_median_ci(ratios)
-            row.update(
-                ratio_p50=round(statistics.median(ratios), 4),
-                ratio_ci95=[round(lo, 4), round(hi, 4)],
-                faster_rounds=sum(r < 1 for r in ratios),
-            )
-        rows.append(row)
-    return rows
-
-
-def ratio_row(config: str, against: str, ratios: list[float]) -> dict[str, Any]:
-    """One pair's per-round ratios: their median, its bootstrap 95% interval, rounds faster."""
-    lo, hi = bootstrap_median_ci(ratios)
-    return {
-        "config": config,
-        "against": against,
-        "n": len(ratios),
-        "ratio_p50": round(statistics.median(ratios), 4),
-        "ratio_ci95": [round(lo, 4), round(hi, 4)],
-        "faster_rounds": sum(r < 1 for r in ratios),
-    }
-
-
 def servers_of(labels: Any, config: str) -> list[str]:
-    """The server labels that run `config`: itself and its replicas (`none`, `none#2`); a
-    label with its own `#N` names just that server."""
+    """The servers running `config`: itself and its replicas (`none`, `none#2`); a label with
+    its own `#N` names just that server."""
     return [x for x in labels if x == config or ("#" not in config and config_of(x) == config)]
 
 
@@ -800,173 +635,64 @@ def pooled_ttft(samples: dict[str, list[dict]], labels: list[str]) -> dict[int, 
     """Round -> geometric mean TTFT of `labels`' servers, for the rounds all of them answered."""
     per_label = [{x["round"]: x["ttft_s"] for x in samples[label]} for label in labels]
     rounds = set.intersection(*(set(d) for d in per_label)) if per_label else set()
-    return {
-        r: math.exp(statistics.fmean(math.log(d[r]) for d in per_label)) for r in sorted(rounds)
-    }
+    return {r: _geo_mean([d[r] for d in per_label], None) for r in sorted(rounds)}
 
 
-def pooled_summary(ttft: dict[str, list[float]], baseline: str) -> list[dict[str, Any]]:
-    """Where a configuration ran on more than one server: each configuration's servers pooled
-    (geometric mean per round) against the baseline's, and each replica against the first
-    server of its configuration (the size of a server's own offset in this call)."""
-    groups: dict[str, list[str]] = {}
-    for label in ttft:
-        groups.setdefault(config_of(label), []).append(label)
-    if all(len(g) == 1 for g in groups.values()):
-        return []
-    base = groups[config_of(baseline)]
-
-    def pooled(labels: list[str]) -> list[float]:
-        return [
-            math.exp(statistics.fmean(math.log(ttft[x][i]) for x in labels))
-            for i in range(len(ttft[labels[0]]))
-        ]
-
-    rows = []
-    for config, labels in groups.items():
-        if labels is not base:
-            ratios = [a / b for a, b in zip(pooled(labels), pooled(base), strict=True)]
-            rows.append(
-                ratio_row(
-                    f"{config} (x{len(labels)})", f"{config_of(baseline)} (x{len(base)})", ratios
-                )
-            )
-    for labels in groups.values():
-        for label in labels[1:]:
-            ratios = [a / b for a, b in zip(ttft[label], ttft[labels[0]], strict=True)]
-            rows.append(ratio_row(label, labels[0], ratios))
-    return rows
+def _geo_mean(values: list[float], digits: int | None = 4) -> Any:
+    if not values:
+        return None
+    g = math.exp(statistics.fmean(map(math.log, values)))
+    return g if digits is None else round(g, digits)
 
 
-def call_ratio(report: dict[str, Any], config: str, against: str) -> float | None:
-    """One call's median per-round TTFT ratio `config`/`against` (rounds both answered; a
-    configuration on several servers pooled per round), or None when the call ran only one."""
-    samples = report.get("samples", {})
+def _sides(samples: Any, config: str, against: str) -> tuple[list[str], list[str]]:
     mine = servers_of(samples, config)
-    theirs = [x for x in servers_of(samples, against) if x not in mine]  # none#2 / none
+    return mine, [x for x in servers_of(samples, against) if x not in mine]  # none#2 / none
+
+
+def pair(samples: dict[str, list[dict]], config: str, against: str) -> dict[str, Any] | None:
+    """`config` against `against`, round by round (each side pooled over its servers): the
+    median TTFT ratio, its bootstrap 95% interval, rounds faster; None without both sides."""
+    mine, theirs = _sides(samples, config, against)
     if not mine or not theirs:
         return None
     ours, base = pooled_ttft(samples, mine), pooled_ttft(samples, theirs)
     ratios = [t / base[r] for r, t in ours.items() if r in base]
-    return statistics.median(ratios) if ratios else None
-
-
-def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) -> dict[str, Any]:
-    """`config`/`against` over several calls. Each call starts its own servers, and a server
-    keeps its small offset (placement, the machine it landed on) for the whole call, so one
-    call's bootstrap interval, from its rounds, is narrower than the spread between calls: the
-    verdict takes each call's median as one sample and gives their median and range.
-
-    The offset also follows the start order (the server started first has read ~0.7% slower
-    than its call's mean), so the row says which of the pair started first in each call
-    (`balanced` for A B B A) and gives the geometric mean with its standard error: over calls
-    that cover the start orders equally, the start order cancels out of the mean."""
-    per_call = {name: r for name, rep in reports.items() if (r := call_ratio(rep, config, against))}
-    medians = sorted(per_call.values())
-    logs = [math.log(v) for v in medians]
-    first_of = {name: started_first(reports[name], config, against) for name in per_call}
-    first = list(first_of.values())
-    strata = (config, against, BALANCED) if BALANCED in first else (config, against)
-    return {
-        "config": config,
-        "against": against,
-        "calls": len(medians),
-        "per_call": {k: round(v, 4) for k, v in per_call.items()},
-        "median": round(statistics.median(medians), 4) if medians else None,
-        "range": [round(medians[0], 4), round(medians[-1], 4)] if medians else None,
-        "geo_mean": round(math.exp(statistics.fmean(logs)), 4) if logs else None,
-        "sem": round(statistics.stdev(logs) / math.sqrt(len(logs)), 4) if len(logs) > 1 else None,
-        "first_started": {c: first.count(c) for c in strata},
-    }
-
-
-def modes_across_calls(
-    reports: dict[str, dict[str, Any]], config: str, against: str
-) -> dict[str, Any]:
-    """`config` against `against` split by the GPU VM's two TTFT modes (`mode_split`, each
-    call cut on its own): per call, each side's slow share (mean over its servers) and the
-    ratio of their fast-mode medians; over calls, the mean slow-share difference with its
-    standard error and the geometric mean of the fast-mode ratios. Why: a call's median ratio
-    mixes what a configuration costs within a mode with how often its requests fell in the
-    slow one, and the two have different causes."""
-    per_call: dict[str, dict[str, Any]] = {}
-    for name, rep in reports.items():
-        samples = rep.get("samples", {})
-        mine = servers_of(samples, config)
-        theirs = [x for x in servers_of(samples, against) if x not in mine]
-        if not mine or not theirs:
-            continue
-        rows = {r["config"]: r for r in mode_split(samples)["rows"]}
-        fast = [[rows[x]["fast_p50_ms"] for x in side] for side in (mine, theirs)]
-        if any(v is None for side in fast for v in side):
-            continue  # a server with no fast request: no fast-mode median to compare
-        per_call[name] = {
-            "slow_share": [
-                round(statistics.fmean(rows[x]["slow_share"] for x in side), 3)
-                for side in (mine, theirs)
-            ],
-            "fast_ratio": round(statistics.fmean(fast[0]) / statistics.fmean(fast[1]), 4),
-        }
-    diffs = [c["slow_share"][0] - c["slow_share"][1] for c in per_call.values()]
-    ratios = [c["fast_ratio"] for c in per_call.values()]
-    return {
-        "calls": len(per_call),
-        "per_call": per_call,
-        "slow_share_diff": round(statistics.fmean(diffs), 3) if diffs else None,
-        "slow_share_diff_sem": round(statistics.stdev(diffs) / math.sqrt(len(diffs)), 3)
-        if len(diffs) > 1
-        else None,
-        "fast_ratio_geo_mean": _geo_mean(ratios),
-    }
-
-
-BALANCED = "balanced"  # a call whose servers of the pair started in a balanced order (A B B A)
-
-
-def _geo_mean(values: list[float]) -> float | None:
-    return round(math.exp(statistics.fmean(map(math.log, values))), 4) if values else None
-
-
-def started_first(report: dict[str, Any], config: str, against: str) -> str | None:
-    """Which of the pair the call started first (`serve paired` starts servers in --configs
-    order): the one whose servers' mean start position is earlier, `BALANCED` when equal
-    (A B B A), None when the report does not say."""
-    order = report.get("args", {}).get("configs") or []
-    mine = [i for i, x in enumerate(order) if x in servers_of(order, config)]
-    theirs = [i for i, x in enumerate(order) if x in servers_of(order, against) and i not in mine]
-    if not mine or not theirs:
+    if not ratios:
         return None
-    a, b = statistics.fmean(mine), statistics.fmean(theirs)
-    return BALANCED if a == b else config if a < b else against
+    lo, hi = bootstrap_median_ci(ratios)
+    return {
+        "config": config if len(mine) == 1 else f"{config} (x{len(mine)})",
+        "against": against if len(theirs) == 1 else f"{against} (x{len(theirs)})",
+        "n": len(ratios),
+        "ratio_p50": round(statistics.median(ratios), 4),
+        "ratio_ci95": [round(lo, 4), round(hi, 4)],
+        "faster_rounds": sum(r < 1 for r in ratios),
+    }
 
 
-def call_names(files: list[Path]) -> dict[str, Path]:
-    """One name per call: the file's stem, or its folder and stem where stems repeat (each
-    device call writes `$OUT/pN/sweep.json`); a file given twice is refused."""
-    if len(set(map(Path.resolve, files))) != len(files):
-        raise SystemExit("serve merge: a file is given twice")
-    stems = [result_stem(f) for f in files]
-    if len(set(stems)) == len(stems):
-        return dict(zip(stems, files, strict=True))
-    return {f"{f.parent.name}/{s}": f for f, s in zip(files, stems, strict=True)}
+def paired_rows(samples: dict[str, list[dict]], baseline: str) -> list[dict[str, Any]]:
+    """Each configuration against the baseline's, then each replica against its first server
+    (the size of a server's own offset in this call)."""
+    base = config_of(baseline)
+    configs = dict.fromkeys(config_of(x) for x in samples if config_of(x) != base)
+    rows = [pair(samples, c, base) for c in configs]
+    rows += [pair(samples, x, config_of(x)) for x in samples if "#" in x]
+    return [r for r in rows if r]
 
 
 def mode_split(samples: dict[str, list[dict]]) -> dict[str, Any]:
     """TTFT on the GPU VM comes in two modes ~9 ms apart, shared by the servers of a round and
-    lasting several rounds: a median ratio then moves with each server's share of
-    slow-mode requests as much as with its time in either mode. The cut is the midpoint of the
-    pooled 20th and 80th percentiles; per server: its slow share and each mode's median; per
-    round: how many servers were slow, beside the counts expected if each were slow on its own
-    (binomial at the pooled share)."""
+    lasting several rounds: a median ratio moves with each server's share of slow-mode
+    requests as much as with its time in either mode. The cut is the midpoint of the pooled
+    20th and 80th percentiles; per server: its slow share and each mode's median."""
     n = min(len(v) for v in samples.values())
-    cut = statistics.fmean(
-        percentile([x["ttft_s"] for v in samples.values() for x in v[:n]], q) for q in (20, 80)
-    )
+    pooled = [x["ttft_s"] for v in samples.values() for x in v[:n]]
+    cut = statistics.fmean(percentile(pooled, q) for q in (20, 80))
     rows = []
     for label, v in samples.items():
         ttft = [x["ttft_s"] for x in v[:n]]
-        fast = [t for t in ttft if t <= cut]
-        slow = [t for t in ttft if t > cut]
+        fast, slow = [t for t in ttft if t <= cut], [t for t in ttft if t > cut]
         rows.append(
             {
                 "config": label,
@@ -976,37 +702,75 @@ def mode_split(samples: dict[str, list[dict]]) -> dict[str, Any]:
                 "slow_p50_ms": round(1e3 * statistics.median(slow), 2) if slow else None,
             }
         )
-    k = len(samples)
-    share = sum(r["slow_share"] for r in rows) / k
-    counts = [sum(v[i]["ttft_s"] > cut for v in samples.values()) for i in range(n)]
+    return {"cut_ms": round(1e3 * cut, 2), "rows": rows}
+
+
+def started_first(order: list[str], mine: list[str], theirs: list[str]) -> str | None:
+    """Which side the call started first (servers start in --configs order): the one whose
+    servers' mean start position is earlier, "balanced" when equal (A B B A)."""
+    a = [i for i, x in enumerate(order) if x in mine]
+    b = [i for i, x in enumerate(order) if x in theirs]
+    if not a or not b:
+        return None
+    d = statistics.fmean(a) - statistics.fmean(b)
+    return "balanced" if d == 0 else "config" if d < 0 else "against"
+
+
+def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) -> dict[str, Any]:
+    """`config`/`against` over several calls. A server keeps its small offset for the whole
+    call, so one call's interval (from its rounds) is narrower than the spread between calls:
+    each call's median ratio is one sample; over calls their geometric mean with its standard
+    error (in logs), and which side each call started first (over calls that cover both start
+    orders equally, or start A B B A, the start order cancels out of the mean). Per call also
+    the GPU VM's two TTFT modes (`mode_split`): each side's slow share and its servers'
+    fast-mode medians; over calls the mean slow-share difference (standard error) and the
+    geometric mean of the fast-mode ratios."""
+    per_call: dict[str, dict[str, Any]] = {}
+    for name, rep in reports.items():
+        samples = rep.get("samples", {})
+        p = pair(samples, config, against)
+        if p is None:
+            continue
+        mine, theirs = _sides(samples, config, against)
+        modes = {r["config"]: r for r in mode_split(samples)["rows"]}
+        fast = [[modes[x]["fast_p50_ms"] for x in side] for side in (mine, theirs)]
+        first = started_first(rep.get("args", {}).get("configs") or [], mine, theirs)
+        per_call[name] = {
+            "ratio": p["ratio_p50"],
+            "ci95": p["ratio_ci95"],
+            "rounds": p["n"],
+            "first": {"config": config, "against": against}.get(first, first),
+            "slow_share": [
+                round(statistics.fmean(modes[x]["slow_share"] for x in side), 3)
+                for side in (mine, theirs)
+            ],
+            "fast_p50_ms": fast,
+            "fast_ratio": None
+            if None in fast[0] + fast[1]  # a server with no fast request
+            else round(statistics.fmean(fast[0]) / statistics.fmean(fast[1]), 4),
+        }
+    calls = list(per_call.values())
+    logs = [math.log(c["ratio"]) for c in calls]
+    diffs = [c["slow_share"][0] - c["slow_share"][1] for c in calls]
+    firsts = [c["first"] for c in calls]
     return {
-        "cut_ms": round(1e3 * cut, 2),
-        "rows": rows,
-        "slow_servers_per_round": {j: counts.count(j) for j in range(k + 1)},
-        "if_independent": {
-            j: round(n * math.comb(k, j) * share**j * (1 - share) ** (k - j), 1)
-            for j in range(k + 1)
-        },
+        "config": config,
+        "against": against,
+        "calls": len(calls),
+        "per_call": per_call,
+        "geo_mean": _geo_mean([c["ratio"] for c in calls]),
+        "sem": round(statistics.stdev(logs) / math.sqrt(len(logs)), 4) if len(logs) > 1 else None,
+        "first_started": {k: firsts.count(k) for k in dict.fromkeys(firsts)},
+        "slow_share_diff": round(statistics.fmean(diffs), 3) if diffs else None,
+        "slow_share_diff_sem": round(statistics.stdev(diffs) / math.sqrt(len(diffs)), 3)
+        if len(diffs) > 1
+        else None,
+        "fast_ratio_geo_mean": _geo_mean([c["fast_ratio"] for c in calls if c["fast_ratio"]]),
     }
 
 
-def modes_main(argv: list[str]) -> int:
-    """`serve modes FILES...`: each call's two TTFT modes (`mode_split`)."""
-    p = argparse.ArgumentParser(prog="serve modes", description=mode_split.__doc__)
-    p.add_argument("files", nargs="+", type=Path)
-    a = p.parse_args(argv)
-    for name, f in call_names(a.files).items():
-        samples = read_result(f)["samples"]
-        modes = mode_split(samples)
-        print(f"\n== {name}: cut at {modes['cut_ms']} ms ==")
-        print(table(modes["rows"]))
-        print(f"slow servers per round: {modes['slow_servers_per_round']}")
-        print(f"if each were slow alone: {modes['if_independent']}")
-    return 0
-
-
 def merge_main(argv: list[str]) -> int:
-    """`serve merge FILES... --pair kvo-eager/none [--pair ...]`: the across-call table."""
+    """`serve merge FILES... --pair kvo-eager/none [--pair ...]`: the across-call tables."""
     p = argparse.ArgumentParser(prog="serve merge", description=across_calls.__doc__)
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--pair", action="append", required=True, help="CONFIG/AGAINST")
@@ -1015,45 +779,11 @@ def merge_main(argv: list[str]) -> int:
     if any(pair.count("/") != 1 for pair in a.pair):
         p.error("--pair: CONFIG/AGAINST, e.g. kvo-eager/none")
     reports = {name: read_result(f) for name, f in call_names(a.files).items()}
-    rows = [
-        {
-            **across_calls(reports, *pair.split("/")),
-            "modes": modes_across_calls(reports, *pair.split("/")),
-        }
-        for pair in a.pair
-    ]
-    print(
-        table(
-            [
-                {
-                    **{k: v for k, v in r.items() if k != "modes"},
-                    "per_call": " ".join(f"{k}:{v}" for k, v in r["per_call"].items()),
-                    "first_started": " ".join(f"{k}:{v}" for k, v in r["first_started"].items()),
-                }
-                for r in rows
-            ]
-        )
-    )
-    print("\n== by mode: slow share (config, against) and fast-mode p50 ratio, per call ==")
-    print(
-        table(
-            [
-                {
-                    "config": r["config"],
-                    "against": r["against"],
-                    "calls": r["modes"]["calls"],
-                    "per_call": " ".join(
-                        f"{k}:{c['slow_share'][0]}/{c['slow_share'][1]},{c['fast_ratio']}"
-                        for k, c in r["modes"]["per_call"].items()
-                    ),
-                    "slow_share_diff": r["modes"]["slow_share_diff"],
-                    "sem": r["modes"]["slow_share_diff_sem"],
-                    "fast_ratio_geo_mean": r["modes"]["fast_ratio_geo_mean"],
-                }
-                for r in rows
-            ]
-        )
-    )
+    rows = [across_calls(reports, *pair.split("/")) for pair in a.pair]
+    for r in rows:
+        print(f"\n== {r['config']} / {r['against']}, per call ==")
+        print(table([{"call": k, **c} for k, c in r["per_call"].items()]))
+        print(table([{k: v for k, v in r.items() if k != "per_call"}]))
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
@@ -1070,12 +800,8 @@ def run_paired(a: argparse.Namespace) -> dict[str, Any]:
     if a.gpu_mem_util_total:
         a.gpu_mem_util = round(a.gpu_mem_util_total / len(a.configs), 3)
     servers = [Server(a, c, model_dir, work) for c in a.configs]
-    report: dict[str, Any] = {
-        "benchmark": "serve_paired",
-        "machine": machine(),
-        "args": vars(a),
-        "servers": {},
-    }
+    report: dict[str, Any] = {"benchmark": "serve_paired", "machine": machine(), "args": vars(a)}
+    report["servers"] = {}
     rng = random.Random(a.seed)
     samples: dict[str, list[dict]] = {c: [] for c in a.configs}
     try:
@@ -1083,26 +809,19 @@ def run_paired(a: argparse.Namespace) -> dict[str, Any]:
             s.start()
             report["servers"][s.config] = {"start_s": round(s.start_s, 1), "argv": s.argv()}
             print(f"   {s.config}: started in {s.start_s:.0f} s", flush=True)
-        burst = warmup_burst(servers, rng, a, vocab)
-        for label, done in burst.items():
-            report["servers"][label]["warmup_burst"] = done
-        if burst:
-            print(
-                f"   warm-up burst: {a.warmup_burst} per server in "
-                f"{next(iter(burst.values()))['seconds']:.0f} s",
-                flush=True,
-            )
+        if a.warmup_burst:
+            for label, done in warmup_burst(servers, rng, a, vocab).items():
+                report["servers"][label]["warmup_burst"] = done
         # the slow starts come out of the rounds, not past --budget-s (a caller's timeout)
         t_end = min(time.monotonic() + a.measure_s, t_start + a.budget_s)
-        orders = rotations(servers, a.warmup_rounds + a.rounds)
-        for i, order in enumerate(orders):
+        for i, order in enumerate(rotations(servers, a.warmup_rounds + a.rounds)):
             if time.monotonic() > t_end:
                 print(f"   out of time after {i} rounds", flush=True)
                 break
             for s in order:
                 prompt = random_prompt(rng, a.prompt_tokens, vocab)
                 sent = round(time.time(), 3)
-                r = timed_request(s.url, prompt, a.output_tokens, a.request_timeout_s)
+                r = completion(s.url, prompt, a.output_tokens, a.request_timeout_s)
                 if i >= a.warmup_rounds:
                     samples[s.config].append({"round": i, "sent": sent, **r})
                 time.sleep(a.gap_s)
@@ -1112,131 +831,121 @@ def run_paired(a: argparse.Namespace) -> dict[str, Any]:
         for s in servers:
             s.stop()
     n = min(len(v) for v in samples.values())  # whole rounds only: every ratio is a pair
-    ttft = {c: [x["ttft_s"] for x in v[:n]] for c, v in samples.items()}
-    report["rows"] = paired_summary(ttft, a.configs[0]) if n else []
-    report["pooled"] = pooled_summary(ttft, a.configs[0]) if n else []
+    report["rows"] = [
+        {
+            "config": c,
+            "n": n,
+            **{f"ttft_p{q}_ms": round(percentile(t, q) * 1e3, 2) for q in (50, 90)},
+        }
+        for c, v in samples.items()
+        if (t := [x["ttft_s"] for x in v[:n]])
+    ]
+    report["pairs"] = paired_rows({c: v[:n] for c, v in samples.items()}, a.configs[0])
     report["samples"] = samples
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    _save(out, report)
     print(f"\n== paired light load: {n} rounds, baseline {a.configs[0]} ==")
-    print(table(report["rows"]))
-    if report["pooled"]:
-        print("\n== each configuration's servers pooled, and each replica against its first ==")
-        print(table(report["pooled"]))
+    print(table(report["rows"]) + "\n" + table(report["pairs"]))
     return report
+
+
+# -- the command line ---------------------------------------------------------------------------
 
 
 def floats(text: str) -> list[float]:
     return [float(t) for t in text.split(",") if t.strip()]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="serve sweep", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default=str(ROOT / "bench/e2e_models/llama3-8b"), help="config.json's folder"
-    )
-    p.add_argument("--configs", default=",".join(CONFIGS), type=configs_arg)
-    p.add_argument("--out", default=str(ROOT / "bench/out/serve/sweep.json"))
-    p.add_argument("--budget-s", type=float, default=540.0, help="stop starting work after this")
-    p.add_argument("--start-timeout-s", type=float, default=240.0)
-    p.add_argument("--point-timeout-s", type=float, default=90.0, help="+ 3x a point's length")
-    # engine: the same for every configuration
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--gpu-blocks", type=int, default=3000, help="num_gpu_blocks_override")
-    p.add_argument("--gpu-mem-util", type=float, default=0.85)
-    p.add_argument("--max-model-len", type=int, default=16384)
-    p.add_argument("--max-num-seqs", type=int, default=0, help="0: vLLM's default")
-    p.add_argument("--cpu-gib", type=float, default=24.0, help="host memory of every connector")
-    p.add_argument(
-        "--graphs",
-        choices=("default", "decode", "none"),
-        default="decode",
-        help="default: vLLM's (torch.compile + piecewise/full graphs); decode: full CUDA graphs "
-        "for decode steps without torch.compile; none: eager",
-    )
-    p.add_argument("--max-graph-batch", type=int, default=128, help="largest decode graph")
-    p.add_argument("--serve-arg", action="append", default=[], help="one more `vllm serve` arg")
-    # workloads
-    p.add_argument("--rates", type=floats, default=floats("2,4,8,16,32"))
-    p.add_argument("--random-rates", type=floats, default=floats("2"))
-    p.add_argument("--chat-clients", type=floats, default=floats(""))
-    p.add_argument("--point-s", type=float, default=30.0, help="requests = rate x this ...")
-    p.add_argument("--min-requests", type=int, default=40, help="... at least this many ...")
-    p.add_argument("--max-requests", type=int, default=200, help="... and at most this many")
-    p.add_argument("--prefix-len", type=int, default=4096)
-    p.add_argument("--suffix-len", type=int, default=128)
-    p.add_argument("--num-prefixes", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument(
-        "--warmup-requests",
-        type=int,
-        default=16,
-        help="unreported random prompts before the points (0: none)",
-    )
-    p.add_argument("--chat-conversations", type=int, default=32)
-    p.add_argument("--chat-turns", type=int, default=4)
-    p.add_argument("--chat-system-tokens", type=int, default=1024)
-    p.add_argument("--chat-first-user-tokens", type=int, default=2048)
-    p.add_argument("--chat-user-tokens", type=int, default=128)
-    p.add_argument("--chat-reply-tokens", type=int, default=64)
-    p.add_argument("--chat-think-s", type=float, default=2.0)
-    p.add_argument("--chat-timeout-s", type=float, default=120.0)
-    return p
-
-
 def configs_arg(text: str) -> list[str]:
     """Server labels: a configuration, with `+key=value` overrides and `#N` (N >= 2) for one
     more server of it; every label once."""
     items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if config_of(t).split("+")[0] not in CONFIGS or not _replica_ok(t)]
+
+    def ok(label: str) -> bool:
+        _, sep, n = label.partition("#")
+        known = config_of(label).split("+")[0] in CONFIGS
+        return known and (not sep or (n.isdigit() and int(n) >= 2))
+
+    bad = [t for t in items if not ok(t)]
     if bad or not items:
         raise argparse.ArgumentTypeError(f"configs: {bad or 'none given'}; known: {CONFIGS}")
-    for t in items:
-        if "+pool_gib=" not in t:
-            continue
+    for t in (t for t in items if "+pool_gib=" in t):
         try:
             size = pool_gib(config_of(t), 0.0)
         except ValueError:
             size = 0.0
         if not t.startswith("kvo") or not size > 0:
             raise argparse.ArgumentTypeError(f"configs: {t}: +pool_gib= takes GiB > 0, on kvo only")
-    twice = sorted({t for t in items if items.count(t) > 1})
-    if twice:
+    if twice := sorted({t for t in items if items.count(t) > 1}):
         raise argparse.ArgumentTypeError(f"configs: {twice} given twice; name a second server #2")
     return items
 
 
-def _replica_ok(label: str) -> bool:
-    _, sep, n = label.partition("#")
-    return not sep or (n.isdigit() and int(n) >= 2)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve sweep", description=__doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--model", default=str(ROOT / "bench/e2e_models/llama3-8b"), help="config.json's folder")
+    add("--configs", default="none,offloading,simple,kvo-eager", type=configs_arg)
+    add("--out", default=str(ROOT / "bench/out/serve/sweep.json"))
+    add("--budget-s", type=float, default=540.0, help="stop starting work after this")
+    add("--start-timeout-s", type=float, default=240.0)
+    add("--point-timeout-s", type=float, default=90.0, help="+ 3x a point's length")
+    # the engine: the same for every configuration
+    add("--dtype", default="bfloat16")
+    add("--tp", type=int, default=1)
+    add("--gpu-blocks", type=int, default=3000, help="num_gpu_blocks_override")
+    add("--gpu-mem-util", type=float, default=0.85)
+    add("--max-model-len", type=int, default=16384)
+    add("--max-num-seqs", type=int, default=0, help="0: vLLM's default")
+    add("--cpu-gib", type=float, default=24.0, help="host memory of every connector")
+    add(
+        "--graphs",
+        choices=("default", "decode", "none"),
+        default="decode",
+        help="vLLM's default (torch.compile + graphs); full CUDA graphs for decode steps "
+        "without torch.compile; none: eager",
+    )
+    add("--max-graph-batch", type=int, default=128, help="largest decode graph")
+    add("--serve-arg", action="append", default=[], help="one more `vllm serve` arg")
+    # the workloads
+    add("--rates", type=floats, default=floats("2,4,8,16,32"))
+    add("--random-rates", type=floats, default=floats("2"))
+    add("--chat-clients", type=floats, default=floats(""))
+    add("--point-s", type=float, default=30.0, help="requests = rate x this ...")
+    add("--min-requests", type=int, default=40, help="... at least this many ...")
+    add("--max-requests", type=int, default=200, help="... and at most this many")
+    add("--prefix-len", type=int, default=4096)
+    add("--suffix-len", type=int, default=128)
+    add("--num-prefixes", type=int, default=32)
+    add("--output-len", type=int, default=64)
+    add("--random-input-len", type=int, default=1024)
+    add("--warmup-requests", type=int, default=16, help="unreported random prompts first")
+    add("--chat-conversations", type=int, default=32)
+    add("--chat-turns", type=int, default=4)
+    add("--chat-system-tokens", type=int, default=1024)
+    add("--chat-first-user-tokens", type=int, default=2048)
+    add("--chat-user-tokens", type=int, default=128)
+    add("--chat-reply-tokens", type=int, default=64)
+    add("--chat-think-s", type=float, default=2.0)
+    add("--chat-timeout-s", type=float, default=120.0)
+    return p
 
 
 def build_paired_parser() -> argparse.ArgumentParser:
     p = build_parser()
     p.prog = "serve paired"
     p.set_defaults(out=str(ROOT / "bench/out/serve_paired/paired.json"))
-    p.add_argument("--rounds", type=int, default=300)
-    p.add_argument("--warmup-rounds", type=int, default=10)
-    p.add_argument(
-        "--warmup-burst",
-        type=int,
-        default=0,
-        help="fresh prompts sent to every server at once before the rounds, not reported",
-    )
-    p.add_argument("--warmup-concurrency", type=int, default=8, help="per server, in the burst")
-    p.add_argument("--measure-s", type=float, default=360.0, help="stop rounds after this")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--gap-s", type=float, default=0.1, help="idle time after each request")
-    p.add_argument("--request-timeout-s", type=float, default=60.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--gpu-mem-util-total",
-        type=float,
-        default=0.0,
-        help="split this share of GPU memory between the servers (else each gets --gpu-mem-util)",
-    )
+    add = p.add_argument
+    add("--rounds", type=int, default=300)
+    add("--warmup-rounds", type=int, default=10)
+    add("--warmup-burst", type=int, default=0, help="unreported fresh prompts to all at once")
+    add("--warmup-concurrency", type=int, default=8, help="per server, in the burst")
+    add("--measure-s", type=float, default=360.0, help="stop rounds after this")
+    add("--prompt-tokens", type=int, default=1024)
+    add("--output-tokens", type=int, default=32)
+    add("--gap-s", type=float, default=0.1, help="idle time after each request")
+    add("--request-timeout-s", type=float, default=60.0)
+    add("--seed", type=int, default=0)
+    add("--gpu-mem-util-total", type=float, default=0.0, help="split between the servers")
     return p
 
 
@@ -1261,10 +970,10 @@ def vllm_main() -> None:
                 return vllm.__version__
 
     importlib.metadata.version = version
-    from vllm.entrypoints.cli.main import main as vllm_main
+    from vllm.entrypoints.cli.main import main as cli_main
 
     sys.argv[0] = "vllm"
-    vllm_main()
+    cli_main()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1276,8 +985,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if mode == "merge":
         return merge_main(rest)
-    if mode == "modes":
-        return modes_main(rest)
+    if mode == "report":
+        import serve_report
+
+        return serve_report.main(rest)
     if mode == "sweep":
         report = sweep(build_parser().parse_args(rest))
         return 1 if any(s.get("status") != "ok" for s in report["servers"].values()) else 0
@@ -1285,7 +996,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
         return 0
     if mode != "paired":
-        print(__doc__.split("\n\n")[1], file=sys.stderr)
+        print(__doc__.split("\n\n")[0], file=sys.stderr)
         return 2
     parser = build_paired_parser()
     a = parser.parse_args(rest)

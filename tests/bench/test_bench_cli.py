@@ -33,7 +33,7 @@ def _bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def test_every_name_and_serve_mode_parses_its_help() -> None:
     calls = [(name, "--help") for name in _registry()]
-    calls += [("serve", mode, "--help") for mode in ("sweep", "paired", "merge", "modes")]
+    calls += [("serve", mode, "--help") for mode in ("sweep", "paired", "merge", "report")]
     with ThreadPoolExecutor(max_workers=4) as pool:
         done = dict(zip(calls, pool.map(lambda c: _bench(*c), calls), strict=True))
     for call, proc in done.items():

@@ -1,4 +1,4 @@
-"""bench/serve_chat.py, the multi-turn chat client, against a real HTTP server in the test.
+"""bench/serve_chat.py, the multi-turn chat client of `serve sweep`, against a real HTTP server.
 
 The server (aiohttp.web, a real socket) speaks the OpenAI streaming chat protocol as vLLM does:
 a role chunk, one SSE chunk per token, a finish chunk, a usage chunk (prompt_tokens counted as
@@ -11,13 +11,12 @@ end-to-end run against a real `vllm serve` is the sweep's test.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import socket
 import statistics
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +24,12 @@ import pytest
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "serve_chat.py"
 MODEL = "fake-llama"
 
 
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("serve_chat", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve_chat"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-sc = _load()
+import serve_chat as sc  # noqa: E402
 
 # fail(n, body) -> None (serve it), "http" (HTTP 500), "stream-error" (vLLM's in-stream error
 # object), "drop" (the stream ends without [DONE])
@@ -222,7 +213,7 @@ def test_texts_are_seeded_shared_distinct_and_in_vocab():
     assert len({u[0] for u in users}) == w.conversations  # distinct documents
     ids = {int(word[1:]) for u in users for text in u for word in text.split()}
     assert min(ids) >= 0 and max(ids) <= 999 and len(ids) > 500
-    other = sc.ChatWorkload(**{**sc.asdict(w), "seed": 1})
+    other = sc.ChatWorkload(**{**asdict(w), "seed": 1})
     assert sc.system_prompt(other) != sc.system_prompt(w)
     thinks = [t for c in range(w.conversations) for t in sc.think_times(w, c)[1:]]
     assert all(sc.think_times(w, c)[0] == 0.0 for c in range(3))
@@ -292,7 +283,7 @@ async def test_history_grows_and_every_conversation_shares_the_system_prompt(ser
             assert r.cached_tokens == 7 + 11 + (r.turn - 1) * (4 + 5)
     assert 0.3 < s["cached_fraction"] < 1
     assert s["mean_prompt_tokens"] == statistics.mean(7 + 11 + k * 9 for k in range(4))
-    assert s["median_ttft_ms"] == s["ttft_ms_p50"] and s["p99_tpot_ms"] == s["tpot_ms_p99"]
+    assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] and s["median_tpot_ms"] is not None
 
 
 async def test_think_time_is_waited_between_a_reply_and_the_next_turn(server):
@@ -363,7 +354,7 @@ async def test_the_deadline_cuts_in_flight_requests_and_skips_the_rest(server):
     assert (s["completed"], s["failed"], s["cut"], s["skipped"]) == (0, 0, 2, 28)
     assert all(r.error == sc.DEADLINE for r in result.requests)
     assert _accounted(w, s) == w.total_turns
-    assert s["request_throughput"] == 0 and s["ttft_ms_p50"] is None
+    assert s["request_throughput"] == 0 and s["median_ttft_ms"] is None
 
 
 async def test_a_think_time_past_the_deadline_ends_that_client(server):
@@ -409,7 +400,7 @@ async def test_failed_responses_are_recorded_and_drop_their_conversation(server)
     assert failed[(1, 0)].error.startswith("HTTP 500") and failed[(1, 0)].http_status == 500
     assert "engine died" in failed[(2, 1)].error
     assert "[DONE]" in failed[(3, 2)].error
-    assert s["request_throughput"] > 0 and s["ttft_ms_p50"] is not None
+    assert s["request_throughput"] > 0 and s["median_ttft_ms"] is not None
 
 
 async def test_a_rejected_request_is_a_failure_with_the_servers_message(server):
@@ -428,101 +419,3 @@ async def test_a_rejected_request_is_a_failure_with_the_servers_message(server):
     s = result.summary
     assert (s["completed"], s["failed"], s["abandoned"]) == (0, 2, 2)
     assert all("HTTP 400" in r.error and "no-such-model" in r.error for r in result.requests)
-
-
-# -- the command line ---------------------------------------------------------------------------
-
-
-async def _cli(*args: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(SCRIPT),
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout=30)
-    return proc.returncode, out.decode(), err.decode()
-
-
-SMALL = [
-    "--conversations",
-    "3",
-    "--turns",
-    "2",
-    "--system-tokens",
-    "4",
-    "--first-user-tokens",
-    "6",
-    "--user-tokens",
-    "2",
-    "--reply-tokens",
-    "3",
-    "--think-s",
-    "0",
-    "--clients",
-    "2",
-    "--timeout-s",
-    "20",
-]
-
-
-async def test_cli_writes_the_json_and_exits_0(server, tmp_path):
-    srv = await server()
-    out = tmp_path / "chat.json"
-    rc, stdout, stderr = await _cli(
-        "--base-url", srv.url, "--model", MODEL, *SMALL, "--out", str(out)
-    )
-    assert rc == 0, stderr
-    assert stdout.startswith("chat: 6 ok, 0 failed")
-    doc = json.loads(out.read_text())
-    assert doc["workload"] == sc.asdict(
-        sc.ChatWorkload(
-            conversations=3,
-            turns=2,
-            system_tokens=4,
-            first_user_tokens=6,
-            user_tokens=2,
-            reply_tokens=3,
-            think_s=0.0,
-            clients=2,
-        )
-    )
-    keys = {
-        "completed",
-        "failed",
-        "request_throughput",
-        "output_throughput",
-        "ttft_ms_p50",
-        "ttft_ms_p99",
-        "tpot_ms_p50",
-        "tpot_ms_p99",
-        "median_ttft_ms",
-        "p99_ttft_ms",
-        "median_tpot_ms",
-        "p99_tpot_ms",
-        "duration_s",
-        "mean_prompt_tokens",
-        "cached_fraction",
-    }
-    assert keys <= set(doc["summary"])
-    assert doc["summary"]["output_throughput"] > 0 and len(doc["requests"]) == 6
-    assert doc["requests"][0]["prompt_tokens"] == 10 and doc["run"]["model"] == MODEL
-
-
-async def test_cli_bad_arguments_exit_2():
-    for bad in (["--turns", "0"], ["--vocab", "200000"], ["--timeout-s", "0"], ["--clients", "x"]):
-        rc, _, stderr = await _cli("--base-url", "http://127.0.0.1:9", "--model", MODEL, *bad)
-        assert rc == 2, (bad, stderr)
-
-
-async def test_cli_exits_1_when_the_server_never_answers(tmp_path):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "chat.json"
-    rc, _, stderr = await _cli(
-        "--base-url", f"http://127.0.0.1:{port}", "--model", MODEL, *SMALL, "--out", str(out)
-    )
-    assert rc == 1 and "never answered" in stderr
-    assert json.loads(out.read_text())["summary"]["failed"] == 3  # each first turn, recorded

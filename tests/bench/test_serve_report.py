@@ -1,4 +1,4 @@
-"""bench/serve_report.py: merging `serve sweep` calls, verdicts, plots.
+"""`serve report` (bench/serve_report.py): merging `serve sweep` calls, verdicts, plots.
 
 Synthetic calls are written with `serve sweep`'s JSON schema (machine, args, servers, rows with
 the client's summary, per-request ttfts_ms/tpots_ms and the counters' rates); the committed
@@ -7,7 +7,6 @@ calls of an H100 sweep (tests/bench/data/serve/*.json.xz) go through the same co
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
@@ -18,21 +17,14 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "serve_report.py"
 RESULTS = ROOT / "tests" / "bench" / "data" / "serve"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("serve_report", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["serve_report"] = mod  # dataclasses look their module up by name
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(ROOT / "bench"))
 
-
-sr = _load()
+import serve_report as sr  # noqa: E402
+from harness import bootstrap_median_ci, read_result, result_stem  # noqa: E402
 
 
 def row(
@@ -169,16 +161,16 @@ def test_verdicts_better_worse_within_spread_and_one_call(tmp_path):
     assert (thr.verdict, thr.rival) == ("better", "simple")  # 15-16 above simple's 12-13
     p50 = verdict_of(rep, "prefix@16", "kvo-eager", "median_ttft_ms")
     assert (p50.verdict, p50.rival) == ("worse", "offloading")  # 200-210 above 100-105
-    assert p50.interval == sr.Interval(200.0, 210.0, "calls")
+    assert p50.mine[1] == sr.Interval(200.0, 210.0, "calls")
     p99 = verdict_of(rep, "prefix@16", "kvo-eager", "p99_ttft_ms")
     assert (p99.verdict, p99.rival) == ("within spread", "simple")  # 290-330 meets 280-310
 
     assert verdict_of(rep, "prefix@32", "kvo-eager", "request_throughput").verdict == "1 call"
     fast = verdict_of(rep, "prefix@32", "kvo-eager", "median_ttft_ms")
-    assert fast.verdict == "better" and fast.interval.basis == "bootstrap"
+    assert fast.verdict == "better" and fast.mine[1].basis == "bootstrap"
     same = verdict_of(rep, "prefix@32", "kvo-lazy", "median_ttft_ms")
     assert same.verdict == "within spread"
-    assert "within spread" in same.line() and "bootstrap 95%" in same.line()
+    assert "within spread" in same.text() and "bootstrap 95%" in same.text()
 
 
 def test_better_must_hold_against_each_rival_not_only_the_best_median(tmp_path):
@@ -202,7 +194,7 @@ def test_better_must_hold_against_each_rival_not_only_the_best_median(tmp_path):
     rep = sr.build(paths)
     v = verdict_of(rep, "prefix@32", "kvo-eager", "request_throughput")
     assert (v.verdict, v.rival) == ("within spread", "offloading")
-    assert v.rival_interval == sr.Interval(13.0, 15.7, "calls")
+    assert v.theirs[1] == sr.Interval(13.0, 15.7, "calls")
 
 
 def test_min_requests_leaves_out_points_with_fewer_requests(tmp_path):
@@ -234,16 +226,16 @@ def test_decide_is_symmetric_in_direction():
 @pytest.mark.parametrize("q", [50.0, 99.0])
 def test_bootstrap_interval_contains_the_sample_statistic_and_is_seeded(n, q):
     values = np.random.default_rng(n).lognormal(4, 0.5, n).tolist()
-    lo, hi = sr.bootstrap_interval([values], q, seed=7)
-    stat = float(np.percentile(values, q))
+    lo, hi = bootstrap_median_ci(values, resamples=1000, seed=7, q=q)
+    stat = float(np.percentile(values, q, method="nearest"))
     assert lo <= stat <= hi
     assert lo < hi
     if q == 50.0:
         assert lo <= statistics.median(values) <= hi
-    assert sr.bootstrap_interval([values], q, seed=7) == (lo, hi)
+    assert bootstrap_median_ci(values, resamples=1000, seed=7, q=q) == (lo, hi)
     # more data, a narrower interval of the median
     if q == 50.0 and n == 200:
-        lo20, hi20 = sr.bootstrap_interval([values[:20]], q, seed=7)
+        lo20, hi20 = bootstrap_median_ci(values[:20], resamples=1000, seed=7, q=q)
         assert hi - lo < hi20 - lo20
 
 
@@ -296,7 +288,7 @@ def test_report_writes_markdown_and_small_pngs(tmp_path, capsys):
         data = p.read_bytes()
         assert data[:8] == PNG_MAGIC and 1000 < len(data) < 150_000
         assert f"](../plots/{p.name})" in text
-    assert "verdicts:" in capsys.readouterr().out
+    assert "## Summary" in capsys.readouterr().out
 
 
 def test_unreadable_input_fails_with_a_clear_message(tmp_path):
@@ -315,7 +307,7 @@ def test_committed_h100_calls(tmp_path):
     vals = [
         r["request_throughput"]
         for p in (a1, a2)
-        for r in sr.read_result(p)["rows"]
+        for r in read_result(p)["rows"]
         if (r["point"], r["config"]) == ("prefix@32", "offloading")
     ]
     off = rep.points["prefix@32"]["offloading"].stats["request_throughput"]
@@ -335,9 +327,9 @@ def test_committed_h100_calls(tmp_path):
     md = tmp_path / "serve.md"
     assert sr.main([*map(str, files), "--md", str(md), "--plots", str(tmp_path / "p")]) == 0
     text = md.read_text()
-    assert "NVIDIA H100 80GB HBM3" in text and "vLLM 0.26.0" in text
+    assert "NVIDIA H100 80GB HBM3" in text
     for p in files:
-        data, stem = sr.read_result(p), sr.result_stem(p)
+        data, stem = read_result(p), result_stem(p)
         assert f"# {stem}\npython -m bench serve sweep --model" in text
         for r in data["rows"]:
             if sr.usable(r):

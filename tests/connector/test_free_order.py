@@ -26,7 +26,7 @@ BLOCK = 32
 BLOCKS = 64
 NOOP = {
     "kv_connector": "NoopConnector",
-    "kv_connector_module_path": "noop_connector",  # bench/noop_connector.py
+    "kv_connector_module_path": "noop_connector",  # tests/connector/noop_connector.py
     "kv_role": "kv_both",
 }
 
@@ -54,8 +54,9 @@ def scheduler(kv: dict | None):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))
+    here = str(Path(__file__).resolve().parent)  # noop_connector.py
+    if here not in sys.path:
+        sys.path.insert(0, here)
     config = VllmConfig(
         model_config=ModelConfig(
             model=str(MODEL), skip_tokenizer_init=True, dtype="float32", max_model_len=1024

@@ -1,10 +1,6 @@
-"""A KV connector that does nothing (a diagnostic for the serving benchmarks).
-
-`python -m bench serve sweep|paired --configs noop` starts `vllm serve` with it: vLLM then runs
-every connector path it owns (the per-layer attention wrapper, the per-step worker and
-scheduler calls, deferred block freeing) while the connector itself adds nothing. Paired with
-`none` it measures vLLM's own floor for any connector; paired with a kvo configuration, the
-connector's share of an overhead.
+"""A KV connector that does nothing: vLLM runs every connector path it owns (the per-layer
+attention wrapper, the per-step worker and scheduler calls, deferred block freeing) while the
+connector adds nothing. test_free_order.py holds what vLLM does with any connector against it.
 """
 
 from __future__ import annotations
