@@ -20,10 +20,15 @@ pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
 from kvoffload_connector.events import EventFeed, announce_blob  # noqa: E402
-from test_events import _ext, _key, _request  # noqa: E402
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher  # noqa: E402
 
-CHUNK_BLOCKS, BLOCK = 2, 4
+from tests.sidecar.event_helpers import (  # noqa: E402
+    BLOCK,
+    CHUNK_BLOCKS,
+    chunk_key,
+    ext_hashes,
+    make_request,
+)
 
 
 class _Log:
@@ -36,7 +41,9 @@ class _Log:
     def commit(self, request: SimpleNamespace, chunks: list[int]) -> None:
         for c in chunks:
             blob = announce_blob(request, 0, c * CHUNK_BLOCKS, CHUNK_BLOCKS, BLOCK)
-            self.entries.append(SimpleNamespace(key=_key(request, c), removed=False, announce=blob))
+            self.entries.append(
+                SimpleNamespace(key=chunk_key(request, c), removed=False, announce=blob)
+            )
 
     def fetch(self, log_id: str, after_seq: int, cursor: int, max_events: int):
         if not log_id:
@@ -102,14 +109,14 @@ def test_a_poll_publishes_without_take_events_in_order(log_feed, publisher):
     pub, sub = publisher
     assert feed.publish_through(pub)
     feed.poll()  # the first poll: an empty snapshot
-    req = _request(6, seed=4)
+    req = make_request(6, seed=4)
     log.commit(req, [0, 1])
     feed.poll()  # what the feed's daemon thread does every 100 ms; nobody calls take()
     got = sub.events(2)
     assert [type(e).__name__ for e in got] == ["BlockStored", "BlockStored"]
     assert [e.block_hashes for e in got] == [
-        _ext(req.block_hashes[0:2]),
-        _ext(req.block_hashes[2:4]),
+        ext_hashes(req.block_hashes[0:2]),
+        ext_hashes(req.block_hashes[2:4]),
     ]
     assert all(e.medium == "CPU" for e in got)
     assert feed.take() == [] and feed.published == 2
@@ -126,7 +133,7 @@ def test_a_refused_batch_goes_back_to_the_step_path(log_feed, publisher, caplog)
     assert feed.publish_through(pub)
     feed.poll()
     pub.shutdown()  # vLLM's scheduler shuts its publisher down before the connector
-    req, more = _request(4, seed=5), _request(2, seed=6)
+    req, more = make_request(4, seed=5), make_request(2, seed=6)
     log.commit(req, [0, 1])
     with caplog.at_level("INFO", logger="kvoffload_connector.events"):
         feed.poll()
@@ -134,9 +141,9 @@ def test_a_refused_batch_goes_back_to_the_step_path(log_feed, publisher, caplog)
         feed.poll()
     events = feed.take()
     assert [e.block_hashes for e in events] == [
-        _ext(req.block_hashes[0:2]),
-        _ext(req.block_hashes[2:4]),
-        _ext(more.block_hashes[0:2]),
+        ext_hashes(req.block_hashes[0:2]),
+        ext_hashes(req.block_hashes[2:4]),
+        ext_hashes(more.block_hashes[0:2]),
     ]
     assert sum("refused a batch" in r.getMessage() for r in caplog.records) == 1
 
@@ -150,6 +157,6 @@ def test_a_publisher_of_unknown_thread_safety_keeps_the_step_path(log_feed):
 
     assert not feed.publish_through(PluginPublisher())
     feed.poll()
-    log.commit(_request(2, seed=7), [0])
+    log.commit(make_request(2, seed=7), [0])
     feed.poll()
     assert len(feed.take()) == 1

@@ -9,10 +9,8 @@ does, into vLLM's own BlockStored/BlockRemoved types.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
 
 import pytest
-from conftest import MiB
 from kvoffload_sidecar import events as sidecar_events
 from kvoffload_sidecar.errors import InvalidArgument
 from kvoffload_sidecar.keys import MAX_KEYS_PER_CALL
@@ -20,44 +18,22 @@ from kvoffload_sidecar.keys import MAX_KEYS_PER_CALL
 pytest.importorskip("msgspec")
 
 from kvoffload_connector.events import EventFeed, announce_blob, decode_blob  # noqa: E402
-from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash  # noqa: E402
 
-
-def _ext(hashes) -> list:
-    """Hashes as vLLM's events carry them (ints by default: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
-    return [maybe_convert_block_hash(h) for h in hashes]
-
-
-BLOCK = 4  # tokens per GPU block in these tests
-CHUNK_BLOCKS = 2
-
-
-def _request(n_blocks: int, seed: int, salt: str | None = None) -> SimpleNamespace:
-    """What announce_blob reads of a vLLM Request (hashes chained like vLLM's: distinct)."""
-    tokens = [seed * 1000 + i for i in range(n_blocks * BLOCK)]
-    return SimpleNamespace(
-        block_hashes=[bytes([seed, b]) * 16 for b in range(n_blocks)],
-        all_token_ids=tokens,
-        lora_request=None,
-        cache_salt=salt,
-        mm_features=[],
-        prompt_embeds=None,
-    )
-
-
-def _key(request: SimpleNamespace, chunk: int) -> bytes:
-    """The pool key of a chunk (keys.py: the chunk's last block hash + the group)."""
-    return bytes(request.block_hashes[(chunk + 1) * CHUNK_BLOCKS - 1]) + (0).to_bytes(4, "big")
-
-
-def _blob(request: SimpleNamespace, chunk: int) -> bytes:
-    return announce_blob(request, 0, chunk * CHUNK_BLOCKS, CHUNK_BLOCKS, BLOCK)
+from tests.sidecar.event_helpers import (  # noqa: E402
+    BLOCK,
+    CHUNK_BLOCKS,
+    MiB,
+    chunk_blob,
+    chunk_key,
+    ext_hashes,
+    make_request,
+)
 
 
 def _store(pool, reg, request, chunks, *, commit=True) -> int:
-    keys = [_key(request, c) for c in chunks]
+    keys = [chunk_key(request, c) for c in chunks]
     res = pool.reserve_store(
-        reg.namespace_id, reg.client_id, b"".join(keys), [_blob(request, c) for c in chunks]
+        reg.namespace_id, reg.client_id, b"".join(keys), [chunk_blob(request, c) for c in chunks]
     )
     if commit and res.store_id:
         assert pool.commit_store(reg.namespace_id, res.store_id, 0)
@@ -81,8 +57,8 @@ def pool_reg(make_pool, small_spec):
 
 
 def test_blob_round_trip_carries_vllms_hashes_tokens_parent_and_salt():
-    req = _request(6, seed=3, salt="tenant-a")
-    first, second = decode_blob(_blob(req, 0)), decode_blob(_blob(req, 1))
+    req = make_request(6, seed=3, salt="tenant-a")
+    first, second = decode_blob(chunk_blob(req, 0)), decode_blob(chunk_blob(req, 1))
     assert first.hashes == tuple(req.block_hashes[0:2]) and first.parent is None
     assert second.hashes == tuple(req.block_hashes[2:4])
     assert second.parent == req.block_hashes[1]  # the block before the chunk
@@ -96,7 +72,7 @@ def test_blob_round_trip_carries_vllms_hashes_tokens_parent_and_salt():
 def test_blobs_carry_their_key_epoch_and_nine_field_blobs_read_as_the_first_epoch():
     import msgspec
 
-    req = _request(2, seed=4)
+    req = make_request(2, seed=4)
     blob = announce_blob(req, 0, 0, CHUNK_BLOCKS, BLOCK, b"epoch-1!")
     assert decode_blob(blob).epoch == b"epoch-1!"
     nine = msgspec.msgpack.encode(msgspec.msgpack.decode(blob)[:9])  # an older connector's
@@ -110,19 +86,21 @@ def test_a_cache_reset_announces_every_block_removed_and_the_old_epoch_never_aga
     pool, reg = pool_reg
     feed = _feed(pool, reg)
     feed.poll()
-    old = _request(2 * CHUNK_BLOCKS, seed=1)
+    old = make_request(2 * CHUNK_BLOCKS, seed=1)
     _store(pool, reg, old, [0, 1])
     feed.poll()
     assert [type(e).__name__ for e in feed.take()] == ["BlockStored"] * 2
     assert feed.retire(b"epoch-1!") == 2
     removed = feed.take()
     assert [type(e).__name__ for e in removed] == ["BlockRemoved"] * 2
-    assert [e.block_hashes for e in removed] == [_ext(old.block_hashes[i : i + 2]) for i in (0, 2)]
+    assert [e.block_hashes for e in removed] == [
+        ext_hashes(old.block_hashes[i : i + 2]) for i in (0, 2)
+    ]
     # new-epoch stores are announced; enough of them evict the old chunks, silently
     slots = pool.stats().namespaces[0].slot_count
-    new = [_request(2 * CHUNK_BLOCKS, seed=s) for s in range(2, 2 + slots // 2)]
+    new = [make_request(2 * CHUNK_BLOCKS, seed=s) for s in range(2, 2 + slots // 2)]
     for r in new:
-        keys = [bytes([9]) + _key(r, c)[1:] for c in (0, 1)]  # keys of another epoch
+        keys = [bytes([9]) + chunk_key(r, c)[1:] for c in (0, 1)]  # keys of another epoch
         blobs = [
             announce_blob(r, 0, c * CHUNK_BLOCKS, CHUNK_BLOCKS, BLOCK, b"epoch-1!") for c in (0, 1)
         ]
@@ -135,7 +113,7 @@ def test_a_cache_reset_announces_every_block_removed_and_the_old_epoch_never_aga
     # a fresh feed in the new epoch (the sidecar's snapshot): the new blocks only
     fresh = _feed(pool, reg)
     fresh.retire(b"epoch-1!")
-    first_epoch = _request(2 * CHUNK_BLOCKS, seed=50)
+    first_epoch = make_request(2 * CHUNK_BLOCKS, seed=50)
     _store(pool, reg, first_epoch, [0])  # a first-epoch blob (it evicts one new chunk)
     fresh.poll()
     announced = {tuple(e.block_hashes) for e in fresh.take()}
@@ -147,7 +125,7 @@ def test_commits_are_announced_aborts_and_reservations_are_not(pool_reg):
     pool, reg = pool_reg
     feed = _feed(pool, reg)
     assert feed.poll() == 0  # the first poll: an empty snapshot, and the log turns on
-    req = _request(8, seed=1)
+    req = make_request(8, seed=1)
     _store(pool, reg, req, [0, 1])
     aborted = _store(pool, reg, req, [2], commit=False)
     pool.abort_store(reg.namespace_id, aborted)
@@ -156,10 +134,10 @@ def test_commits_are_announced_aborts_and_reservations_are_not(pool_reg):
     events = feed.take()
     assert [type(e).__name__ for e in events] == ["BlockStored", "BlockStored"]
     assert [e.block_hashes for e in events] == [
-        _ext(req.block_hashes[0:2]),
-        _ext(req.block_hashes[2:4]),
+        ext_hashes(req.block_hashes[0:2]),
+        ext_hashes(req.block_hashes[2:4]),
     ]
-    assert [e.parent_block_hash for e in events] == [None, *_ext(req.block_hashes[1:2])]
+    assert [e.parent_block_hash for e in events] == [None, *ext_hashes(req.block_hashes[1:2])]
     assert all(e.medium == "CPU" and e.block_size == BLOCK and e.group_idx == 0 for e in events)
     assert events[1].token_ids == req.all_token_ids[8:16]
     assert feed.take() == []  # taken once
@@ -170,7 +148,7 @@ def test_evictions_are_announced_removed_with_the_blocks_hashes(pool_reg):
     feed = _feed(pool, reg)
     feed.poll()
     slots = pool.stats().namespaces[0].slot_count
-    reqs = [_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 7)]  # 12 chunks
+    reqs = [make_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 7)]  # 12 chunks
     for r in reqs:
         _store(pool, reg, r, [0, 1])
         feed.poll()  # the engine's feed polls every 100 ms: here after each store
@@ -180,7 +158,7 @@ def test_evictions_are_announced_removed_with_the_blocks_hashes(pool_reg):
     evicted = pool.stats().namespaces[0].evicted_blocks
     assert len(stored) == 12 and len(removed) == evicted == 12 - slots >= 4
     # LRU: the oldest chunks left, with exactly the hashes they were stored with
-    in_order = [_ext(r.block_hashes[i : i + 2]) for r in reqs for i in (0, 2)]
+    in_order = [ext_hashes(r.block_hashes[i : i + 2]) for r in reqs for i in (0, 2)]
     assert [e.block_hashes for e in removed] == in_order[: 12 - slots]
     assert all(e.medium == "CPU" for e in removed)
     assert len(feed.announced) == pool.stats().namespaces[0].committed_slots == slots
@@ -191,13 +169,13 @@ def test_a_block_stored_and_evicted_between_two_polls_is_announced_neither_way(p
     feed = _feed(pool, reg)
     feed.poll()
     slots = pool.stats().namespaces[0].slot_count
-    reqs = [_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 7)]  # 12 chunks
+    reqs = [make_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 7)]  # 12 chunks
     for r in reqs:
         _store(pool, reg, r, [0, 1])
     feed.poll()
     events = feed.take()
     assert [type(e).__name__ for e in events] == ["BlockStored"] * slots
-    in_order = [tuple(_ext(r.block_hashes[i : i + 2])) for r in reqs for i in (0, 2)]
+    in_order = [tuple(ext_hashes(r.block_hashes[i : i + 2])) for r in reqs for i in (0, 2)]
     assert {tuple(e.block_hashes) for e in events} == set(in_order[-slots:])  # LRU's survivors
 
 
@@ -205,7 +183,7 @@ def test_a_new_feed_gets_a_snapshot_of_what_the_pool_holds_in_pages(pool_reg):
     pool, reg = pool_reg
     first = _feed(pool, reg)
     first.poll()
-    reqs = [_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 6)]  # 10 chunks, 8 slots
+    reqs = [make_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 6)]  # 10 chunks, 8 slots
     for r in reqs:
         _store(pool, reg, r, [0, 1])
     first.poll()
@@ -214,7 +192,7 @@ def test_a_new_feed_gets_a_snapshot_of_what_the_pool_holds_in_pages(pool_reg):
     fresh.poll()
     stored = fresh.take()
     assert {tuple(e.block_hashes) for e in stored} == {
-        tuple(_ext(r.block_hashes[i : i + 2])) for r in reqs[1:] for i in (0, 2)
+        tuple(ext_hashes(r.block_hashes[i : i + 2])) for r in reqs[1:] for i in (0, 2)
     }
     assert all(type(e).__name__ == "BlockStored" for e in stored)
     assert fresh.polls >= 3  # 8 events in pages of 3
@@ -227,7 +205,7 @@ def test_a_feed_on_a_new_log_announces_what_is_gone(pool_reg, small_spec):
     pool, reg = pool_reg
     feed = _feed(pool, reg)
     feed.poll()
-    req = _request(6, seed=9)
+    req = make_request(6, seed=9)
     _store(pool, reg, req, [0, 1, 2])
     feed.poll()
     assert len(feed.take()) == 3
@@ -240,7 +218,7 @@ def test_a_feed_on_a_new_log_announces_what_is_gone(pool_reg, small_spec):
     events = feed.take()
     assert [type(e).__name__ for e in events] == ["BlockRemoved"] * 3
     assert [e.block_hashes for e in events] == [
-        _ext(req.block_hashes[i : i + 2]) for i in (0, 2, 4)
+        ext_hashes(req.block_hashes[i : i + 2]) for i in (0, 2, 4)
     ]
     assert feed.announced == {}
     assert _store(pool, again, req, [0])
@@ -256,20 +234,20 @@ def test_the_log_overflowing_turns_into_a_snapshot(pool_reg):
     ns.events = ring
     feed = _feed(pool, reg)
     feed.poll()
-    reqs = [_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 7)]  # 12 commits, 4 evictions
+    reqs = [make_request(2 * CHUNK_BLOCKS, seed=s) for s in range(1, 7)]  # 12 commits, 4 evictions
     for r in reqs:
         _store(pool, reg, r, [0, 1])
     feed.poll()  # its seq fell out of the ring: a snapshot of the 8 held chunks
     events = feed.take()
     assert all(type(e).__name__ == "BlockStored" for e in events)
     assert {tuple(e.block_hashes) for e in events} == {
-        tuple(_ext(r.block_hashes[i : i + 2])) for r in reqs[2:] for i in (0, 2)
+        tuple(ext_hashes(r.block_hashes[i : i + 2])) for r in reqs[2:] for i in (0, 2)
     }
 
 
 def test_nothing_is_logged_until_a_feed_asks(pool_reg):
     pool, reg = pool_reg
-    req = _request(4, seed=2)
+    req = make_request(4, seed=2)
     _store(pool, reg, req, [0, 1])
     log = pool._namespaces[reg.namespace_id].events
     assert not log.active and len(log._ring) == 0
@@ -278,8 +256,8 @@ def test_nothing_is_logged_until_a_feed_asks(pool_reg):
 
 def test_oversized_or_too_many_announce_blobs_are_refused_before_anything_is_reserved(pool_reg):
     pool, reg = pool_reg
-    req = _request(4, seed=4)
-    key = _key(req, 0)
+    req = make_request(4, seed=4)
+    key = chunk_key(req, 0)
     for announce, needle in (
         ([b"x" * (sidecar_events.MAX_ANNOUNCE_BYTES + 1)], r"announce\[0\] is"),
         ([b""] * (MAX_KEYS_PER_CALL + 1), "blobs, more than"),
@@ -305,7 +283,7 @@ def test_a_feed_whose_sidecar_cannot_answer_says_so_once_and_catches_up_later(po
             raise RuntimeError("events: StatusCode.UNIMPLEMENTED")
         return pool.events(reg.namespace_id, log_id, after_seq, cursor, max_events)
 
-    req = _request(4, seed=5)
+    req = make_request(4, seed=5)
     _store(pool, reg, req, [0, 1])
     feed = EventFeed(fetch, interval_s=0.01)
     with caplog.at_level(logging.DEBUG, logger="kvoffload_connector"):

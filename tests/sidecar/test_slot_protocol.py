@@ -234,6 +234,10 @@ def test_a_discarded_file_takes_no_store_while_a_worker_of_its_old_contents_hold
         second.start()
         assert second.adoption.outcome == "discarded"
         assert second.generation != first.generation
+        # every slot behind the new pre-fault: a refusal below is the old worker's lock, never
+        # a slot not ready yet (the pre-fault runs in its own thread)
+        assert second.wait_ready(30)
+        assert second.stats().pool_ready
         fresh = register(second, small_spec, engine=ENGINE + 1)
         new_worker = locks_of(second, fresh)
         ns = fresh.namespace_id
