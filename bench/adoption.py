@@ -189,9 +189,9 @@ def wait_stats(sock: Path, deadline_s: float):  # noqa: ANN201
 
 
 def run_process(args: argparse.Namespace) -> list[dict]:
-    from kvoffload_connector.client import PoolClient
-    from kvoffload_connector.engine_lock import EngineLock, lock_offset
-    from kvoffload_connector.keys import SpecFields
+    from kvoffload_connector.common.client import PoolClient
+    from kvoffload_connector.common.keys import SpecFields
+    from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
 
     sizes = [float(x) for x in args.sizes_gib.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]

@@ -160,9 +160,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(HERE / "out" / "connector_overhead.json"))
     ap.add_argument(
         "--model",
-        default=str(
-            HERE.parent / "connector" / "kvoffload_connector" / "demo_models" / "tiny-llama"
-        ),
+        default=str(HERE.parent / "cli" / "kvoffload_cli" / "demo" / "models" / "tiny-llama"),
     )
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
@@ -180,7 +178,7 @@ def main() -> int:
     import subprocess
 
     sys.path.insert(0, str(HERE.parent / "connector"))
-    from kvoffload_connector.sidecar_proc import SidecarProcess
+    from kvoffload_cli.sidecar_child import SidecarProcess
 
     def child(socket: str, bench_dir: str, seed: int) -> dict:
         env = dict(

@@ -678,7 +678,7 @@ def run_parent(args: argparse.Namespace) -> int:
     sidecar = None
     if any(c.startswith("kvo") for c in args.configs) and not args.socket:
         sys.path[:0] = [str(ROOT / p) for p in ("connector", "sidecar", "protos/gen", "cli")]
-        from kvoffload_connector.sidecar_proc import SidecarProcess
+        from kvoffload_cli.sidecar_child import SidecarProcess
 
         sidecar = SidecarProcess(f"{args.pool_gib}Gi", log_path=out.with_suffix(".sidecar.log"))
         sidecar.start(timeout_s=60)

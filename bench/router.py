@@ -140,7 +140,7 @@ class Indexer:
         return tier_matches(self.post("/query", {"model_name": MODEL_NAME, "token_ids": tokens}))
 
     def close(self) -> None:
-        from kvoffload_connector.sidecar_proc import stop_process
+        from kvoffload_cli.sidecar_child import stop_process
 
         stop_process(self.proc)
         self._log.close()
@@ -156,7 +156,7 @@ class Replica:
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = logs / f"replica{worker}.log"
-        from kvoffload_connector.sidecar_proc import SidecarProcess
+        from kvoffload_cli.sidecar_child import SidecarProcess
 
         self.sidecar = SidecarProcess(a.pool_size, log_path=logs / f"sidecar{worker}.log")
         self.sidecar.start(timeout_s=60)
@@ -211,7 +211,7 @@ class Replica:
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
-        from kvoffload_connector.sidecar_proc import stop_process
+        from kvoffload_cli.sidecar_child import stop_process
 
         stop_process(self.proc)
         self.sidecar.close()

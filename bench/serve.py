@@ -294,7 +294,7 @@ class Server:
 
     def start(self) -> None:
         if self.config.startswith("kvo"):
-            from kvoffload_connector.sidecar_proc import SidecarProcess
+            from kvoffload_cli.sidecar_child import SidecarProcess
 
             size = int(pool_gib(config_of(self.config), self.a.cpu_gib) * (1 << 30))
             log_path = self.log_path.with_suffix(".sidecar.log")

@@ -46,9 +46,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
-from kvoffload_connector.client import PoolClient
-from kvoffload_connector.engine_lock import EngineLock, lock_offset
-from kvoffload_connector.keys import build_spec, make_key, unpack_slots
+from kvoffload_connector.common.client import PoolClient
+from kvoffload_connector.common.keys import build_spec, make_key, unpack_slots
+from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY_SIZE = 32

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from kvoffload_connector.layout import canonicalize
-from kvoffload_connector.pool_view import PoolView
-from kvoffload_connector.transfer import Direction, TransferBatch
-from kvoffload_connector.transfer.cuda import CudaEngine
+from kvoffload_connector.worker.layout import canonicalize
+from kvoffload_connector.worker.pool_view import PoolView
+from kvoffload_connector.worker.transfer import Direction, TransferBatch
+from kvoffload_connector.worker.transfer.cuda import CudaEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test suite's KV builders
 from tests.connector.kv_setup import make_kv_caches  # noqa: E402
@@ -357,7 +357,7 @@ def engine_cells(
 def kernel_rates(engine, layout, batch, pool) -> dict:
     """HBM-side rate of the gather (store, 8 CTAs) and scatter (load, 16 CTAs) kernels alone
     on one staging piece: the headroom they leave over PCIe."""
-    from kvoffload_connector.transfer.plan import plan_pieces
+    from kvoffload_connector.worker.transfer.plan import plan_pieces
 
     gbb = layout.groups[0].block_bytes
     [piece, *_] = plan_pieces([batch], {0: gbb}, pool.slot_bytes, engine._capacity, 1 << 62)

@@ -180,7 +180,7 @@ class WarmChild(e2e.Child):
                 if "pool registered" in record.getMessage() and self.pool_ready_at is None:
                     self.pool_ready_at, self.pool_ready_how = record.created, "log"
 
-        logger = logging.getLogger("kvoffload_connector.pool_view")
+        logger = logging.getLogger("kvoffload_connector.worker.pool_view")
         logger.addHandler(Hook(level=logging.INFO))
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
@@ -349,7 +349,7 @@ class Parent:
 
     # sidecar
     def start_sidecar(self) -> None:
-        from kvoffload_connector.sidecar_proc import SidecarProcess
+        from kvoffload_cli.sidecar_child import SidecarProcess
 
         pool_dir = Path(self.args.pool_dir)
         if pool_dir.exists():  # a pool file left from an earlier run would be adopted

@@ -24,7 +24,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "inject": ("kvoffload_operator.cli:main_inject", "print manifests with the sidecar injected"),
     "operator": ("kvoffload_operator.cli:main_operator", "run the Kubernetes operator and webhook"),
-    "demo": ("kvoffload_connector.demo:main", "sidecar + vLLM (CPU) multi-turn demo"),
+    "demo": ("kvoffload_cli.demo.chat:main", "sidecar + vLLM (CPU) multi-turn demo"),
     "node-agent": (
         "kvoffload_sidecar.node.agent:main",
         "run the node agent: CSI node plugin and per-tenant memory (node mode)",

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from kvoffload_connector import compat, guard
-from kvoffload_connector.compat import KVConnectorTransferResults
-from kvoffload_connector.config import ConnectorConfig, parse_extra_config
-from kvoffload_connector.metadata import ConnectorMeta, PoolHandshake, Registration
+from kvoffload_connector import guard
+from kvoffload_connector.common import compat
+from kvoffload_connector.common.compat import KVConnectorTransferResults
+from kvoffload_connector.common.config import ConnectorConfig, parse_extra_config
+from kvoffload_connector.common.metadata import ConnectorMeta, PoolHandshake, Registration
 
 if TYPE_CHECKING:
     import torch
@@ -81,9 +82,9 @@ class ActiveConnector:
         self._load_error_blocks: set[int] = set()
         self.notes: list[str] = []  # limits the pool still serves under (status file, stats)
         if scheduler_role:
-            from kvoffload_connector.client import PoolClient
-            from kvoffload_connector.engine_lock import engine_key
-            from kvoffload_connector.scheduler import OffloadScheduler
+            from kvoffload_connector.common.client import PoolClient
+            from kvoffload_connector.common.engine_key import engine_key
+            from kvoffload_connector.scheduler.offload_scheduler import OffloadScheduler
 
             _, _, world = compat.world(vllm_config)
             cfg = self.cfg
@@ -107,7 +108,7 @@ class ActiveConnector:
                 self.notes.append(note)
                 log.warning("kvoffload: %s", note)
         else:
-            from kvoffload_connector.worker import OffloadWorker
+            from kvoffload_connector.worker.offload_worker import OffloadWorker
 
             self._worker = OffloadWorker(
                 self.cfg,
@@ -176,10 +177,10 @@ class ActiveConnector:
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvoffload_connector.engine_lock import engine_key
+        from kvoffload_connector.common.engine_key import engine_key
 
         self._worker.register_kv_caches(kv_caches)
-        # The key the scheduler derives too (engine_lock.engine_key): this rank holds its
+        # The key the scheduler derives too (common/engine_key.py): this rank holds its
         # lock from here on, so the sidecar grants the engine's first step's stores. A key
         # that differs from the scheduler's is replaced at the first step's metadata.
         try:
@@ -291,7 +292,7 @@ class ActiveConnector:
         nothing was counted: vLLM asks twice per step, so this stays off the step's cost."""
         values: dict[str, float] = {}
         if self._scheduler is not None and self._scheduler.stats_pending():
-            from kvoffload_connector.scheduler import as_dict
+            from kvoffload_connector.scheduler.offload_scheduler import as_dict
 
             values.update(as_dict(self._scheduler.take_stats()))
         if self._worker is not None and self._worker.stats_pending():

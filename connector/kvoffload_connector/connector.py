@@ -150,13 +150,13 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
             from kvoffload_connector.active import ActiveConnector
 
             if not scheduler_role:
-                from kvoffload_connector.compat import worker_rank
+                from kvoffload_connector.common.compat import worker_rank
 
                 self._rank = worker_rank()
             self._impl = ActiveConnector(vllm_config, scheduler_role, kv_cache_config)
             self.cfg = self._impl.cfg
             if scheduler_role:
-                from kvoffload_connector.compat import block_size
+                from kvoffload_connector.common.compat import block_size
                 from kvoffload_connector.fallback import PromisedLoads
 
                 self._promises = PromisedLoads(block_size(vllm_config, kv_cache_config))
@@ -257,7 +257,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if getattr(request, "lora_request", None) is None:
             return False
         if self._lora_to_vllm is None:
-            from kvoffload_connector.compat import lora_hashes_name_the_adapter
+            from kvoffload_connector.common.compat import lora_hashes_name_the_adapter
 
             self._lora_to_vllm = not lora_hashes_name_the_adapter()
             if self._lora_to_vllm:
@@ -509,7 +509,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         recving, failed, _, layered = self._debts.transfer_results()
         self._debts.layered_blocks = layered  # get_block_ids_with_load_errors reports them
         try:
-            from kvoffload_connector.compat import KVConnectorTransferResults
+            from kvoffload_connector.common.compat import KVConnectorTransferResults
 
             return KVConnectorTransferResults(
                 finished_sending=set(), finished_recving=recving, failed_recving=failed

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, LoadJob, WorkerReport
+from kvoffload_connector.common.metadata import ConnectorMeta, GroupTransfer, LoadJob, WorkerReport
 
 
 @dataclass(frozen=True)

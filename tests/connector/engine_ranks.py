@@ -5,8 +5,8 @@ byte of the pool file (engine_lock.py), and a commit names the sidecar instance 
 
 from __future__ import annotations
 
-from kvoffload_connector.client import PoolClient, RegisterResult
-from kvoffload_connector.engine_lock import EngineLock, lock_offset
+from kvoffload_connector.common.client import PoolClient, RegisterResult
+from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
 
 ENGINE = 0x51DF
 

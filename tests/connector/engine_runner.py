@@ -111,7 +111,7 @@ def make_llm(args: argparse.Namespace, connector: bool = True):
 def chunk_tokens(llm, configured: int) -> int:
     """Tokens per pool chunk the connector uses in this engine: the configured chunk fitted to
     the engine's real block size, or the default derived from it."""
-    from kvoffload_connector.config import default_chunk_tokens
+    from kvoffload_connector.common.config import default_chunk_tokens
 
     block = int(llm.llm_engine.vllm_config.cache_config.block_size)
     return -(-configured // block) * block if configured else default_chunk_tokens(block)
@@ -196,7 +196,7 @@ def settle_pool(
     alone does not prove the stores landed; the caller's known count of stored chunks does.
     A commit that is lost stays lost: the wait ends at `max_s` and the hit assertions fail.
     Returns the committed count."""
-    from kvoffload_connector.client import PoolClient, PoolUnavailable
+    from kvoffload_connector.common.client import PoolClient, PoolUnavailable
 
     client = PoolClient(socket, "test/settle", rpc_timeout_s=2)
     start = time.monotonic()
@@ -338,7 +338,7 @@ def scenario_evict(args: argparse.Namespace) -> dict:
 def pool_when_idle(socket: str, max_s: float = 10.0) -> dict[str, int]:
     """The pool's pins and open reservations, polled until both are 0 or `max_s` passed: a
     finished request's pins are released by an RPC after it ends, a leak never is."""
-    from kvoffload_connector.client import PoolClient
+    from kvoffload_connector.common.client import PoolClient
 
     client = PoolClient(socket, "test/idle", rpc_timeout_s=2)
     start = time.monotonic()
@@ -682,7 +682,7 @@ def scenario_inproc_fresh(args: argparse.Namespace) -> dict:
     steps only while its own requests run) on a warm pool. Its very first request Q, one
     output token, reaches the pool with no request after it; then P of `idle` (same --seed)
     hits; then, after a prefix-cache reset, Q hits with the same tokens."""
-    from kvoffload_connector.client import PoolClient
+    from kvoffload_connector.common.client import PoolClient
 
     client = PoolClient(args.socket, "test/inproc", rpc_timeout_s=2)
     try:
@@ -829,7 +829,7 @@ def scenario_idle(args: argparse.Namespace) -> dict:
     want = before + len(batch) * per_prompt
     slots: dict[str, int] = {}
     commit_s = None
-    from kvoffload_connector.client import PoolClient
+    from kvoffload_connector.common.client import PoolClient
 
     client = PoolClient(args.socket, "test/idle", rpc_timeout_s=2)
     try:
@@ -901,7 +901,7 @@ def stats_evicted(socket: str) -> int:
 def scenario_gate(args: argparse.Namespace) -> dict:
     """`store_threshold: auto` (the default): AUTO_WINDOW + 4 prompts that share nothing, the
     last of them again, then a new one; the pool's stored-chunk count (cumulative) after each."""
-    from kvoffload_connector.reuse import AUTO_WINDOW
+    from kvoffload_connector.scheduler.reuse import AUTO_WINDOW
 
     llm = make_llm(args)
     unique = prompts(args.seed, AUTO_WINDOW + 4, args.prompt_len)

@@ -19,7 +19,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
-    from kvoffload_connector.layout import CanonicalLayout
+    from kvoffload_connector.worker.layout import CanonicalLayout
 
 __all__ = ["KIND_NAMES", "KvSetup", "expected_block", "make_kv_caches", "random_batches"]
 
@@ -211,7 +211,7 @@ def random_batches(
     Block ids are distinct across groups (and avoid ``exclude``): in vLLM a block id belongs to
     one group at a time, and groups may overlay the same bytes.
     """
-    from kvoffload_connector.transfer.contract import TransferBatch
+    from kvoffload_connector.worker.transfer.contract import TransferBatch
 
     batches = []
     free_slots = list(range(slot_count))
@@ -288,7 +288,7 @@ def round_trip(
     KV byte changed. Returns the bytes moved. Raises AssertionError on any difference.
     ``layered``: the LOAD goes through ``submit_layered`` and the bytes are checked once the
     current stream has waited for every layer (``wait_layer``), before the job is reaped."""
-    from kvoffload_connector.transfer.contract import Direction, TransferBatch
+    from kvoffload_connector.worker.transfer.contract import Direction, TransferBatch
 
     fill_random(layout, seed=rng.randrange(1 << 30))
     pool.tensor.fill_(POISON)

@@ -56,7 +56,7 @@ def run(llm, batch: list[list[int]], salt: str) -> list[int]:
 
 
 def tenant_stats(socket: str) -> dict[str, dict[str, int]]:
-    from kvoffload_connector.client import PoolClient
+    from kvoffload_connector.common.client import PoolClient
 
     client = PoolClient(socket, "test/quota", rpc_timeout_s=3)
     try:

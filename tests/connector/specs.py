@@ -3,7 +3,7 @@ group of a tiny model (32-token blocks, 2-block chunks)."""
 
 from __future__ import annotations
 
-from kvoffload_connector.keys import build_spec
+from kvoffload_connector.common.keys import build_spec
 
 TINY_SPEC = build_spec(
     model="tiny",

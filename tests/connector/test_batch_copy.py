@@ -11,8 +11,8 @@ import ctypes
 
 import numpy as np
 import pytest
-from kvoffload_connector.transfer import batch_copy
-from kvoffload_connector.transfer.batch_copy import BatchCopy, CopyRuns
+from kvoffload_connector.worker.transfer import batch_copy
+from kvoffload_connector.worker.transfer.batch_copy import BatchCopy, CopyRuns
 
 RUNS = np.array([[0, 0, 4096], [65536, 4096, 8192], [1 << 33, 12288, 1 << 20]], dtype=np.int64)
 

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from kvoffload_connector.client import Backoff, PoolClient, PoolUnavailable, RegisterResult
-from kvoffload_connector.engine_lock import EngineLock, lock_offset
-from kvoffload_connector.keys import build_spec, chunk_keys, key_size_for, make_key, pack
-from kvoffload_connector.sidecar_proc import SidecarProcess
+from kvoffload_cli.sidecar_child import SidecarProcess
+from kvoffload_connector.common.client import Backoff, PoolClient, PoolUnavailable, RegisterResult
+from kvoffload_connector.common.keys import build_spec, chunk_keys, key_size_for, make_key, pack
+from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
 
 from tests.connector.specs import TINY_SPEC
 

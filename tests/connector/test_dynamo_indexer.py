@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from kvoffload_connector.sidecar_proc import SidecarProcess, stop_process
+from kvoffload_cli.sidecar_child import SidecarProcess, stop_process
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(300)]
 

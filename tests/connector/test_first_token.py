@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload_connector.first_token import FirstTokenWatch
+from kvoffload_connector.scheduler.first_token import FirstTokenWatch
 
 
 def test_a_request_awaits_its_first_token_until_it_has_two() -> None:

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from kvoffload_cli.sidecar_child import SidecarProcess
 from kvoffload_connector.free_order import stop_deferring_block_frees
-from kvoffload_connector.sidecar_proc import SidecarProcess
 
 pytestmark = [pytest.mark.vllm]
 

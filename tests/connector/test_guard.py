@@ -19,8 +19,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from kvoffload_connector import compat, guard
-from kvoffload_connector.config import parse_extra_config
+from kvoffload_connector import guard
+from kvoffload_connector.common import compat
+from kvoffload_connector.common.config import parse_extra_config
 from kvoffload_connector.connector import KVOffloadConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,

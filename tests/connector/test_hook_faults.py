@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from kvoffload_connector import guard
-from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, LoadJob, StoreJob
+from kvoffload_connector.common.metadata import ConnectorMeta, GroupTransfer, LoadJob, StoreJob
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
 from tests.connector import test_guard

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffload_connector.engine_lock import MAX_ENGINE, engine_key
-from kvoffload_connector.keys import build_spec
-from kvoffload_connector.metadata import PoolHandshake, Registration, WorkerReport
+from kvoffload_connector.common.engine_key import MAX_ENGINE, engine_key
+from kvoffload_connector.common.keys import build_spec
+from kvoffload_connector.common.metadata import PoolHandshake, Registration, WorkerReport
 
 from tests.connector.test_scheduler import (
     FakePool,

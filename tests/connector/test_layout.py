@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kvoffload_connector.layout import SLOT_ALIGN, canonicalize
+from kvoffload_connector.worker.layout import SLOT_ALIGN, canonicalize
 
 from tests.connector.kv_setup import (
     KIND_NAMES,

@@ -11,9 +11,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from kvoffload_connector import identity
-from kvoffload_connector.identity import model_identity
-from kvoffload_connector.keys import build_spec
+from kvoffload_connector.common.keys import build_spec
+from kvoffload_connector.worker import identity
+from kvoffload_connector.worker.identity import model_identity
 from kvoffload_sidecar.keys import NamespaceSpec, derive_namespace
 from kvoffload_sidecar.persist import decode_spec, encode_spec
 

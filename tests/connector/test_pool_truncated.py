@@ -17,8 +17,8 @@ import textwrap
 import time
 
 import pytest
-from kvoffload_connector.keys import make_key
-from kvoffload_connector.sidecar_proc import SidecarProcess
+from kvoffload_cli.sidecar_child import SidecarProcess
+from kvoffload_connector.common.keys import make_key
 
 from tests.connector.engine_ranks import commit, hold, new_client
 from tests.connector.specs import TINY_SPEC
@@ -26,10 +26,10 @@ from tests.connector.specs import TINY_SPEC
 _VIEW_AND_ENGINE = textwrap.dedent(
     """
     import os, random, sys
-    from kvoffload_connector.layout import canonicalize
-    from kvoffload_connector.pool_view import PoolView
-    from kvoffload_connector.transfer import Direction
-    from kvoffload_connector.transfer.cpu import CpuTorchEngine
+    from kvoffload_connector.worker.layout import canonicalize
+    from kvoffload_connector.worker.pool_view import PoolView
+    from kvoffload_connector.worker.transfer import Direction
+    from kvoffload_connector.worker.transfer.cpu import CpuTorchEngine
     from tests.connector.kv_setup import make_kv_caches, random_batches
 
     path = sys.argv[1]

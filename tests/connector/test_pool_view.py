@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from kvoffload_connector import pool_view
-from kvoffload_connector.pool_view import PoolView
+from kvoffload_connector.worker import pool_view
+from kvoffload_connector.worker.pool_view import PoolView
 
 PAGE = mmap.ALLOCATIONGRANULARITY
 

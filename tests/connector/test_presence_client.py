@@ -8,8 +8,8 @@ import os
 import time
 
 import pytest
-from kvoffload_connector.keys import make_key
-from kvoffload_connector.sidecar_proc import SidecarProcess
+from kvoffload_cli.sidecar_child import SidecarProcess
+from kvoffload_connector.common.keys import make_key
 
 from tests.connector.engine_ranks import commit, hold, new_client
 from tests.connector.specs import TINY_SPEC

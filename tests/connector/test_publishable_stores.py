@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kvoffload_connector import compat
+from kvoffload_connector.common import compat
 
 from tests.connector import test_vllm_sources as sources
 from tests.connector.test_scheduler import BS, Request, SchedOut, ask, make, settle

@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from kvoffload_connector.client import PoolUnavailable, StoreReservation
-from kvoffload_connector.config import ConnectorConfig, parse_extra_config
-from kvoffload_connector.keys import make_key
-from kvoffload_connector.metadata import Registration, WorkerReport
-from kvoffload_connector.reuse import ReuseTracker
-from kvoffload_connector.scheduler import OffloadScheduler
+from kvoffload_connector.common.client import PoolUnavailable, StoreReservation
+from kvoffload_connector.common.config import ConnectorConfig, parse_extra_config
+from kvoffload_connector.common.keys import make_key
+from kvoffload_connector.common.metadata import Registration, WorkerReport
+from kvoffload_connector.scheduler.offload_scheduler import OffloadScheduler
+from kvoffload_connector.scheduler.reuse import ReuseTracker
 
 from tests.connector.vllm_fakes import (
     BS,
@@ -1056,7 +1056,7 @@ def test_metadata_names_the_steps_longest_query_when_it_loads():
 def test_a_miss_the_presence_map_rules_out_costs_no_round_trip(tmp_path):
     """The sidecar's presence map (a real writer's file): a request whose first chunk was never
     reserved is a miss without a lookup; one whose prefix was stored is looked up and hits."""
-    from kvoffload_connector.presence import PresenceView
+    from kvoffload_connector.common.presence import PresenceView
     from kvoffload_sidecar.presence import PresenceMap
 
     now = [100.0]
@@ -1107,7 +1107,7 @@ def test_a_miss_report_waits_until_no_request_waits_for_its_first_token(tmp_path
     """An idle engine takes no steps: the step after `miss_report_ms` is mostly the one that
     schedules the next prefill. The report waits for a step where every first token is out,
     or until it was held twice `miss_report_ms`; shutdown sends what is left."""
-    from kvoffload_connector.presence import PresenceView
+    from kvoffload_connector.common.presence import PresenceView
     from kvoffload_sidecar.presence import PresenceMap
 
     now = [100.0]
@@ -1522,7 +1522,7 @@ def test_reset_cache_starts_a_key_epoch_where_nothing_stored_before_is_found():
 
 
 def test_reset_cache_announces_the_host_tier_removed_and_tags_later_blobs():
-    from kvoffload_connector.events import Announced, EventFeed, decode_blob
+    from kvoffload_connector.scheduler.events import Announced, EventFeed, decode_blob
 
     s, fake, *_ = make(inline=True)
     s.event_feed = EventFeed(lambda *a: None)  # never started: no poller

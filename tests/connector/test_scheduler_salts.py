@@ -3,15 +3,15 @@
 Lookups carry one salt per query (the lookup-and-pin round, hybrid lookups too); a store batch
 mixes requests, so it carries one salt per key; lazy stores keep the salt of the finished
 request. Requests without a salt send none (old sidecars and unsalted traffic look the same).
-The same scheduler stand-ins as test_scheduler.py; `kvoffload_connector.client.key_salts` is the
-wire packing, checked against the sidecar's decoder.
+The same scheduler stand-ins as test_scheduler.py; `kvoffload_connector.common.client.key_salts`
+is the wire packing, checked against the sidecar's decoder.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvoffload_connector.client import key_salts
+from kvoffload_connector.common.client import key_salts
 from kvoffload_sidecar.tenants import KeySalts, TenantPolicy, parse_tenants
 
 from tests.connector.test_scheduler import Request, SchedOut, ask, make, settle

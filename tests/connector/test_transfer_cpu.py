@@ -9,10 +9,10 @@ import re
 import numpy as np
 import pytest
 import torch
-from kvoffload_connector.layout import canonicalize
-from kvoffload_connector.pool_view import PoolView
-from kvoffload_connector.transfer import Direction, TransferBatch, make_engine
-from kvoffload_connector.transfer.cpu import CpuTorchEngine
+from kvoffload_connector.worker.layout import canonicalize
+from kvoffload_connector.worker.pool_view import PoolView
+from kvoffload_connector.worker.transfer import Direction, TransferBatch, make_engine
+from kvoffload_connector.worker.transfer.cpu import CpuTorchEngine
 
 from tests.connector.kv_setup import (
     KIND_NAMES,
@@ -237,7 +237,7 @@ def _run_plan_store(layout, pool, pieces, capacity):
 def test_staged_plan_moves_what_the_reference_moves(capacity_blocks, head, tail, pool_factory):
     """The CUDA engine's plan (pieces + DMA runs), executed with numpy, writes the same pool
     bytes as the reference engine; runs never cross a registration piece and are maximal."""
-    from kvoffload_connector.transfer.plan import plan_pieces
+    from kvoffload_connector.worker.transfer.plan import plan_pieces
 
     from tests.connector.kv_setup import random_batches
 
@@ -312,7 +312,7 @@ def _random_job(rng: np.random.Generator, groups: int, cb: int, slot_count: int,
 def test_job_plan_equals_the_eager_plan(seed):
     """JobPlan (lazy: piece 0 first, the rest in one pass) yields exactly plan_pieces' pieces,
     whatever piece is asked for first; ``ids``/``ids_at`` hold each piece's block ids."""
-    from kvoffload_connector.transfer.plan import JobPlan, plan_pieces
+    from kvoffload_connector.worker.transfer.plan import JobPlan, plan_pieces
 
     rng = np.random.default_rng(seed)
     cb, slot_count = 4, 64
@@ -340,7 +340,7 @@ def test_job_plan_equals_the_eager_plan(seed):
 
 def test_job_plan_piece_zero_is_built_alone():
     """The engine enqueues piece 0 before the rest of the job is planned."""
-    from kvoffload_connector.transfer.plan import JobPlan
+    from kvoffload_connector.worker.transfer.plan import JobPlan
 
     n = 64
     batch = TransferBatch(
@@ -356,7 +356,7 @@ def test_job_plan_piece_zero_is_built_alone():
 
 
 def test_job_plan_empty_and_refusals():
-    from kvoffload_connector.transfer.plan import JobPlan
+    from kvoffload_connector.worker.transfer.plan import JobPlan
 
     plan = JobPlan([_batch(blocks=(), slots=(), pos=())], {0: 32}, 128, 256, 1 << 40)
     assert len(plan) == 0 and list(plan) == [] and plan.ids.dtype == np.int64
@@ -368,7 +368,7 @@ def test_job_plan_empty_and_refusals():
 def test_validator_refuses_duplicates_across_batches_and_counts_bytes(pool_factory):
     """Duplicates split over two batches are caught (a STORE's slot positions across groups, a
     LOAD's blocks within one group); a valid job returns its GPU bytes."""
-    from kvoffload_connector.transfer.engine import BatchValidator
+    from kvoffload_connector.worker.transfer.engine import BatchValidator
 
     _, layout, pool = build("LBHNC", pool_factory, groups=2)
     check = BatchValidator(layout)
@@ -396,7 +396,7 @@ def test_layered_load_stages_follow_the_forward_and_cover_every_region_once(kind
     """CudaEngine's stage plan, built on the CPU: one copy per layer in forward order, every
     region of every group moved by exactly one stage, and each layer waiting for the stage
     that moves its bytes (a later layer never waits for less than an earlier one needs)."""
-    from kvoffload_connector.transfer.cuda_tables import group_table, layer_stages
+    from kvoffload_connector.worker.transfer.cuda_tables import group_table, layer_stages
 
     setup, layout, _ = build(kind, pool_factory, groups=2, shared=True, heads=3, num_layers=11)
     cpu = torch.device("cpu")
@@ -434,7 +434,7 @@ def test_cuda_engine_admission_refuses_fails_or_queues_a_job():
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from kvoffload_connector.transfer.cuda import CudaEngine
+    from kvoffload_connector.worker.transfer.cuda import CudaEngine
 
     pool_refusal: list[str | None] = [None]
     fake = SimpleNamespace(
@@ -478,7 +478,7 @@ def test_cuda_engine_layered_start_fails_every_queued_job_on_an_enqueue_error():
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from kvoffload_connector.transfer.cuda import CudaEngine
+    from kvoffload_connector.worker.transfer.cuda import CudaEngine
 
     def enqueue_ok(queued):
         return [SimpleNamespace(job_id=j) for j, _, _ in queued]
@@ -517,7 +517,7 @@ def test_cuda_engine_jobs_sharing_one_copy_sequence_split_its_time_by_bytes():
     sequence's time, so a rate computed over the jobs (bytes / summed seconds) stays true."""
     from types import SimpleNamespace
 
-    from kvoffload_connector.transfer.cuda import CudaEngine, _Job
+    from kvoffload_connector.worker.transfer.cuda import CudaEngine, _Job
 
     class Timer:
         def elapsed_time(self, end):

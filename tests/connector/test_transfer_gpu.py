@@ -8,10 +8,10 @@ import random
 import numpy as np
 import pytest
 import torch
-from kvoffload_connector.layout import canonicalize
-from kvoffload_connector.pool_view import PoolView
-from kvoffload_connector.transfer import Direction, TransferBatch, make_engine
-from kvoffload_connector.transfer.cpu import CpuTorchEngine
+from kvoffload_connector.worker.layout import canonicalize
+from kvoffload_connector.worker.pool_view import PoolView
+from kvoffload_connector.worker.transfer import Direction, TransferBatch, make_engine
+from kvoffload_connector.worker.transfer.cpu import CpuTorchEngine
 
 from tests.connector.kv_setup import (
     KIND_NAMES,
@@ -61,7 +61,7 @@ def build(kind, pools, chunk_blocks=4, slot_count=40, **kw):
 
 def small_engine(layout, pool, blocks_per_piece=3, dma_streams=1, batch_copies=True):
     """Staging pieces of a few blocks and a ring of 2: many pieces, ring reuse in every job."""
-    from kvoffload_connector.transfer.cuda import CudaEngine
+    from kvoffload_connector.worker.transfer.cuda import CudaEngine
 
     gbb = max(g.block_bytes for g in layout.groups)
     return CudaEngine(

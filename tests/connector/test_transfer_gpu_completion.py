@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from kvoffload_connector.transfer import Direction, TransferBatch
+from kvoffload_connector.worker.transfer import Direction, TransferBatch
 from test_transfer_gpu import build, pools, small_engine  # noqa: F401 - the fixture
 
 pytestmark = [

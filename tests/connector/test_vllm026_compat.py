@@ -170,7 +170,7 @@ def test_model_configs_read_as_meant(model):
 @pytest.mark.vllm
 @pytest.mark.parametrize("config", e2e.CONFIGS)
 def test_connector_configurations_are_accepted(config):
-    from kvoffload_connector.config import LoadMode, StoreMode, parse_extra_config
+    from kvoffload_connector.common.config import LoadMode, StoreMode, parse_extra_config
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
@@ -202,7 +202,7 @@ def test_full_graph_batches_reads_vllms_cudagraph_modes():
     """Which forwards skip the per-layer hooks, for each of vLLM's own cudagraph modes."""
     from types import SimpleNamespace
 
-    from kvoffload_connector import compat
+    from kvoffload_connector.common import compat
     from vllm.config import CUDAGraphMode
 
     expected = {

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kvoffload_connector.sidecar_proc import SidecarProcess
+from kvoffload_cli.sidecar_child import SidecarProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(420)]
 

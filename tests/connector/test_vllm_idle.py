@@ -17,7 +17,7 @@ locked for the engine's key).
 from __future__ import annotations
 
 import pytest
-from kvoffload_connector.sidecar_proc import SidecarProcess
+from kvoffload_cli.sidecar_child import SidecarProcess
 from test_vllm_engine import _assert_same_outputs, _free_port, _run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(420)]

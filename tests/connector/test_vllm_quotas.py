@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvoffload_connector.sidecar_proc import memory_dir
+from kvoffload_cli.sidecar_child import memory_dir
 
 from tests.sidecar.procs import sidecar_process, socket_dir
 

@@ -37,8 +37,8 @@ SUBCLASSES = [
     ("connector.py", "KVOffloadConnector", BASE, ("KVConnectorBase_V1", "SupportsHMA")),
     ("stats.py", "ConnectorStats", METRICS, ("KVConnectorStats",)),
     ("stats.py", "PromMetrics", METRICS, ("KVConnectorPromMetrics",)),
-    ("metadata.py", "WorkerReport", BASE, ("KVConnectorWorkerMetadata",)),
-    ("metadata.py", "PoolHandshake", BASE, ("KVConnectorHandshakeMetadata",)),
+    ("common/metadata.py", "WorkerReport", BASE, ("KVConnectorWorkerMetadata",)),
+    ("common/metadata.py", "PoolHandshake", BASE, ("KVConnectorHandshakeMetadata",)),
 ]
 # Released versions checked from PyPI: the newest supported minor, and the oldest minor's
 # newest patch (the range itself is compat.SUPPORTED_VLLM).
@@ -56,8 +56,6 @@ def _our_vllm_imports() -> dict[tuple[str, str], bool]:
     """(vLLM module file, name) -> required (False: imported inside try, may be missing)."""
     out: dict[tuple[str, str], bool] = {}
     for path in sorted(OURS.rglob("*.py")):
-        if path.name == "demo.py":
-            continue
         tree = ast.parse(path.read_text())
         optional: set[int] = set()
         for node in ast.walk(tree):
@@ -329,7 +327,7 @@ def test_connector_fits_the_installed_vllm():
 
 @pytest.mark.parametrize("minor", WHEEL_MINORS, ids=lambda m: f"{m[0]}.{m[1]}")
 def test_connector_fits_released_vllm_wheels(minor):
-    from kvoffload_connector import compat
+    from kvoffload_connector.common import compat
 
     low, high = compat.SUPPORTED_VLLM
     assert low <= minor < high, "the checked minors must lie in the declared range"
@@ -353,7 +351,7 @@ def test_restart_verdict_fits_released_vllm_hash_seeds(minor, monkeypatch):
     """A release with a fixed default seed for cryptographic hashes lets a restarted engine
     find what the last one stored without PYTHONHASHSEED; one without (0.26) does not, and the
     connector must say so (README: set PYTHONHASHSEED)."""
-    from kvoffload_connector import compat
+    from kvoffload_connector.common import compat
 
     version, sources = _wheel_sources(minor)
     fixed_default = "DEFAULT_NONE_HASH_SEED" in sources[KV_CACHE_UTILS]
@@ -381,7 +379,7 @@ print(bytes(kv_cache_utils.NONE_HASH).hex())
 def test_restart_verdict_matches_two_real_processes(seed, monkeypatch):
     """Two processes of the installed vLLM derive the same first-block parent hash exactly when
     compat says a restarted engine finds what the previous one stored."""
-    from kvoffload_connector import compat
+    from kvoffload_connector.common import compat
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if seed is None:

@@ -21,13 +21,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from kvoffload_connector.config import parse_extra_config
-from kvoffload_connector.layout import canonicalize
-from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, StoreJob
-from kvoffload_connector.pool_view import PoolView
-from kvoffload_connector.transfer import Direction, TransferBatch
-from kvoffload_connector.transfer.cpu import CpuTorchEngine
-from kvoffload_connector.worker import OffloadWorker
+from kvoffload_connector.common.config import parse_extra_config
+from kvoffload_connector.common.metadata import ConnectorMeta, GroupTransfer, StoreJob
+from kvoffload_connector.worker.layout import canonicalize
+from kvoffload_connector.worker.offload_worker import OffloadWorker
+from kvoffload_connector.worker.pool_view import PoolView
+from kvoffload_connector.worker.transfer import Direction, TransferBatch
+from kvoffload_connector.worker.transfer.cpu import CpuTorchEngine
 
 from tests.connector.kv_setup import expected_block, fill_random, make_kv_caches
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvoffload_connector.config import parse_extra_config
-from kvoffload_connector.metadata import ConnectorMeta, GroupTransfer, LoadJob, StoreJob
-from kvoffload_connector.worker import OffloadWorker
+from kvoffload_connector.common.config import parse_extra_config
+from kvoffload_connector.common.metadata import ConnectorMeta, GroupTransfer, LoadJob, StoreJob
+from kvoffload_connector.worker.offload_worker import OffloadWorker
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ def test_a_fence_finishes_its_jobs_before_the_steps_loads_are_submitted(worker, 
     """vLLM got a store's blocks back early (a prefix-cache reset): the next step's metadata
     fences the job, and the worker completes it before anything of that step can write into
     those blocks (this step's loads, then its forward). Ids it never had are skipped."""
-    from kvoffload_connector.transfer import JobResult
+    from kvoffload_connector.worker.transfer import JobResult
 
     engine = _RecordingEngine()
     engine.wait = lambda ids: (
@@ -274,7 +274,7 @@ class _CopyingEngine(_RecordingEngine):
         self.pending.append(job_id)
 
     def _finish(self):
-        from kvoffload_connector.transfer import JobResult
+        from kvoffload_connector.worker.transfer import JobResult
 
         self.during()
         done, self.pending = self.pending, []
@@ -293,7 +293,7 @@ def _slot_table(tmp_path, states: dict[int, int]):
     import mmap as _mmap
 
     import numpy as np
-    from kvoffload_connector.slot_versions import SlotVersions
+    from kvoffload_connector.worker.slot_versions import SlotVersions
 
     path = tmp_path / "table.shm"
     path.write_bytes(bytes(2 * _mmap.PAGESIZE))
@@ -359,7 +359,7 @@ def test_the_drained_report_waits_for_the_old_instances_copy_and_then_fences_its
     """Registered with a new sidecar instance (epoch 2) while a store of the dead one (epoch 1)
     copies: no report until that copy's result came back; then one report naming epoch 2, and
     from then on a store job naming epoch 1 is refused (it never starts its copy)."""
-    from kvoffload_connector.transfer import JobResult
+    from kvoffload_connector.worker.transfer import JobResult
 
     engine = _RecordingEngine()
     worker.engine, worker.pool, worker.generation = engine, _IntactPool(), "gen-1"

@@ -322,7 +322,7 @@ class Check:
 
 
 def run_check(args: argparse.Namespace, sc, s: dict[str, Any]) -> None:
-    from kvoffload_connector.config import default_chunk_tokens
+    from kvoffload_connector.common.config import default_chunk_tokens
     from vllm import LLM
     from vllm.platforms import current_platform
 
@@ -624,7 +624,7 @@ def main() -> int:
     if args.reference_dir:
         return run_reference(args)
     signal.signal(signal.SIGTERM, terminated)
-    from kvoffload_connector.sidecar_proc import SidecarProcess
+    from kvoffload_cli.sidecar_child import SidecarProcess
 
     t_start = time.monotonic()
     out = Path(args.out)

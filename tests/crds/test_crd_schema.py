@@ -142,8 +142,8 @@ def test_cel_rules_see_defaults() -> None:
 def test_every_mode_the_connector_takes_is_accepted_at_apply_and_injected(field: str) -> None:
     """The CRD, policy.py and the injected --kv-transfer-config agree with the connector: a
     value the connector supports is never refused by the API server or dropped by the webhook."""
-    from kvoffload_connector.config import LoadMode as ConnectorLoadMode
-    from kvoffload_connector.config import StoreMode
+    from kvoffload_connector.common.config import LoadMode as ConnectorLoadMode
+    from kvoffload_connector.common.config import StoreMode
     from kvoffload_operator.inject.render import kv_transfer_config
 
     values = [m.value for m in (StoreMode if field == "mode" else ConnectorLoadMode)]

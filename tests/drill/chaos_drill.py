@@ -69,8 +69,8 @@ EVENTS = ("freeze", "kill", "freeze_kill")  # the chaos thread's cycle
 
 def sidecar_defaults() -> dict[str, float]:
     """The shipped sidecar and connector timings the drill's faults must outlast."""
-    from kvoffload_connector.client import REGISTER_TIMEOUT_S
-    from kvoffload_connector.config import ConnectorConfig
+    from kvoffload_connector.common.client import REGISTER_TIMEOUT_S
+    from kvoffload_connector.common.config import ConnectorConfig
     from kvoffload_sidecar.config import SidecarConfig
 
     c = ConnectorConfig()
@@ -263,7 +263,7 @@ class Scribbler(threading.Thread):
 
 def chunk_tokens(block: int, configured: int) -> int:
     """Tokens per pool chunk the connector will use (fitted to the block size as it does)."""
-    from kvoffload_connector.config import default_chunk_tokens
+    from kvoffload_connector.common.config import default_chunk_tokens
 
     return -(-configured // block) * block if configured else default_chunk_tokens(block)
 
@@ -574,7 +574,7 @@ def summary_rows(rep: dict[str, Any]) -> list[dict[str, Any]]:
 def drill_main(args: argparse.Namespace) -> int:
     import shutil
 
-    from kvoffload_connector.sidecar_proc import kvoffload_command, memory_dir
+    from kvoffload_cli.sidecar_child import kvoffload_command, memory_dir
 
     pool_dir = memory_dir("kvo-chaos-")
     work_dir = memory_dir("kvo-chaos-work-")

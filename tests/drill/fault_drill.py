@@ -68,7 +68,7 @@ except ImportError:  # a checkout without `pip install -e .` (the GPU machine's 
     sys.path[:0] = [str(ROOT / p) for p in ("connector", "sidecar", "protos/gen", "cli")]
 
 from harness import report, spread  # noqa: E402
-from kvoffload_connector.sidecar_proc import stop_process  # noqa: E402
+from kvoffload_cli.sidecar_child import stop_process  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
@@ -603,7 +603,7 @@ def reference_server(spec: str) -> int:
 
 
 def sidecar_command(args: argparse.Namespace, pool_dir: Path) -> list[str]:
-    from kvoffload_connector.sidecar_proc import kvoffload_command
+    from kvoffload_cli.sidecar_child import kvoffload_command
 
     return [
         *kvoffload_command(),
@@ -621,7 +621,7 @@ def sidecar_command(args: argparse.Namespace, pool_dir: Path) -> list[str]:
 
 
 def chunk_tokens(llm, configured: int) -> int:
-    from kvoffload_connector.config import default_chunk_tokens
+    from kvoffload_connector.common.config import default_chunk_tokens
 
     block = int(llm.llm_engine.vllm_config.cache_config.block_size)
     return -(-configured // block) * block if configured else default_chunk_tokens(block)
@@ -858,7 +858,7 @@ def main() -> int:
 def drill_main(args: argparse.Namespace) -> int:
     import shutil
 
-    from kvoffload_connector.sidecar_proc import memory_dir
+    from kvoffload_cli.sidecar_child import memory_dir
 
     pool_dir = Path(args.pool_dir) if args.pool_dir else memory_dir("kvo-drill-")
     work_dir = memory_dir("kvo-drill-work-")

@@ -44,14 +44,14 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from kvoffload_connector import worker as worker_module
-from kvoffload_connector.config import parse_extra_config
-from kvoffload_connector.errors import PoolUnavailable
-from kvoffload_connector.keys import build_spec, chunk_keys, in_epoch
-from kvoffload_connector.pool_view import PoolView
-from kvoffload_connector.scheduler import OffloadScheduler
-from kvoffload_connector.transfer import Direction
-from kvoffload_connector.worker import OffloadWorker
+from kvoffload_connector.common.config import parse_extra_config
+from kvoffload_connector.common.errors import PoolUnavailable
+from kvoffload_connector.common.keys import build_spec, chunk_keys, in_epoch
+from kvoffload_connector.scheduler.offload_scheduler import OffloadScheduler
+from kvoffload_connector.worker import offload_worker as worker_module
+from kvoffload_connector.worker.offload_worker import OffloadWorker
+from kvoffload_connector.worker.pool_view import PoolView
+from kvoffload_connector.worker.transfer import Direction
 from kvoffload_sidecar.pool import PoolSettings
 
 from tests.connector.vllm_fakes import (

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.v1 import pool_pb2 as pb
-from kvoffload_connector.client import Backoff, PoolClient, RegisterResult
-from kvoffload_connector.engine_lock import EngineLock, lock_offset
-from kvoffload_connector.errors import PoolUnavailable
-from kvoffload_connector.session import OrderedSession
-from kvoffload_connector.transfer import Direction, JobResult
+from kvoffload_connector.common.client import Backoff, PoolClient, RegisterResult
+from kvoffload_connector.common.errors import PoolUnavailable
+from kvoffload_connector.common.session import OrderedSession
+from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
+from kvoffload_connector.worker.transfer import Direction, JobResult
 from kvoffload_sidecar.engine_locks import ENGINE_SHIFT, MAX_ENGINE, FileLocks
 from kvoffload_sidecar.metrics import SidecarMetrics
 from kvoffload_sidecar.pool import Pool, PoolSettings

@@ -30,8 +30,8 @@ import time
 import grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
-from kvoffload_connector.engine_lock import lock_offset
-from kvoffload_connector.node_memory import open_tenant_memory
+from kvoffload_connector.common.node_memory import open_tenant_memory
+from kvoffload_connector.worker.engine_lock import lock_offset
 
 KEY_SIZE = 32
 SLOT_BYTES = 64 << 10

@@ -15,7 +15,7 @@ from unittest.mock import ANY
 
 import grpc
 import pytest
-from kvoffload_connector.node_memory import open_tenant_memory
+from kvoffload_connector.common.node_memory import open_tenant_memory
 from kvoffload_sidecar.node.kube import ApiConfig, KubeClient
 from nodeharness import POD_A, POD_B, Agent, Kubelet, MiB, make_root
 

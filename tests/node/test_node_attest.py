@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 import pytest
-from kvoffload_connector.node_memory import NodeMemoryError, open_tenant_memory
+from kvoffload_connector.common.node_memory import NodeMemoryError, open_tenant_memory
 from kvoffload_sidecar.node.attest import pod_uid_of_cgroup
 from nodeharness import POD_A, POD_B, Agent, Kubelet, MiB, make_root
 
@@ -72,7 +72,7 @@ def test_an_attesting_agent_refuses_a_peer_of_another_pod() -> None:
         assert "not in this socket's pod" in e.value.message
         # a process the agent cannot place (no cgroup file for its pid) gets nothing either
         code = f"""
-            from kvoffload_connector.node_memory import NodeMemoryError, open_tenant_memory
+            from kvoffload_connector.common.node_memory import NodeMemoryError, open_tenant_memory
             try:
                 open_tenant_memory({str(k.target(POD_A) / "memory.sock")!r}, "alpha")
             except NodeMemoryError as e:

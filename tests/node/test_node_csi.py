@@ -9,7 +9,7 @@ import stat
 import grpc
 import pytest
 from kvoffload.csi.v1 import csi_pb2
-from kvoffload_connector.node_memory import NodeMemoryError, open_tenant_memory
+from kvoffload_connector.common.node_memory import NodeMemoryError, open_tenant_memory
 from kvoffload_sidecar.node.tenant_memory import set_socket_owner
 from nodeharness import POD_A, POD_B, MiB, Pod
 

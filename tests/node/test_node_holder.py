@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kvoffload_connector.node_memory import open_tenant_memory
+from kvoffload_connector.common.node_memory import open_tenant_memory
 from kvoffload_sidecar.node.holder import Holder, HolderError, lend
 from nodeharness import AGENT, POD_A, POD_B, Agent, Kubelet, MiB, make_root
 

@@ -16,8 +16,13 @@ import textwrap
 import time
 
 import pytest
-from kvoffload_connector import node_memory
-from kvoffload_connector.node_memory import NodeMemoryError, connect, open_tenant_memory, request
+from kvoffload_connector.common import node_memory
+from kvoffload_connector.common.node_memory import (
+    NodeMemoryError,
+    connect,
+    open_tenant_memory,
+    request,
+)
 from kvoffload_sidecar.node import tenant_memory
 from nodeharness import POD_A, POD_B, MiB
 
@@ -141,7 +146,7 @@ def test_another_pods_socket_is_out_of_reach_or_bound_to_that_pod(published) -> 
     assert os.getuid() == 0, "this test runs its attacker as another uid: run it as root"
     probe = f"""
         import errno
-        from kvoffload_connector.node_memory import NodeMemoryError, open_tenant_memory
+        from kvoffload_connector.common.node_memory import NodeMemoryError, open_tenant_memory
         try:
             m = open_tenant_memory({_sock(k, POD_B)!r}, "beta")
         except PermissionError as e:

@@ -243,7 +243,7 @@ def test_injected_pods_are_valid_kubernetes_objects(k8s: str) -> None:
 def test_injected_settings_parse_in_the_sidecar_and_the_connector(hugepages: bool) -> None:
     """The contract seen from both ends: the real sidecar flag parser and connector config
     parser accept what the injector writes."""
-    from kvoffload_connector.config import StoreMode, parse_extra_config
+    from kvoffload_connector.common.config import StoreMode, parse_extra_config
     from kvoffload_sidecar.config import parse_config
 
     policy = policy_from_resource(

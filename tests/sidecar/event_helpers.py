@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvoffload_connector.events import announce_blob
+from kvoffload_connector.scheduler.events import announce_blob
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 MiB = 1 << 20

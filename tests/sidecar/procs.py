@@ -36,8 +36,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
-from kvoffload_connector.engine_lock import EngineLock, lock_offset
-from kvoffload_connector.sidecar_proc import stop_process  # re-exported for the process tests
+from kvoffload_cli.sidecar_child import stop_process  # re-exported for the process tests
+from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
 
 KEY_SIZE = 32
 SLOT_BYTES = 64 << 10

@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
-from kvoffload_connector.engine_lock import EngineLock
+from kvoffload_connector.worker.engine_lock import EngineLock
 from procs import Client, Session, keys, sidecar_process, socket_dir, spec
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]

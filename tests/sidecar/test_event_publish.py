@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("msgspec")
 zmq = pytest.importorskip("zmq")
 
-from kvoffload_connector.events import EventFeed, announce_blob  # noqa: E402
+from kvoffload_connector.scheduler.events import EventFeed, announce_blob  # noqa: E402
 from vllm.distributed.kv_events import KVEventBatch, ZmqEventPublisher  # noqa: E402
 
 from tests.sidecar.event_helpers import (  # noqa: E402
@@ -135,7 +135,7 @@ def test_a_refused_batch_goes_back_to_the_step_path(log_feed, publisher, caplog)
     pub.shutdown()  # vLLM's scheduler shuts its publisher down before the connector
     req, more = make_request(4, seed=5), make_request(2, seed=6)
     log.commit(req, [0, 1])
-    with caplog.at_level("INFO", logger="kvoffload_connector.events"):
+    with caplog.at_level("INFO", logger="kvoffload_connector.scheduler.events"):
         feed.poll()
         log.commit(more, [0])
         feed.poll()

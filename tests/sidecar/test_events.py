@@ -17,7 +17,7 @@ from kvoffload_sidecar.keys import MAX_KEYS_PER_CALL
 
 pytest.importorskip("msgspec")
 
-from kvoffload_connector.events import EventFeed, announce_blob, decode_blob  # noqa: E402
+from kvoffload_connector.scheduler.events import EventFeed, announce_blob, decode_blob  # noqa: E402
 
 from tests.sidecar.event_helpers import (  # noqa: E402
     BLOCK,

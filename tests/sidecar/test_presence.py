@@ -11,7 +11,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from kvoffload_connector.presence import PresenceView, open_presence
+from kvoffload_connector.common.presence import PresenceView, open_presence
 from kvoffload_sidecar.pool import Pool, Registration
 from kvoffload_sidecar.presence import PresenceMap
 

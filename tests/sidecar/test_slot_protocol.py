@@ -14,8 +14,8 @@ import textwrap
 
 import numpy as np
 import pytest
-from kvoffload_connector.engine_lock import EngineLock, lock_offset
-from kvoffload_connector.slot_versions import SlotVersions
+from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
+from kvoffload_connector.worker.slot_versions import SlotVersions
 from kvoffload_sidecar.errors import FailedPrecondition
 from kvoffload_sidecar.pool import Pool, Registration, StoreDecision
 from pool_invariants import check_invariants
@@ -105,7 +105,7 @@ def test_no_reservation_for_an_engine_whose_ranks_hold_no_lock(real_pool, small_
 HOLDER = textwrap.dedent(
     """
     import sys, time
-    from kvoffload_connector.engine_lock import EngineLock
+    from kvoffload_connector.worker.engine_lock import EngineLock
     lock = EngineLock(sys.argv[1], int(sys.argv[2]))
     print("held", flush=True)
     time.sleep(600)

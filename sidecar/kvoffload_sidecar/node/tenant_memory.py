@@ -8,7 +8,7 @@ can resize it under other holders' mappings (SIGBUS) or past its share.
 Wire (SOCK_SEQPACKET, one message each way): the request is UTF-8 JSON
 `{"v": 1, "op": "open", "tenant": NAME}` and nothing else, carrying no fds; the answer is JSON
 `{"v": 1, "code": CODE, ...}`, with the memfd attached (SCM_RIGHTS) when CODE is "OK".
-`kvoffload_connector.node_memory` is the client and mirrors these constants.
+`kvoffload_connector.common.node_memory` is the client and mirrors these constants.
 """
 
 from __future__ import annotations
