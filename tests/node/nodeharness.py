@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 from kvoffload.csi.v1 import csi_pb2, csi_pb2_grpc
+from kvoffload.v1 import pool_pb2 as pb
 
 MiB = 1 << 20
 ALPHA_GROUP = None  # pod A sets no fsGroup: its socket is 0666 in a 0755 directory
@@ -108,6 +109,14 @@ class Kubelet:
             wait_for_ready=True,  # the kubelet retries while the plugin restarts
         )
 
+    def short(self, pod: Pod) -> str:
+        """The pod's volume as the pod sees it: a short path to its directory (a real pod
+        mounts it at /var/run/kvoffload; the published path is longer than sun_path)."""
+        link = self.pods_dir.parent.parent / f"m-{pod.uid}"
+        if not link.is_symlink():
+            link.symlink_to(self.target(pod))
+        return str(link)
+
     def unpublish(self, pod: Pod):
         return self.node.NodeUnpublishVolume(
             csi_pb2.NodeUnpublishVolumeRequest(
@@ -189,3 +198,34 @@ def make_root() -> Path:
     root = Path(tempfile.mkdtemp(prefix="kvo-node-", dir="/tmp"))
     os.chmod(root, 0o755)
     return root
+
+
+def pool_call(directory: str, method: str = "Register") -> tuple[grpc.StatusCode, str]:
+    """One KVPool call on the `pool.sock` in `directory`, with an empty request: (code,
+    details). A refusing server answers its refusal; a pod's real server answers (Stats: OK,
+    Register: INVALID_ARGUMENT for the empty spec), so a refusal here proves no Pool was asked."""
+    name = f"/kvoffload.v1.KVPool/{method}"
+    with grpc.insecure_channel(f"unix:{directory}/pool.sock") as channel:
+        try:
+            if method == "Session":
+                call = channel.stream_stream(
+                    name,
+                    request_serializer=pb.SessionRequest.SerializeToString,
+                    response_deserializer=pb.SessionResponse.FromString,
+                )
+                list(call(iter([pb.SessionRequest(seq=1)]), timeout=10, wait_for_ready=True))
+            else:
+                request = getattr(pb, f"{method}Request")
+                response = getattr(pb, f"{method}Response")
+                call = channel.unary_unary(
+                    name,
+                    request_serializer=request.SerializeToString,
+                    response_deserializer=response.FromString,
+                )
+                call(request(), timeout=10, wait_for_ready=True)
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+KVPOOL_METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["KVPool"].methods]

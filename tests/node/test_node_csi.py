@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import uuid
 
 import grpc
 import pytest
 from kvoffload.csi.v1 import csi_pb2
 from kvoffload_connector.common.node_memory import NodeMemoryError, open_tenant_memory
 from kvoffload_sidecar.node.tenant_memory import set_socket_owner
-from nodeharness import POD_A, POD_B, MiB, Pod
+from nodeharness import AGENT, POD_A, POD_B, MiB, Pod, pool_call
 
 pytestmark = pytest.mark.process
 
@@ -81,7 +83,7 @@ def test_two_pods_of_two_tenants_publish_map_and_unpublish_twice(agent) -> None:
     assert not k.target(POD_B).exists()
 
 
-def test_publish_refusals_name_the_precise_code(agent) -> None:
+def test_publish_refuses_only_what_a_kubelet_never_sends_with_the_precise_code(agent) -> None:
     _, k = agent
     bad, denied = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED
     ctx = POD_A.context
@@ -113,31 +115,73 @@ def test_publish_refusals_name_the_precise_code(agent) -> None:
     )
     assert _code(lambda: k.node.NodeUnpublishVolume(unpublish_outside, timeout=5)) == bad
     assert (outside / "memory.sock").read_text() == "not the agent's"  # untouched
-    # tenants: another namespace's, an unknown one, one granted to other service accounts
-    with pytest.raises(grpc.RpcError) as other:
-        k.publish(POD_A, context=ctx(tenant="beta"))
-    with pytest.raises(grpc.RpcError) as unknown:
-        k.publish(POD_A, context=ctx(tenant="gamma"))
-    assert other.value.code() == unknown.value.code() == denied
-    assert other.value.details().replace("beta", "T") == unknown.value.details().replace(
-        "gamma", "T"
-    )
     # pod fields a pod spec wrote itself (a CSIDriver without podInfoOnMount passes them
     # through): the kubelet's target path names the real pod's uid, which no spec can know
     forged = POD_B.context(tenant="beta")
     with pytest.raises(grpc.RpcError) as e:
         k.publish(POD_A, context=forged)  # pod A's volume, claiming to be pod B
     assert e.value.code() == denied and "uid" in e.value.details()
-    wrong_sa = Pod(POD_B.namespace, POD_B.name, POD_B.uid, "default", "beta", POD_B.group)
-    assert _code(lambda: k.publish(wrong_sa)) == denied
     assert not k.target(POD_A).exists() and not k.target(POD_B).exists()
-    # the same volume at the same path, asked again for another tenant
+    # the same volume at the same path, asked again for another tenant, pod or group
     k.publish(POD_B)
+    exists = grpc.StatusCode.ALREADY_EXISTS
     as_a = Pod(POD_B.namespace, POD_B.name, POD_B.uid, "vllm", "alpha", POD_B.group)
-    assert _code(lambda: k.publish(as_a)) in (denied,)  # team-b holds no alpha grant
+    assert _code(lambda: k.publish(as_a)) == exists
     relabel = Pod("team-b", "other-name", POD_B.uid, "vllm", "beta", POD_B.group)
-    assert _code(lambda: k.publish(relabel)) == grpc.StatusCode.ALREADY_EXISTS
+    assert _code(lambda: k.publish(relabel)) == exists
+    regroup = Pod(POD_B.namespace, POD_B.name, POD_B.uid, "vllm", "beta", 3003)
+    assert _code(lambda: k.publish(regroup)) == exists
     k.unpublish(POD_B)
+
+
+def _other(namespace: str, tenant: str, service_account: str = "vllm") -> Pod:
+    return Pod(namespace, f"vllm-{uuid.uuid4().hex[:6]}", str(uuid.uuid4()), service_account,
+               tenant, None)  # fmt: skip
+
+
+def test_a_tenant_not_granted_fails_no_mount_and_its_sockets_refuse_with_the_reason(agent) -> None:
+    """A pod whose tenant is not granted to it (another namespace's, an unknown one, one granted
+    to other service accounts) is published: the kubelet starts it. Its memory.sock sends no
+    memfd and its pool.sock serves no Pool, both saying why, one message whether the tenant
+    exists or not; there is no session.sock. Its pod serves without the pool."""
+    a, k = agent
+    other, unknown = _other("team-a", "beta"), _other("team-a", "gamma")
+    wrong_sa = _other("team-b", "beta", service_account="default")
+    answers = {}
+    for pod in (other, unknown, wrong_sa):
+        k.publish(pod)
+        k.publish(pod)  # a retried publish answers OK again
+        target = k.target(pod)
+        assert stat.S_ISSOCK(os.stat(target / "memory.sock").st_mode)
+        assert stat.S_ISSOCK(os.stat(target / "pool.sock").st_mode)
+        assert not (target / "session.sock").exists()
+        with pytest.raises(NodeMemoryError) as e:
+            open_tenant_memory(str(target / "memory.sock"), pod.tenant)
+        code, details = pool_call(k.short(pod))
+        answers[pod.tenant, pod.service_account] = (e.value.code, e.value.message, code, details)
+    for mem_code, mem_message, code, details in answers.values():
+        assert (mem_code, code) == ("PERMISSION_DENIED", grpc.StatusCode.PERMISSION_DENIED)
+        assert details == mem_message and "is not granted to namespace" in details
+    beta = answers["beta", "vllm"][1]
+    assert beta.replace("beta", "T") == answers["gamma", "vllm"][1].replace("gamma", "T")
+    assert "service account default" in answers["beta", "default"][1]
+    records = [json.loads(p.read_text()) for p in (a.root / "state" / "bindings").glob("*.json")]
+    assert sorted((r["tenant"], r["granted"]) for r in records) == [
+        ("beta", False),
+        ("beta", False),
+        ("gamma", False),
+    ]
+    assert "published without its tenant" in a.log.read_text()
+    # what `kvoffload stats` says in such a pod
+    out = subprocess.run(
+        [AGENT[0], "stats", "--socket", f"{k.short(other)}/pool.sock"],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert f"(PERMISSION_DENIED: {answers['beta', 'vllm'][3]})" in out.stderr, out.stderr
+    for pod in (other, unknown, wrong_sa):
+        k.unpublish(pod)
+        assert not k.target(pod).exists()
 
 
 def test_a_restarted_agent_serves_the_sockets_it_published(agent) -> None:
@@ -190,3 +234,31 @@ def test_a_socket_swapped_for_a_symlink_changes_nothing_it_points_to(agent, tmp_
     assert "is not the agent's socket" in str(e.value)  # O_PATH|O_NOFOLLOW opened the link
     assert (stat.S_IMODE(victim.stat().st_mode), victim.stat().st_gid) == (0o600, 0)
     k.unpublish(POD_B)
+
+
+def test_a_restarted_agent_grants_a_pod_its_new_grants_admit_and_keeps_the_record(agent) -> None:
+    """A pod published without a grant stays published across an agent restart, still refused;
+    an agent restarted on grants that admit it gives it its tenant (recorded, so a later agent
+    keeps it granted) without a new publish."""
+    a, k = agent
+    pod = _other("team-c", "alpha")
+    k.publish(pod)
+    a.kill()
+    a.start()  # the same grants: still refused
+    with pytest.raises(NodeMemoryError) as e:
+        open_tenant_memory(str(k.target(pod) / "memory.sock"), "alpha")
+    assert e.value.code == "PERMISSION_DENIED"
+    assert pool_call(k.short(pod), "Stats")[0] == grpc.StatusCode.PERMISSION_DENIED
+    pool = json.loads(a.pool_file.read_text())
+    pool["tenants"][0]["namespaces"].append("team-c")  # alpha for team-c too
+    a.pool_file.write_text(json.dumps(pool))
+    a.kill()
+    a.start()
+    m = open_tenant_memory(str(k.target(pod) / "memory.sock"), "alpha")
+    assert m.size == 4 * MiB
+    m.close()
+    assert pool_call(k.short(pod), "Stats")[0] == grpc.StatusCode.OK
+    assert (k.target(pod) / "session.sock").exists()
+    [record] = [json.loads(p.read_text()) for p in (a.root / "state" / "bindings").glob("*.json")]
+    assert (record["tenant"], record["granted"]) == ("alpha", True)
+    k.unpublish(pod)

@@ -14,8 +14,12 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 
+import grpc
 import pytest
+from kvoffload.v1 import pool_pb2 as pb
+from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 from kvoffload_connector.common import node_memory
 from kvoffload_connector.common.node_memory import (
     NodeMemoryError,
@@ -24,7 +28,9 @@ from kvoffload_connector.common.node_memory import (
     request,
 )
 from kvoffload_sidecar.node import tenant_memory
-from nodeharness import POD_A, POD_B, MiB
+from nodeharness import KVPOOL_METHODS, POD_A, POD_B, MiB, Pod, pool_call
+from slot_client import SLOT_BYTES
+from slot_client import spec as namespace_spec
 
 pytestmark = pytest.mark.process
 
@@ -240,3 +246,49 @@ def test_each_answer_is_its_own_open_file_description(published) -> None:
     finally:
         m1.close()
         m2.close()
+
+
+def _alpha_stats(k) -> pb.StatsResponse:
+    with grpc.insecure_channel(f"unix:{k.short(POD_A)}/pool.sock") as channel:
+        return pb_grpc.KVPoolStub(channel).Stats(pb.StatsRequest(), timeout=10)
+
+
+def test_a_pod_without_a_grant_gets_no_memfd_and_reaches_no_pool(published) -> None:
+    """A pod whose namespace holds no grant is published (the kubelet starts it), and whatever
+    it asks of its own sockets, it receives no tenant's memfd and no call of it reaches a Pool:
+    neither the tenant it names (alpha, team-a's) nor any other."""
+    _, k = published
+    intruder = Pod("team-c", "vllm-c-0", str(uuid.uuid4()), "vllm", "alpha", None)
+    k.publish(intruder)
+    before = _alpha_stats(k)
+    try:
+        sock = _sock(k, intruder)
+        for tenant in ("alpha", "beta", "gamma"):
+            answer = _refused(sock, {"v": 1, "op": "open", "tenant": tenant})
+            assert answer["code"] == "PERMISSION_DENIED", answer
+        # naming the identity of a granted pod changes nothing either
+        forged = {"v": 1, "op": "open", "tenant": "alpha", "namespace": "team-a"}
+        assert _refused(sock, forged)["code"] == "INVALID_ARGUMENT"
+        directory = k.short(intruder)
+        for method in KVPOOL_METHODS:  # a real server would answer Stats OK
+            code, details = pool_call(directory, method)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (method, code, details)
+            assert "'alpha' is not granted to namespace team-c" in details
+        register = pb.RegisterRequest(  # a well-formed one, as a connector's
+            spec=namespace_spec("tiny-llama"),
+            num_ranks=1,
+            slot_bytes_per_rank=SLOT_BYTES,
+            client_name="intruder/rank-0",
+            engine=7,
+        )
+        channel = grpc.insecure_channel(f"unix:{directory}/pool.sock")
+        with channel, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.KVPoolStub(channel).Register(register, timeout=10)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert not (k.target(intruder) / "session.sock").exists()
+        after = _alpha_stats(k)
+        assert len(after.namespaces) == len(before.namespaces)  # no namespace registered
+        assert after.pool_generation == before.pool_generation
+    finally:
+        k.unpublish(intruder)
+    assert not k.target(intruder).exists()

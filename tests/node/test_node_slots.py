@@ -41,6 +41,7 @@ from nodeharness import (
     MiB,
     Pod,
     make_root,
+    pool_call,
 )
 
 pytestmark = pytest.mark.process
@@ -350,7 +351,8 @@ def test_the_agents_prefault_is_charged_to_the_holder(monkeypatch: pytest.Monkey
 
 def test_a_pod_bound_before_its_tenant_has_a_pool_gets_its_sockets_once_it_has_one() -> None:
     """An agent that follows the pool object restores its bindings before it has read the
-    grants: those pods' servers wait for their tenant's pool, then serve."""
+    grants: those pods' pool.sock answers UNAVAILABLE with the reason until their tenant has a
+    pool, then their servers serve."""
     root = make_root()
     pools = TenantPools(PoolOptions(prefault=False))
     fd = create_memfd("alpha", 2 * MiB)
@@ -363,10 +365,14 @@ def test_a_pod_bound_before_its_tenant_has_a_pool_gets_its_sockets_once_it_has_o
             pod=PodIdentity("team-a", "p", str(uuid.uuid4()), "vllm"),
             tenant="alpha",
             mount_group=None,
+            granted=True,
         )
         assert not pools.attach(b)
         assert pools.knows("v1", str(target)) and not pools.serving("v1", str(target))
-        assert not (target / "pool.sock").exists()
+        code, details = pool_call(str(target), "Stats")
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert details.startswith("tenant 'alpha' has no pool on this node: its memory is not")
+        assert not (target / "session.sock").exists()
         pools.add(TenantRegion("alpha", fd, 2 * MiB))
         assert pools.serving("v1", str(target))
         with grpc.insecure_channel(f"unix:{target}/pool.sock") as channel:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload_sidecar.node import holder
+from kvoffload_sidecar.node.access import Access
 from kvoffload_sidecar.node.attest import CgroupAttestor
 from kvoffload_sidecar.node.csi import NodeAgent, NodeConfig, serve
 from kvoffload_sidecar.node.follow import PoolFollower
@@ -96,18 +97,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         client_timeout_s=ns.client_timeout_s,
         detach_grace_s=ns.detach_grace_s,
     )
-    pools = TenantPools(options, allocate=allocate)
     memory = TenantMemory(fixed, prefault=ns.prefault, source=source)
-    memory.subscribe(pools.add)  # each tenant's pool, over its memfd (adopting its index)
-    attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
-    server = MemoryServer(memory, attest=attest)
     config = NodeConfig(node_id=ns.node_id, state_dir=ns.state_dir, publish_root=ns.publish_root)
     follower = None
     if ns.node_pool_name and ns.pool_bytes is None:
         p.error("--node-pool-name needs --pool-bytes (the holder's memory: grants past it fail)")
+    agent_ref: list[NodeAgent] = []
     if ns.node_pool_name:
         api = ApiConfig(ns.api_server) if ns.api_server else ApiConfig.in_cluster()
-        agent_ref: list[NodeAgent] = []
         follower = PoolFollower(
             name=ns.node_pool_name,
             node_id=ns.node_id,
@@ -116,19 +113,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             bindings=lambda: agent_ref[0].bindings() if agent_ref else [],
             client=KubeClient(api),
             resync_s=ns.resync_seconds,
+            on_grants=lambda: agent_ref[0].reconsider() if agent_ref else 0,
         )
-        agent = NodeAgent(
-            config,
-            follower.spec,
-            server,
-            precondition=follower.precondition,
-            on_change=follower.changed,
-            pools=pools,
-        )
-        agent_ref.append(agent)
-        follower.start()
+        access = Access(follower.spec, follower.precondition)
     else:
-        agent = NodeAgent(config, lambda: fixed, server, pools=pools)
+        access = Access(lambda: fixed)
+    pools = TenantPools(options, allocate=allocate, refusal=access.refusal)
+    memory.subscribe(pools.add)  # each tenant's pool, over its memfd (adopting its index)
+    attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
+    server = MemoryServer(memory, attest=attest, refusal=access.refusal)
+    agent = NodeAgent(
+        config,
+        access,
+        server,
+        on_change=follower.changed if follower is not None else lambda: None,
+        pools=pools,
+    )
+    agent_ref.append(agent)
+    if follower is not None:
+        follower.start()
     grpc_server = serve(agent, ns.csi_socket)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

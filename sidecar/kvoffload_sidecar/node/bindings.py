@@ -2,7 +2,9 @@
 
 The kubelet publishes a pod's volume once; a restarted agent must serve the sockets of pods that
 were already running, so every binding is a small JSON file written atomically (write, fsync,
-rename) before NodePublishVolume answers, and removed before NodeUnpublishVolume answers.
+rename) before NodePublishVolume answers, and removed before NodeUnpublishVolume answers. A
+binding says whether its pod holds the grant of its tenant (`granted`, access.py): written
+again, before its sockets serve the tenant, when the agent grants it later.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from kvoffload_sidecar.node.identity import PodIdentity
@@ -28,13 +30,15 @@ class Binding:
     pod: PodIdentity
     tenant: str
     mount_group: int | None  # the pod's fsGroup (volume_mount_group), owner group of the socket
+    granted: bool  # the pod holds its tenant's grant (kept until it unpublishes)
 
     @property
     def socket_path(self) -> str:
         return os.path.join(self.target_path, SOCKET_NAME)
 
     def same_request(self, other: Binding) -> bool:
-        return self == other
+        """The same volume asked again: pod, tenant and group (the grant is the agent's)."""
+        return replace(self, granted=other.granted) == other
 
 
 class BindingStore:
@@ -68,6 +72,7 @@ class BindingStore:
             try:
                 doc = json.loads(path.read_text())
                 doc["pod"] = PodIdentity(**doc["pod"])
+                doc.setdefault("granted", True)  # records without it were made granted only
                 out.append(Binding(**doc))
             except (OSError, ValueError, TypeError, KeyError) as e:
                 log.warning("dropping unreadable binding %s: %s", path, e)

@@ -1,13 +1,17 @@
 """The CSI Identity and Node services the kubelet calls (the CSI spec's own messages, v1.12).
 
 NodePublishVolume turns one pod's inline volume into that pod's sockets: it checks the kubelet's
-pod fields and the requested tenant against the admin's grants, creates `target_path`, records
-the binding, binds `memory.sock` in it and, with the slot protocol served (pools.py), the pod's
-`pool.sock` and `session.sock` on its tenant's pool, before it answers. NodeUnpublishVolume
-undoes it and answers OK for a volume it does not know, as the spec requires. Codes follow the
-spec's tables: INVALID_ARGUMENT for requests this driver cannot serve, PERMISSION_DENIED for a
-tenant the pod may not use (known or not), ALREADY_EXISTS for the same volume and path asked
-with another pod or tenant.
+pod fields, decides whether the requested tenant is granted to the pod (access.py), creates
+`target_path`, records the binding, binds `memory.sock` in it and, with the slot protocol
+served (pools.py), the pod's `pool.sock` on its tenant's pool (and `session.sock`), before it
+answers. A tenant not granted, or not decidable yet (the CSIDriver or the grants not read),
+fails no mount: the kubelet would hold the pod in ContainerCreating. The pod's sockets refuse
+instead, with the reason, so it serves without the pool; it gets its tenant when the agent
+accepts grants that admit it (`reconsider`). NodeUnpublishVolume undoes it and answers OK for a
+volume it does not know, as the spec requires. Codes follow the spec's tables, for what only a
+caller that is not the kubelet sends: INVALID_ARGUMENT for requests this driver cannot serve,
+PERMISSION_DENIED for pod fields that are not the kubelet's, ALREADY_EXISTS for the same volume
+and path asked with another pod, tenant or group.
 """
 
 from __future__ import annotations
@@ -18,14 +22,14 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 from kvoffload.csi.v1 import csi_pb2, csi_pb2_grpc
 
+from kvoffload_sidecar.node.access import Access
 from kvoffload_sidecar.node.bindings import SOCKET_NAME, Binding, BindingStore
-from kvoffload_sidecar.node.grants import NodePoolSpec
 from kvoffload_sidecar.node.identity import IdentityError, parse_volume_context
 from kvoffload_sidecar.node.pools import POOL_SOCKET, SESSION_SOCKET, TenantPools
 from kvoffload_sidecar.node.tenant_memory import MemoryServer
@@ -60,20 +64,19 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
     def __init__(
         self,
         config: NodeConfig,
-        spec: Callable[[], NodePoolSpec],
+        access: Access,
         memory: MemoryServer,
         *,
-        precondition: Callable[[], str | None] = lambda: None,
         on_change: Callable[[], None] = lambda: None,
         pools: TenantPools | None = None,
     ) -> None:
-        """`spec()` is read at every publish (the grants may change while the agent runs);
-        `precondition()` names why no pod may publish now (None: they may); `on_change()` is
-        called after every publish and unpublish (the node's status counts pods); `pools`
-        serves each pod's slot protocol on its tenant's pool (None: memory.sock only)."""
+        """`access` decides at every publish whether the pod gets its tenant (the grants may
+        change while the agent runs), and says why not on its sockets (`memory` and `pools`
+        are built with its `refusal`); `on_change()` is called after every publish, unpublish
+        and later grant (the node's status counts pods); `pools` serves each pod's slot
+        protocol on its tenant's pool (None: memory.sock only)."""
         self._config = config
-        self._spec = spec
-        self._precondition = precondition
+        self._access = access
         self._on_change = on_change
         self._memory = memory
         self._pools = pools
@@ -92,6 +95,29 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             self._memory.attach(b)
             self._attach_pool(b)
             self._bindings[(b.volume_id, b.target_path)] = b
+        self.reconsider()
+
+    def reconsider(self) -> int:
+        """Grant every published pod that lacks its tenant's grant and that the grants in force
+        admit now (the agent calls it after each accepted generation and once its CSIDriver
+        passes): its record says so before its sockets serve the tenant. Pods granted already
+        keep their grant whatever the grants say. Returns how many were granted."""
+        granted = 0
+        with self._lock:
+            for key, b in list(self._bindings.items()):
+                if b.granted or not self._access.admits(b):
+                    continue
+                now = replace(b, granted=True)
+                self._store.save(now)
+                self._bindings[key] = now
+                self._memory.rebind(now)
+                self._attach_pool(now)
+                granted += 1
+                log.info("pod %s: tenant %s granted, its sockets serve it", now.pod.describe(),
+                         now.tenant)  # fmt: skip
+        if granted:
+            self._on_change()
+        return granted
 
     def _attach_pool(self, b: Binding) -> None:
         if self._pools is None:
@@ -130,9 +156,6 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
 
     def NodePublishVolume(self, request, context):  # noqa: N802
         try:
-            problem = self._precondition()
-            if problem is not None:
-                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, problem)
             binding = self._check_publish(request)
             with self._lock:
                 self._publish(binding)
@@ -203,12 +226,6 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 "the volume context's pod uid is not the kubelet's (target_path names another pod)",
             )
-        if not self._spec().admits(asked.pod, asked.tenant):
-            raise _Refusal(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"tenant {asked.tenant!r} is not granted to namespace {asked.pod.namespace} "
-                f"service account {asked.pod.service_account} on this node pool",
-            )
         group = request.volume_capability.mount.volume_mount_group
         if group and not group.isdigit():
             raise _Refusal(bad, f"volume_mount_group {group!r} is not a numeric group id")
@@ -218,11 +235,15 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             pod=asked.pod,
             tenant=asked.tenant,
             mount_group=int(group) if group else None,
+            granted=False,  # decided under the publish lock (`_publish`)
         )
 
     def _publish(self, b: Binding) -> None:
         key = (b.volume_id, b.target_path)
         known = self._bindings.get(key)
+        # under the lock `reconsider` takes: a generation accepted meanwhile either admits this
+        # pod here or finds its binding there
+        b = replace(b, granted=known.granted if known is not None else self._access.admits(b))
         if known is not None:
             if not known.same_request(b):
                 raise _Refusal(
@@ -254,6 +275,13 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
         self._memory.attach(b)
         self._attach_pool(b)
         self._bindings[key] = b
+        if not b.granted:  # once per pod: its sockets then say it at every request
+            code, why = self._access.refusal(b)
+            log.warning(
+                "pod %s published without its tenant (%s: %s): its sockets refuse, it serves "
+                "without the node pool",
+                b.pod.describe(), code, why,
+            )  # fmt: skip
 
 
 def serve(agent: NodeAgent, csi_socket: str, *, workers: int = 4) -> grpc.Server:

@@ -1,13 +1,15 @@
 """The agent follows its `KVOffloadNodePool` and reports its own node's part of the status.
 
 Grants: the agent reads the object, then watches it; every accepted change is the grant that new
-NodePublishVolume calls are checked against (published pods keep what they were granted until
-they unpublish). A change it cannot honour (malformed, or shares that sum past the node's pool)
-is refused: the last good grants stay, and the node's status says why.
+NodePublishVolume calls are checked against, and published pods that lacked their tenant's
+grant get it if it admits them now (`on_grants`); published pods keep what they were granted
+until they unpublish. A change it cannot honour (malformed, or shares that sum past the node's
+pool) is refused: the last good grants stay, and the node's status says why.
 
-CSIDriver: before any publish the agent reads `node.kvoffload.io` and serves only if it says
-`podInfoOnMount: true` and `volumeLifecycleModes: [Ephemeral]`; otherwise the pod fields in a
-volume context could be the pod spec's own, and every publish is FAILED_PRECONDITION.
+CSIDriver: the agent reads `node.kvoffload.io` and grants tenants only once it says
+`podInfoOnMount: true` and `volumeLifecycleModes: [Ephemeral]` (the pod fields in a volume
+context could otherwise be the pod spec's own); until then, and until it has good grants,
+pods are published but their sockets answer UNAVAILABLE with the reason (access.py).
 
 Status: each agent writes only `status.nodes.<its node>` with a JSON merge patch, a map keyed by
 node name, so agents on different nodes never read-modify-write a shared list (docs/NODE.md).
@@ -90,9 +92,14 @@ class PoolFollower:
         bindings: Callable[[], list[Binding]],
         client: KubeClient,
         resync_s: int = 300,
+        on_grants: Callable[[], object] = lambda: None,
     ) -> None:
-        """`pool_bytes`: the node's pool (the holder's memory limit); grants past it fail."""
+        """`pool_bytes`: the node's pool (the holder's memory limit); grants past it fail.
+        `on_grants()` is called after each accepted generation and once the CSIDriver passes
+        (csi.py `NodeAgent.reconsider`: published pods that lacked a grant may get it)."""
         self.name = name
+        self._on_grants = on_grants
+        self._driver_retry_s = min(30.0, float(resync_s))
         self._node = node_id
         self._pool_bytes = pool_bytes
         self._memory = memory
@@ -136,7 +143,9 @@ class PoolFollower:
             self._driver_problem = problem
             self._refresh_ready()
         if problem:
-            log.error("refusing every publish: %s", problem)
+            log.error("no pod gets its tenant (their sockets answer UNAVAILABLE): %s", problem)
+        else:
+            self._on_grants()
         self._dirty.set()
 
     def apply(self, obj: Mapping[str, Any] | None) -> bool:
@@ -173,6 +182,7 @@ class PoolFollower:
             self._set(GRANTS_REJECTED, "False", "Accepted", f"generation {generation} accepted")
             self._refresh_ready()
         log.info("grants of generation %s: %s", generation, [t.name for t in spec.tenants])
+        self._on_grants()
         self._dirty.set()
         return True
 
@@ -218,7 +228,7 @@ class PoolFollower:
                     "granted": grant is not None,
                     "shareBytes": grant.share_bytes if grant else 0,
                     "bytes": region.size if region else 0,
-                    "publishedPods": sum(1 for b in bindings if b.tenant == name),
+                    "publishedPods": sum(1 for b in bindings if b.granted and b.tenant == name),
                 }
             )
         used = sum(r.size for r in regions.values())
@@ -228,6 +238,7 @@ class PoolFollower:
             "usedBytes": used,
             "freeBytes": max(0, pool - used),
             "publishedPods": len(bindings),
+            "ungrantedPods": sum(1 for b in bindings if not b.granted),
             "conditions": conditions,
             "lastUpdateTime": _now(),
         }
@@ -242,7 +253,12 @@ class PoolFollower:
     # the loops
 
     def start(self) -> None:
-        for target, name in ((self._follow, "node-pool-watch"), (self._report, "node-status")):
+        loops = (
+            (self._check_driver, "node-csidriver"),
+            (self._follow, "node-pool-watch"),
+            (self._report, "node-status"),
+        )
+        for target, name in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -251,12 +267,23 @@ class PoolFollower:
         self._stop.set()
         self._dirty.set()
 
+    def _check_driver(self) -> None:
+        """Read the CSIDriver until it passes, again every `driver_retry_s` while it does not
+        (an admin fixing it gives the published pods their tenants without a restart)."""
+        while not self._stop.is_set():
+            try:
+                self.check_driver(self._client.get(f"{CSI_DRIVERS}/{DRIVER_NAME}"))
+            except Exception as e:  # noqa: BLE001 (an API failure: read it again later)
+                log.warning("CSIDriver %s not read: %s", DRIVER_NAME, e)
+            with self._lock:
+                if self._driver_problem is None:
+                    return
+            self._stop.wait(self._driver_retry_s)
+
     def _follow(self) -> None:
         backoff = 0.5
         while not self._stop.is_set():
             try:
-                if self._driver_problem is not None:
-                    self.check_driver(self._client.get(f"{CSI_DRIVERS}/{DRIVER_NAME}"))
                 self.apply(self._client.get(f"{NODE_POOLS}/{self.name}"))
                 backoff = 0.5
                 for event in self._client.watch(NODE_POOLS, self.name, self._resync_s):

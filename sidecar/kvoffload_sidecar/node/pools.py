@@ -12,6 +12,12 @@ holds only its bound tenant's Pool: the tenant comes from the binding, never fro
 Register answers name that tenant (`RegisterResponse.tenant_memory`) and no path: offsets are
 into the memfd the pod gets from `memory.sock`. No presence map is offered (empty name).
 
+A pod that may not reach its tenant's Pool, now or yet (its binding lacks the grant, or its
+tenant has no Pool on this node), gets a refusing `pool.sock` instead: a server holding no Pool,
+whose every call answers the reason with its gRPC code (PERMISSION_DENIED or UNAVAILABLE), and
+no `session.sock`. The connector then serves without the pool and says why; when the pod gets
+its grant or its tenant its Pool, the refusing server is replaced by the pod's real one.
+
 Every pod server runs on one asyncio loop in one thread (the sidecar's servicer is asynchronous;
 Pool calls take microseconds under the Pool's lock), and its framed sessions on their own
 threads as in the sidecar. gRPC removes a Unix socket at its address when the server stops, so
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -35,12 +42,15 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from kvoffload.v1 import pool_pb2 as pb
+from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 
 from kvoffload_sidecar.errors import PoolError
 from kvoffload_sidecar.frames import FramedSessions
 from kvoffload_sidecar.memfd_region import FdBacking
 from kvoffload_sidecar.memory_room import MemoryRoom, memory_room, pool_shortfall
 from kvoffload_sidecar.metrics import SidecarMetrics
+from kvoffload_sidecar.node.access import UNAVAILABLE, Refusal, not_granted
 from kvoffload_sidecar.node.bindings import Binding
 from kvoffload_sidecar.node.tenant_memory import TenantRegion, bind_in_dir, set_socket_owner
 from kvoffload_sidecar.pool import Pool, PoolSettings
@@ -136,6 +146,40 @@ class PodServer:
     dir_fd: int  # the pod's directory, open until gRPC removed its socket (module docstring)
 
 
+class RefusingServicer(pb_grpc.KVPoolServicer):
+    """KVPool for a pod that may not reach a Pool: it holds none, and every method answers
+    `why()` (asked at each call: the reason as it stands) with that gRPC code."""
+
+    def __init__(self, why: Callable[[], Refusal]) -> None:
+        self._why = why
+
+    async def refuse(self, context: Any) -> None:
+        code, message = self._why()
+        await context.abort(grpc.StatusCode[code], message)
+
+
+def _refusing(name: str) -> Callable[..., Any]:
+    async def method(self: RefusingServicer, request: Any, context: Any) -> None:
+        await self.refuse(context)
+
+    method.__name__ = name
+    return method
+
+
+for _method in pb.DESCRIPTOR.services_by_name["KVPool"].methods:
+    setattr(RefusingServicer, _method.name, _refusing(_method.name))
+
+
+@dataclass
+class RefusingServer:
+    """A pod's `pool.sock` while it may not reach its tenant's Pool."""
+
+    binding: Binding
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    dir_fd: int
+
+
 @dataclass
 class TenantPool:
     tenant: str
@@ -161,8 +205,11 @@ class TenantPools:
         allocate: Callable[[str], Callable[[int, int], None]] | None = None,
         socket_mode: int = 0o666,
         room: Callable[[], MemoryRoom | None] = memory_room,
+        refusal: Callable[[Binding], Refusal] = not_granted,
     ) -> None:
+        """`refusal(binding)`: what an ungranted binding's `pool.sock` answers (access.py)."""
         self.options = options or PoolOptions()
+        self._refusal = refusal
         self._allocate = allocate
         self._mode = socket_mode
         self._room = room
@@ -170,6 +217,7 @@ class TenantPools:
         self._tenants: dict[str, TenantPool] = {}
         self._pods: dict[tuple[str, str], TenantPool] = {}
         self._waiting: dict[tuple[str, str], Binding] = {}  # pods whose tenant has no pool yet
+        self._refusing: dict[tuple[str, str], RefusingServer] = {}  # their pool.sock, and others'
         self.problems: dict[str, str] = {}  # tenant -> why it has no pool
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -275,10 +323,10 @@ class TenantPools:
     # -- pods --------------------------------------------------------------------------------
 
     def knows(self, volume_id: str, target_path: str) -> bool:
-        """That pod's servers run, or wait for its tenant's pool."""
+        """That pod's `pool.sock` is served (by its servers or a refusing one)."""
         key = (volume_id, target_path)
         with self._lock:
-            return key in self._pods or key in self._waiting
+            return key in self._pods or key in self._refusing
 
     def serving(self, volume_id: str, target_path: str) -> bool:
         with self._lock:
@@ -286,23 +334,30 @@ class TenantPools:
 
     def attach(self, binding: Binding) -> bool:
         """Serve `pool.sock` and `session.sock` in the pod's (existing) directory on its
-        tenant's Pool, replacing servers of the same volume. False (logged) when the tenant
-        has no pool yet: the pod serves without one, as with no sidecar, and gets its
-        sockets once its tenant's pool is built (`add`)."""
+        tenant's Pool, replacing the servers of the same volume. False (logged) when the pod
+        gets a refusing `pool.sock` instead (module docstring): a binding without its grant
+        (`refusal`), or a granted one whose tenant has no pool yet (UNAVAILABLE with the
+        reason), which gets its servers once its tenant's pool is built (`add`)."""
         key = (binding.volume_id, binding.target_path)
         self.detach(*key)
         with self._lock:
-            tp = self._tenants.get(binding.tenant)
-            if tp is None:
+            tp = self._tenants.get(binding.tenant) if binding.granted else None
+            if binding.granted and tp is None:
                 self._waiting[key] = binding
         if tp is None:
-            why = self.problems.get(binding.tenant, "its memory is not on this node yet")
-            log.warning(
-                "pod %s: no pool.sock yet, tenant %s has no pool (%s)",
-                binding.pod.describe(),
-                binding.tenant,
-                why,
-            )
+            if binding.granted:
+                why = functools.partial(self._no_pool, binding.tenant)
+                log.warning(
+                    "pod %s: pool.sock refuses until tenant %s has a pool (%s)",
+                    binding.pod.describe(),
+                    binding.tenant,
+                    why()[1],
+                )
+            else:
+                why = functools.partial(self._refusal, binding)
+            refusing = self._call(self._start_refusing(binding, why))
+            with self._lock:
+                self._refusing[key] = refusing
             return False
         pod = self._call(self._start_pod(tp, binding))
         with self._lock:
@@ -310,18 +365,56 @@ class TenantPools:
             self._pods[key] = tp
         return True
 
+    def _no_pool(self, tenant: str) -> Refusal:
+        why = self.problems.get(tenant, "its memory is not on this node yet")
+        return UNAVAILABLE, f"tenant {tenant!r} has no pool on this node: {why}"
+
     def detach(self, volume_id: str, target_path: str) -> bool:
         """Stop that pod's servers (their sessions end: the clients detach) and remove its
         sockets; False when none were served."""
         key = (volume_id, target_path)
         with self._lock:
             self._waiting.pop(key, None)
+            refusing = self._refusing.pop(key, None)
             tp = self._pods.pop(key, None)
             pod = tp.pods.pop(key, None) if tp is not None else None
+        if refusing is not None:
+            self._call(self._stop_refusing(refusing))
         if pod is None:
-            return False
+            return refusing is not None
         self._call(self._stop_pod(pod, self.options.unpublish_grace_s))
         return True
+
+    def _socket_mode(self, b: Binding) -> int:
+        return self._mode if b.mount_group is None else self._mode & 0o660
+
+    async def _start_refusing(self, b: Binding, why: Callable[[], Refusal]) -> RefusingServer:
+        server = new_server()
+        add_servicer(RefusingServicer(why), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        dfd = os.open(b.target_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            for name in (POOL_SOCKET, SESSION_SOCKET):  # no session.sock: nothing to serve
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dfd)
+            server.add_insecure_port(f"unix:/proc/self/fd/{dfd}/{POOL_SOCKET}")
+            set_socket_owner(b.target_path, POOL_SOCKET, self._socket_mode(b), b.mount_group)
+            await server.start()
+        except BaseException:
+            await server.stop(None)
+            os.close(dfd)
+            raise
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        return RefusingServer(b, server, health_servicer, dfd)
+
+    @staticmethod
+    async def _stop_refusing(refusing: RefusingServer) -> None:
+        try:
+            await refusing.server.stop(0)
+        finally:
+            os.close(refusing.dir_fd)  # only now: gRPC unlinked its socket through it
 
     async def _start_pod(self, tp: TenantPool, b: Binding) -> PodServer:
         servicer = PoolServicer(tp.pool, tp.metrics)
@@ -331,7 +424,7 @@ class TenantPools:
         add_servicer(servicer, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        mode = self._mode if b.mount_group is None else self._mode & 0o660
+        mode = self._socket_mode(b)
         frames = PodFramedSessions(
             servicer,
             Path(b.target_path) / SESSION_SOCKET,
@@ -380,8 +473,14 @@ class TenantPools:
                 return
             self._closed = True
             tenants = list(self._tenants.values())
+            refusing = list(self._refusing.values())
             self._tenants.clear()
             self._pods.clear()
+            self._refusing.clear()
+            self._waiting.clear()
+        for r in refusing:
+            with contextlib.suppress(Exception):
+                self._call(self._stop_refusing(r))
         for tp in tenants:
             tp.pool.begin_drain()
             for pod in list(tp.pods.values()):

@@ -9,6 +9,8 @@ Wire (SOCK_SEQPACKET, one message each way): the request is UTF-8 JSON
 `{"v": 1, "op": "open", "tenant": NAME}` and nothing else, carrying no fds; the answer is JSON
 `{"v": 1, "code": CODE, ...}`, with the memfd attached (SCM_RIGHTS) when CODE is "OK".
 `kvoffload_connector.common.node_memory` is the client and mirrors these constants.
+A socket whose binding lacks its tenant's grant (access.py) answers every open with the agent's
+refusal, never with an fd.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvoffload_sidecar.node.access import Refusal, not_granted
 from kvoffload_sidecar.node.bindings import SOCKET_NAME, Binding
 from kvoffload_sidecar.node.grants import NodePoolSpec
 
@@ -165,12 +168,14 @@ def decide(
     binding: Binding,
     memory: TenantMemory,
     peer_in_pod: bool = True,
+    refusal: Callable[[Binding], Refusal] = not_granted,
 ) -> Answer:
     """The answer to one request on `binding`'s socket (pure: the caller closes `fds`).
 
     `peer_in_pod` is False when attestation placed the connecting process outside the bound pod.
-    The binding is the grant: NodePublishVolume admitted it, and a pod keeps its tenant until it
-    unpublishes, whatever later grants say (a changed grant refuses new publishes only).
+    The binding is the grant: a binding granted at NodePublishVolume, or later, keeps its tenant
+    until it unpublishes, whatever later grants say; an ungranted one gets `refusal(binding)`
+    (asked at every request: the agent's reason as it stands) and never an fd.
     """
     if fds or truncated:
         what = "file descriptors" if fds else f"more than {MAX_REQUEST} bytes"
@@ -200,6 +205,11 @@ def decide(
     # One message whether the tenant exists or not: a pod learns no other tenant's name.
     if tenant != binding.tenant:
         return Answer(Code.PERMISSION_DENIED, f"tenant {tenant!r} is not granted to this pod")
+    if not binding.granted:
+        code, message = refusal(binding)
+        if code != Code.UNAVAILABLE.value:
+            code = Code.PERMISSION_DENIED.value  # a refusal is never an OK
+        return Answer(Code(code), message)
     region = memory.region(tenant)
     if region is None:
         return Answer(Code.UNAVAILABLE, f"tenant {tenant!r} has no memory on this node yet")
@@ -262,14 +272,18 @@ class MemoryServer:
         *,
         socket_mode: int = 0o666,
         attest: Callable[[int], str | None] | None = None,
+        refusal: Callable[[Binding], Refusal] = not_granted,
     ) -> None:
-        """`attest(pid)` names the pod uid of a peer process (attest.py); None: not checked."""
+        """`attest(pid)` names the pod uid of a peer process (attest.py); None: not checked.
+        `refusal(binding)` is what an ungranted binding's socket answers (access.py)."""
         self._attest = attest
+        self._refusal = refusal
         self._memory = memory
         self._mode = socket_mode
         self._sel = selectors.DefaultSelector()
         self._lock = threading.Lock()
         self._listeners: dict[tuple[str, str], socket.socket] = {}
+        self._bound: dict[tuple[str, str], Binding] = {}  # the binding each socket serves
         self._conns: dict[socket.socket, int] = {}  # listener -> open connections
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -296,14 +310,26 @@ class MemoryServer:
                 self._sel.unregister(old)
                 old.close()
             self._listeners[key] = sock
+            self._bound[key] = binding
             self._conns[sock] = 0
-            self._sel.register(sock, selectors.EVENT_READ, ("listen", binding))
+            self._sel.register(sock, selectors.EVENT_READ, ("listen", key))
         self._wake()
+
+    def rebind(self, binding: Binding) -> bool:
+        """Serve `binding` (granted since) on its socket, open connections included; False if
+        that socket is not served."""
+        key = (binding.volume_id, binding.target_path)
+        with self._lock:
+            if key not in self._listeners:
+                return False
+            self._bound[key] = binding
+        return True
 
     def detach(self, volume_id: str, target_path: str) -> bool:
         """Stop serving that socket (open connections end too); False if it was not served."""
         with self._lock:
             sock = self._listeners.pop((volume_id, target_path), None)
+            self._bound.pop((volume_id, target_path), None)
             if sock is None:
                 return False
             self._sel.unregister(sock)
@@ -325,6 +351,7 @@ class MemoryServer:
                 if key.data is not None:
                     key.fileobj.close()
             self._listeners.clear()
+            self._bound.clear()
         self._sel.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -354,7 +381,8 @@ class MemoryServer:
                     except OSError as e:
                         log.warning("node memory socket: %s", e)
 
-    def _accept(self, listener: socket.socket, binding: Binding) -> None:
+    def _accept(self, listener: socket.socket, key: tuple[str, str]) -> None:
+        binding = self._bound[key]
         while True:  # drain the backlog; past the bound a connection is closed unanswered
             try:
                 conn, _ = listener.accept()
@@ -371,7 +399,7 @@ class MemoryServer:
                 "pod %s connected: pid %d uid %d gid %d%s",
                 binding.pod.describe(), pid, uid, gid, "" if in_pod else " (not in the pod)",
             )  # fmt: skip
-            self._sel.register(conn, selectors.EVENT_READ, ("conn", binding, listener, in_pod))
+            self._sel.register(conn, selectors.EVENT_READ, ("conn", key, listener, in_pod))
 
     def _drop(self, conn: socket.socket, listener: socket.socket) -> None:
         self._sel.unregister(conn)
@@ -380,8 +408,9 @@ class MemoryServer:
             self._conns[listener] -= 1
 
     def _serve(
-        self, conn: socket.socket, binding: Binding, listener: socket.socket, in_pod: bool
+        self, conn: socket.socket, key: tuple[str, str], listener: socket.socket, in_pod: bool
     ) -> None:
+        binding = self._bound[key]  # as granted now (rebind)
         try:
             raw, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST, 16)
         except BlockingIOError:
@@ -396,7 +425,7 @@ class MemoryServer:
             self._drop(conn, listener)
             return
         truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
-        answer = decide(raw, fds, truncated, binding, self._memory, in_pod)
+        answer = decide(raw, fds, truncated, binding, self._memory, in_pod, self._refusal)
         if answer.code is not Code.OK:
             log.info(
                 "refused %s for pod %s: %s",
