@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -99,6 +99,11 @@ class PoolClient:
         self._closed = threading.Event()
         self._keeper: threading.Thread | None = None
         self._keep_attached = keep_attached
+        # Called with each answer before it becomes `registration`, on the registering thread:
+        # PoolUnavailable from it fails that registration (a worker that cannot map the memory
+        # the answer names). `last_error`: why the last registration failed ("" once one held).
+        self.accept: Callable[[RegisterResult], None] | None = None
+        self.last_error = ""
 
     @classmethod
     def from_config(cls, cfg: ConnectorConfig, client_name: str) -> PoolClient:
@@ -208,21 +213,27 @@ class PoolClient:
             resp = stub.Register(
                 self._register_request(), timeout=max(self.rpc_timeout_s, REGISTER_TIMEOUT_S)
             )
+            result = RegisterResult.from_response(resp)
+            if self.accept is not None:
+                self.accept(result)
             self._session = self._open_session(stub, resp)
         except (grpc.RpcError, PoolUnavailable) as e:
             self._close_channel()
             self.registration = None
             self.backoff.failed()
             if isinstance(e, PoolUnavailable):
+                self.last_error = str(e)
                 raise
-            raise PoolUnavailable(f"register: {e.code()}: {e.details()}") from None
+            self.last_error = f"register: {e.code()}: {e.details()}"
+            raise PoolUnavailable(self.last_error) from None
         self.backoff.reset()
+        self.last_error = ""
         self._socket_id = socket_id
         self.key_size = spec.key_size
         # each registration names its sidecar's map: a restarted one writes a new file
         self.presence = open_presence(self.socket_path, resp.presence_map)
         self.registrations += 1
-        self.registration = RegisterResult.from_response(resp)
+        self.registration = result
         return self.registration
 
     def _register_request(self) -> pool_pb2.RegisterRequest:

@@ -55,9 +55,19 @@ class LoadMode(enum.Enum):
     ADAPTIVE = "adaptive"
 
 
+class Placement(enum.Enum):
+    """Where the pool is: a sidecar's pool file in this pod (POD, the default), or the node
+    agent's memory of this pod's tenant (NODE: the Register answer names `tenant_memory`, and
+    each worker rank takes that memfd from `memory.sock` beside the socket, pool_memory.py)."""
+
+    POD = "pod"
+    NODE = "node"
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
-    socket: str = DEFAULT_SOCKET  # sidecar's Unix socket
+    socket: str = DEFAULT_SOCKET  # sidecar's Unix socket (node placement: the agent's pool.sock)
+    placement: Placement = Placement.POD
     chunk_tokens: int = 0  # tokens per pool slot (a multiple of the GPU block size; fit_chunk)
     mode: StoreMode = StoreMode.EAGER
     load_mode: LoadMode = LoadMode.LAYERED
@@ -205,6 +215,13 @@ def parse_extra_config(extra: Mapping[str, Any] | None, block_size: int) -> Conn
     for key, value in extra.items():
         if key == "socket":
             fields["socket"] = _str(key, value)
+        elif key == "placement":
+            try:
+                fields["placement"] = Placement(value)
+            except ValueError:
+                raise ValueError(
+                    f"kv_connector_extra_config['placement'] must be 'pod' or 'node', got {value!r}"
+                ) from None
         elif key == "chunk_size":
             fields["chunk_tokens"] = fit_chunk(_int(key, value, minimum=1), block_size)
         elif key == "mode":

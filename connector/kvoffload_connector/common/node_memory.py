@@ -72,7 +72,9 @@ def request(
         socket.send_fds(sock, [raw], fds)
     else:
         sock.send(raw)
-    data, got, _flags, _ = socket.recv_fds(sock, MAX_ANSWER, 4)
+    # close-on-exec: a process the engine starts must not hold the tenant's memory, nor the
+    # description an engine lock sits on
+    data, got, _flags, _ = socket.recv_fds(sock, MAX_ANSWER, 4, socket.MSG_CMSG_CLOEXEC)
     if not data:
         for fd in got:
             os.close(fd)
@@ -87,7 +89,22 @@ def request(
 
 
 def open_tenant_memory(path: str, tenant: str, *, timeout: float = 5.0) -> TenantMapping:
-    """Ask the agent at `path` for `tenant`'s memory and map it; raise `NodeMemoryError`."""
+    """Ask the agent at `path` for `tenant`'s memory and map it whole; raise `NodeMemoryError`
+    (OSError when nothing answers at `path`)."""
+    fd, size = receive_tenant_memory(path, tenant, timeout=timeout)
+    try:
+        buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return TenantMapping(tenant=tenant, fd=fd, size=size, buffer=buffer)
+
+
+def receive_tenant_memory(path: str, tenant: str, *, timeout: float = 5.0) -> tuple[int, int]:
+    """`tenant`'s memfd from the agent at `path` (this process's own open file description,
+    close-on-exec) and its size, checked sealed against resize and of the size the answer
+    names; the caller owns the fd. Raises `NodeMemoryError`, or OSError when nothing answers
+    at `path`."""
     with connect(path, timeout) as sock:
         answer, fds = request(sock, {"v": PROTOCOL_VERSION, "op": "open", "tenant": tenant})
     code = answer.get("code") if isinstance(answer, dict) else None
@@ -110,9 +127,8 @@ def open_tenant_memory(path: str, tenant: str, *, timeout: float = 5.0) -> Tenan
             )
         if size != answer.get("size"):
             raise NodeMemoryError("PROTOCOL", f"size {size} differs from the answer's")
-        buffer = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
         raise
-    return TenantMapping(tenant=tenant, fd=fd, size=size, buffer=buffer)
+    return fd, size

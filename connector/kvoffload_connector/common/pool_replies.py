@@ -78,6 +78,9 @@ class RegisterResult:
     engine_lock_base: int = 0  # engine_lock.lock_offset(base, engine, rank)
     slot_table_offset: int = 0  # slot i's version: the u64 at offset + i * record_bytes
     slot_record_bytes: int = 0
+    # node placement: the tenant whose memfd holds the regions (their paths are empty, their
+    # offsets into that memfd); empty for a sidecar's pool file
+    tenant_memory: str = ""
 
     @classmethod
     def from_response(cls, resp: pool_pb2.RegisterResponse) -> RegisterResult:
@@ -96,6 +99,7 @@ class RegisterResult:
             engine_lock_base=resp.engine_lock_base,
             slot_table_offset=resp.slot_table_offset,
             slot_record_bytes=resp.slot_record_bytes,
+            tenant_memory=resp.tenant_memory,
         )
 
 

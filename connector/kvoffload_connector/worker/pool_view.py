@@ -96,15 +96,30 @@ class PoolView:
         Raises ValueError on bad geometry or a file too small for it, OSError when the file
         cannot be opened.
         """
-        import torch
-
         if slot_bytes <= 0 or slot_count <= 0:
             raise ValueError(f"slot_bytes and slot_count must be > 0: {slot_bytes}, {slot_count}")
         if offset < 0 or offset % _PAGE:
             raise ValueError(f"pool offset {offset} is not a multiple of the page size {_PAGE}")
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        return cls._map(fd, path, offset, slot_bytes, slot_count)
+
+    @classmethod
+    def open_fd(cls, fd: int, name: str, offset: int, slot_bytes: int, slot_count: int) -> PoolView:
+        """`open` over a read-write `fd` (a tenant's memfd in node placement: no path; `name`
+        stands for it in messages). The view keeps a duplicate; the caller still owns `fd`."""
+        if slot_bytes <= 0 or slot_count <= 0:
+            raise ValueError(f"slot_bytes and slot_count must be > 0: {slot_bytes}, {slot_count}")
+        if offset < 0 or offset % _PAGE:
+            raise ValueError(f"pool offset {offset} is not a multiple of the page size {_PAGE}")
+        return cls._map(os.dup(fd), name, offset, slot_bytes, slot_count)
+
+    @classmethod
+    def _map(cls, fd: int, path: str, offset: int, slot_bytes: int, slot_count: int) -> PoolView:
+        """The view over `fd`, which it owns from here (closed when mapping fails)."""
+        import torch
+
         length = slot_bytes * slot_count
         view = cls(path, offset, slot_bytes, slot_count)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             if offset + length > size:

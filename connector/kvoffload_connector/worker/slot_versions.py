@@ -27,14 +27,18 @@ FIRST_VERSION = 2  # state words below are free (0) or reserved (1): never a loa
 class SlotVersions:
     """The state words of `slot_count` records of `record_bytes` at `offset` of `path`."""
 
-    def __init__(self, path: str, offset: int, record_bytes: int, slot_count: int) -> None:
+    def __init__(
+        self, path: str, offset: int, record_bytes: int, slot_count: int, fd: int | None = None
+    ) -> None:
+        """`fd`: read the table through a duplicate of it instead of opening `path` (a
+        tenant's memfd in node placement; `path` then only names it)."""
         if offset <= 0 or record_bytes < 8 or record_bytes % 8 or slot_count < 1:
             raise ValueError(
                 f"no slot table at offset {offset} ({record_bytes}-byte records, {slot_count})"
             )
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         self.end = offset + record_bytes * slot_count
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = os.dup(fd) if fd is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self._mm = mmap.mmap(
                 self._fd, self.end - start, mmap.MAP_SHARED, mmap.PROT_READ, offset=start
