@@ -34,6 +34,14 @@ _said: set[str] = set()
 _lock = threading.Lock()
 
 
+def reason(exc: BaseException) -> str:
+    """An exception as the one-line reason the log, the status file and the gauge give."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if type(exc).__name__ == "Unsupported":
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class InjectedFault(RuntimeError):
     """The exception `FAULT_ENV` injects."""
 

@@ -422,7 +422,8 @@ def test_facade_imports_and_disables_without_grpc_protobuf_numpy_stubs(tmp_path)
         import kvoffload_connector.connector as c
         ours = sorted(m for m in sys.modules if m.startswith("kvoffload_connector"))
         assert ours == ["kvoffload_connector", "kvoffload_connector.connector",
-                        "kvoffload_connector.guard"], ours
+                        "kvoffload_connector.guard", "kvoffload_connector.scheduler_hooks",
+                        "kvoffload_connector.worker_hooks"], ours
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from test_guard import _vllm_config, _kv_cache_config, FullAttentionSpec
         conn = c.KVOffloadConnector(

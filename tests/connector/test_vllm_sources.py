@@ -40,6 +40,13 @@ SUBCLASSES = [
     ("common/metadata.py", "WorkerReport", BASE, ("KVConnectorWorkerMetadata",)),
     ("common/metadata.py", "PoolHandshake", BASE, ("KVConnectorHandshakeMetadata",)),
 ]
+# The facade's hooks live in mixins (one per role): checked as part of the class they make up.
+FACADE_PARTS = {
+    "KVOffloadConnector": (
+        ("scheduler_hooks.py", "SchedulerHooks"),
+        ("worker_hooks.py", "WorkerHooks"),
+    ),
+}
 # Released versions checked from PyPI: the newest supported minor, and the oldest minor's
 # newest patch (the range itself is compat.SUPPORTED_VLLM).
 WHEEL_MINORS = ((0, 33), (0, 26))
@@ -244,7 +251,11 @@ def check(version: str, sources: dict[str, str]) -> list[str]:
             problems.append(f"vLLM {version}: {f} has no {name}")
     for our_file, our_name, f, bases in SUBCLASSES:
         ours = _class(ast.parse((OURS / our_file).read_text()), our_name)
-        our_methods = _methods(ours)
+        parts = [ours] + [
+            _class(ast.parse((OURS / f).read_text()), name)
+            for f, name in FACADE_PARTS.get(our_name, ())
+        ]
+        our_methods = {m: s for part in reversed(parts) for m, s in _methods(part).items()}
         base_methods: dict[str, Sig] = {}
         base_attrs: set[str] = set()
         for b in bases:
@@ -263,8 +274,12 @@ def check(version: str, sources: dict[str, str]) -> list[str]:
         for meth, sig in base_methods.items():
             if sig.abstract and meth not in our_methods:
                 problems.append(f"vLLM {version}: {our_name} lacks abstract {meth}")
-        ours_set = _self_attrs(ours, ast.Store) | set(our_methods) | _class_fields(ours)
-        for attr in sorted(_self_attrs(ours, ast.Load) - ours_set):
+        ours_set = set(our_methods).union(
+            *(_self_attrs(part, ast.Store) | _class_fields(part) for part in parts)
+        )
+        for attr in sorted(
+            set().union(*(_self_attrs(part, ast.Load) for part in parts)) - ours_set
+        ):
             if attr not in base_attrs and attr not in base_methods:
                 problems.append(f"vLLM {version}: {our_name} reads self.{attr}, {f} never sets it")
     return problems + free_order_problems(version, sources[SCHEDULER])

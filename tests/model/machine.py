@@ -48,7 +48,7 @@ from kvoffload_connector.common.config import parse_extra_config
 from kvoffload_connector.common.errors import PoolUnavailable
 from kvoffload_connector.common.keys import build_spec, chunk_keys, in_epoch
 from kvoffload_connector.scheduler.offload_scheduler import OffloadScheduler
-from kvoffload_connector.worker import offload_worker as worker_module
+from kvoffload_connector.worker import pool_binding
 from kvoffload_connector.worker.offload_worker import OffloadWorker
 from kvoffload_connector.worker.pool_view import PoolView
 from kvoffload_connector.worker.transfer import Direction
@@ -688,7 +688,7 @@ class SlotProtocol(RuleBasedStateMachine):
 def step_engines() -> Iterator[None]:
     """Workers whose layout carries the model's GPU memory get a `StepEngine` (the real
     `_apply` maps the pool file and asks `make_engine` for an engine over it)."""
-    real = worker_module.make_engine
+    real = pool_binding.make_engine
 
     def make(layout, pool, device, **kw):
         gpu = getattr(layout, "gpu", None)
@@ -698,11 +698,11 @@ def step_engines() -> Iterator[None]:
             else real(layout, pool, device, **kw)
         )
 
-    worker_module.make_engine = make
+    pool_binding.make_engine = make
     try:
         yield
     finally:
-        worker_module.make_engine = real
+        pool_binding.make_engine = real
 
 
 def _tmpfs() -> str | None:

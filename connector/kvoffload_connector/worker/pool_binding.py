@@ -1,0 +1,212 @@
+"""A worker rank's binding to the pool: registration, the mapping, the engine lock.
+
+`register_kv_caches` canonicalises the KV cache (layout.py), registers this rank with the
+sidecar, maps its region of the pool (PoolView) and builds a transfer engine over it. Nothing
+here waits on the sidecar during a step: until a registration and a mapped, device-registered
+pool exist every job fails fast (a miss / a dropped store). A job carries the pool generation
+its slots belong to; if the sidecar recreated the pool, jobs for the other generation fail and
+the rank re-maps after re-registering (on the RPC thread; the step thread applies the result).
+
+Before a step's copies touch the pool the rank checks that the pool file still covers its
+mapping (`PoolView.intact`): a file truncated under it would turn the copies into SIGBUS and
+kill vLLM. When it does not, the step's loads fail (vLLM recomputes), its stores are dropped,
+the view is unmapped, and the rank serves without the pool until the sidecar rebuilds the file
+under a new generation (it then ends every session: the rank re-registers and maps again).
+
+The engine lock (engine_lock.py) is held for the mapped generation from before a step's first
+store copy until every copy into that mapping finished.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvoffload_connector.common import compat
+from kvoffload_connector.common.client import PoolUnavailable, RegisterResult
+from kvoffload_connector.common.keys import build_spec
+from kvoffload_connector.common.metadata import Registration
+from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
+from kvoffload_connector.worker.identity import model_identity
+from kvoffload_connector.worker.job_lock import jobs_locked
+from kvoffload_connector.worker.layout import canonicalize
+from kvoffload_connector.worker.pool_view import PoolView
+from kvoffload_connector.worker.slot_versions import SlotVersions
+from kvoffload_connector.worker.transfer import make_engine
+
+log = logging.getLogger(__name__)
+
+
+class PoolBinding:
+    """Mixed into `OffloadWorker` (offload_worker.py), which owns the state: the client, the
+    layout, the mapped `pool`, the `engine`, the applied registration and the job tables."""
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.device = next(iter(kv_caches.values())).device
+        self.layout = canonicalize(
+            kv_caches,
+            compat.layer_groups(self.kv_cache_config),
+            self.chunk_blocks,
+            self.kv_cache_config,
+        )
+        mc = self.vllm_config.model_config
+        self.spec = build_spec(
+            # the served name is the label stats show; the weights' identity is what matches
+            model=str(getattr(mc, "served_model_name", None) or mc.model),
+            identity=model_identity(self.vllm_config, compat.engine_id(self.vllm_config)),
+            dtype=compat.kv_dtype(self.vllm_config),
+            kv_layout=self.layout.tag,
+            block_size=self.block_size,
+            chunk_blocks=self.chunk_blocks,
+            tp_size=self.tp_size,
+            hash_algo=compat.hash_algo(self.vllm_config),
+            group_specs=compat.group_descriptions(self.kv_cache_config),
+            pp_size=self.pp_size,
+        )
+        log.info(
+            "kvoffload: rank %d layout %s, slot %d bytes, %d groups",
+            self.rank,
+            self.layout.tag,
+            self.layout.slot_bytes,
+            len(self.layout.groups),
+        )
+        try:
+            reg = self.client.register(self.spec, self.num_ranks, self.layout.slot_bytes)
+            self._apply(reg)
+        except PoolUnavailable as e:
+            log.warning(
+                "kvoffload: no pool from the sidecar at %s (%s); serving without it, retrying",
+                self.cfg.socket,
+                e,
+            )
+            self._report_no_pool = f"no pool from the sidecar: {e}"
+        except (OSError, ValueError) as e:
+            log.warning("kvoffload: cannot map the pool region: %s", e)
+            self._report_no_pool = f"cannot map the pool region: {e}"
+
+    def _apply(self, reg: RegisterResult) -> None:
+        """Step thread: adopt a (re-)registration, re-mapping when the pool changed."""
+        assert self.layout is not None and self.spec is not None
+        region = reg.regions[self.rank]
+        same = (
+            self.pool is not None
+            and reg.generation == self.generation
+            and self.pool.path == region.path
+            and self.pool.offset == region.offset
+        )
+        if not same:
+            self._close_engine()
+            # A re-map may run inside vLLM's inference_mode (a step); tensors made there are
+            # inference tensors that the engine's copy thread could not write.
+            with torch.inference_mode(False):
+                self.pool = PoolView.open(
+                    region.path, region.offset, region.slot_bytes, region.slot_count
+                )
+                self.pool.start_device_registration(self.device)
+                self.engine = make_engine(
+                    self.layout, self.pool, self.device, store_ctas=self.cfg.store_ctas
+                )
+            self._start_completion()
+            self.generation = reg.generation
+        if self.slot_versions is None and reg.slot_table_offset:
+            self.slot_versions = SlotVersions(
+                region.path, reg.slot_table_offset, reg.slot_record_bytes, region.slot_count
+            )
+        self.namespace_id = reg.namespace_id
+        self._applied = reg
+        self._report_drained()
+        self._report_registration = Registration(
+            self.spec, self.num_ranks, self.layout.slot_bytes, reg.namespace_id, reg.generation
+        )
+
+    @jobs_locked
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            try:
+                self._handle(self.engine.wait(list(self._jobs)))
+            finally:
+                self.engine.shutdown()
+                self.engine = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+            self.generation = None
+        # every copy into the old mapping finished (waited above): the lock may go
+        self._release_engine_lock()
+        if self.slot_versions is not None:
+            self.slot_versions.close()
+            self.slot_versions = None
+
+    def _hold_engine_lock(self, engine: int) -> bool:
+        """Step thread, before a step's copies: hold this rank's lock for `engine` in the
+        mapped generation's range (the sidecar grants the engine's reservations only while
+        every rank holds one, and reuses their slots only once none does). False: no lock
+        (the step's stores fail)."""
+        reg, pool = self._applied, self.pool
+        if not engine or reg is None or pool is None or not reg.engine_lock_base:
+            return False
+        key = (pool.path, reg.engine_lock_base, engine)
+        if self._lock_key == key and self._engine_lock is not None:
+            return True
+        if self._lock_key is not None and self._lock_key[:2] != key[:2] and self._jobs:
+            return False  # a lock of another mapping with copies in flight: keep that one
+        try:
+            lock = EngineLock(pool.path, lock_offset(key[1], engine, self.rank))
+        except (OSError, ValueError) as e:
+            log.warning("kvoffload: rank %d cannot hold its engine lock: %s", self.rank, e)
+            return False
+        self._release_engine_lock()  # same mapping, another engine key: nothing in flight
+        self._engine_lock, self._lock_key = lock, key
+        return True
+
+    def _release_engine_lock(self) -> None:
+        if self._engine_lock is not None:
+            self._engine_lock.release()
+        self._engine_lock, self._lock_key = None, None
+
+    def _reconnect(self) -> None:
+        """Rpc thread: re-register when due; the step thread applies the result."""
+        try:
+            stale = self.client.registration is None or not self.client.connected
+            if stale and self.client.ensure():
+                with self._lock:
+                    self._new_registration = self.client.registration
+        finally:
+            self._reconnect_queued = False
+
+    def _maybe_reconnect(self) -> None:
+        with self._lock:
+            reg, self._new_registration = self._new_registration, None
+        current = self.client.registration  # the client's keeper may have re-registered
+        if reg is None and current is not None and current is not self._applied:
+            reg = current
+        if reg is not None:
+            try:
+                self._apply(reg)
+            except (OSError, ValueError) as e:
+                self._applied = reg  # said once; the next registration tries again
+                log.warning("kvoffload: cannot map the pool region: %s", e)
+        if self.spec is not None and not self.client.connected and not self._reconnect_queued:
+            self._reconnect_queued = True
+            self._rpc.submit(self._reconnect)
+
+    def _check_pool(self) -> None:
+        """Step thread, before a step's copies: drop the view when the pool file no longer
+        covers it (touching it would SIGBUS); the step's jobs then fail as not ready."""
+        pool = self.pool
+        if pool is None or pool.intact():
+            return
+        log.warning(
+            "kvoffload: the pool file %s shrank under the mapping (%d < %d bytes); "
+            "serving without the pool until the sidecar rebuilds it",
+            pool.path,
+            pool.file_size(),
+            pool.needed_bytes,
+        )
+        self._stats["pool_file_lost"] = self._stats.get("pool_file_lost", 0) + 1
+        self._close_engine()  # waits for copies in flight (the CPU engine fails them unrun)
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.pool is not None and self.pool.ready
