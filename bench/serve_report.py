@@ -1,18 +1,13 @@
 """`serve sweep` calls merged into one report: tables, verdicts, plots (docs/SERVE_SWEEP.md).
 
-    python -m bench serve report bench/out/serve/a1.json a2.json b1.json \\
-        --md docs/SERVE_SWEEP.md --plots docs/img/serve
+    python -m bench serve report CALL.json... --md docs/SERVE_SWEEP.md --plots docs/img/serve
 
-Rows merge by (workload, rate, config) across calls (rows whose client failed are left out and
-listed). Per metric: the median over calls and the min-max over calls (the spread).
-
-A verdict compares a kvo-* configuration with each of offloading and simple on req/s (higher
-is better), TTFT p50 and p99 (lower), at one point, and reports the less favourable of the two
-("better" holds against both). Each side's interval: the min-max over calls (2+ calls); for
-one call the 95% bootstrap interval of that percentile of its per-request TTFTs
-(`harness.bootstrap_median_ci`), or the value alone (throughput, chat). **better** / **worse**:
-the intervals do not overlap; **within spread**: they do; **1 call**: two lone values.
-Plots (matplotlib) for the prefix workload against the offered rate, bars the interval.
+Rows merge by (workload, rate, config); failed rows are left out and listed. Per metric: the
+median and min-max over calls. A verdict compares a kvo-* configuration with offloading and with
+simple (req/s, TTFT p50, p99) and reports the less favourable: **better** / **worse** when the
+intervals do not overlap, **within spread** when they do, **1 call** for two lone values. An
+interval: min-max over calls; for one call a 95% bootstrap of the per-request TTFTs
+(`harness.bootstrap_median_ci`), else the value alone.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ import math
 import os
 import shlex
 import sys
+from collections import namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +33,8 @@ RIVALS = ("offloading", "simple")
 WORKLOAD_ORDER = ("random", "prefix", "chat")
 
 
-@dataclass(frozen=True)
-class Metric:
-    label: str
-    key: str
-    digits: int
-    higher_is_better: bool = True
-    q: float | None = None  # the percentile of the row's per-request TTFTs it is
-
-
+# label, row key, digits, higher is better, the percentile of the per-request TTFTs it is
+Metric = namedtuple("Metric", "label key digits higher_is_better q", defaults=(True, None))
 METRICS = (
     Metric("req/s", "request_throughput", 2),
     Metric("out tok/s", "output_throughput", 0),
@@ -65,32 +54,9 @@ VERDICTS = ("better", "worse", "within spread", "1 call")
 _RANK = {"worse": 0, "within spread": 1, "1 call": 2, "better": 3}  # the least favourable wins
 
 
-@dataclass
-class Call:
-    """One `serve sweep` JSON."""
-
-    name: str
-    machine: dict[str, Any]
-    args: dict[str, Any]
-    servers: dict[str, Any]
-    rows: list[dict[str, Any]]
-
-
-@dataclass
-class Stat:
-    """One metric of one (point, config) over the calls that gave a value."""
-
-    median: float
-    lo: float
-    hi: float
-    n: int
-
-
-@dataclass
-class Interval:
-    lo: float
-    hi: float
-    basis: str  # calls | bootstrap | point
+Call = namedtuple("Call", "name machine args servers rows")  # one `serve sweep` JSON
+Stat = namedtuple("Stat", "median lo hi n")  # one metric of a cell over the calls that gave it
+Interval = namedtuple("Interval", "lo hi basis")  # basis: calls | bootstrap | point
 
 
 @dataclass
@@ -298,12 +264,6 @@ def command_line(args: dict[str, Any]) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def vllm_command(argv: Sequence[str]) -> str:
-    """A server's `vllm serve ...` as a user types it (without the interpreter and shim)."""
-    start = next((i for i, x in enumerate(argv) if i and x in ("serve", "bench")), 0)
-    return " ".join(shlex.quote(x) for x in (["vllm", *argv[start:]] if start else argv))
-
-
 def machine_line(calls: Sequence[Call]) -> tuple[str, str]:
     gpus = sorted({g for c in calls for g in c.machine.get("gpu") or []}) or ["no GPU recorded"]
     versions = sorted(
@@ -373,14 +333,7 @@ def markdown(rep: Report, md_path: Path, command: str) -> str:
     lines += md_table(header, rows)
     lines += ["", "Command lines (rebuilt from each call's `args`):", "", "```"]
     lines += [f"# {c.name}\n{command_line(c.args)}" for c in rep.calls]
-    lines += ["```", "", "<details><summary>vllm serve command lines</summary>", "", "```"]
-    lines += [
-        f"# {c.name} {config}\n{vllm_command(s['argv'])}"
-        for c in rep.calls
-        for config, s in c.servers.items()
-        if s.get("argv")
-    ]
-    lines += ["```", "", "</details>", ""]
+    lines += ["```", ""]
     if rep.dropped:
         lines += ["Rows left out: " + "; ".join(rep.dropped), ""]
     lines += [

@@ -222,24 +222,6 @@ def test_texts_are_seeded_shared_distinct_and_in_vocab():
     assert w.sent_words(2) == 20 + 30 + 2 * (w.reply_tokens + 5)
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        {"turns": 0},
-        {"clients": 0},
-        {"reply_tokens": 0},
-        {"system_tokens": -1},
-        {"vocab": 128001},
-        {"think_s": -1.0},
-        {"think_s": float("inf")},
-        {"conversations": 1.5},
-    ],
-)
-def test_workload_rejects_bad_values(bad):
-    with pytest.raises(ValueError, match=next(iter(bad))):
-        sc.ChatWorkload(**bad)
-
-
 # -- against the server ----------------------------------------------------------------------------
 
 
@@ -257,7 +239,7 @@ async def test_history_grows_and_every_conversation_shares_the_system_prompt(ser
     )
     result = await sc.run_chat(srv.url, MODEL, w, timeout_s=10)
     s = result.summary
-    assert (s["completed"], s["failed"], s["skipped"], s["short_replies"]) == (20, 0, 0, 0)
+    assert (s["completed"], s["failed"], s["skipped"]) == (20, 0, 0)
     for r in result.requests:
         expected = 7 + 11 + r.turn * (4 + 5)
         assert r.prompt_tokens == expected == r.sent_words, r
@@ -281,8 +263,6 @@ async def test_history_grows_and_every_conversation_shares_the_system_prompt(ser
     for r in result.requests:
         if r.turn > 0:
             assert r.cached_tokens == 7 + 11 + (r.turn - 1) * (4 + 5)
-    assert 0.3 < s["cached_fraction"] < 1
-    assert s["mean_prompt_tokens"] == statistics.mean(7 + 11 + k * 9 for k in range(4))
     assert 0 < s["median_ttft_ms"] <= s["p99_ttft_ms"] and s["median_tpot_ms"] is not None
 
 
@@ -330,7 +310,7 @@ async def test_clients_bound_the_requests_in_flight(server):
     )
     result = await sc.run_chat(srv.url, MODEL, w, timeout_s=10)
     assert result.summary["completed"] == 18
-    assert srv.max_in_flight == 3 == result.summary["max_in_flight"]
+    assert srv.max_in_flight == 3
     assert {r.conversation for r in result.requests} == set(range(9))
 
 

@@ -82,6 +82,9 @@ def test_bad_flags_are_refused_by_name(capsys: pytest.CaptureFixture[str]) -> No
     assert "--warmup-concurrency" in capsys.readouterr().err
 
 
+@pytest.mark.vllm
+@pytest.mark.process
+@pytest.mark.slow
 def test_two_cpu_servers_pair_rounds_and_kvo_stores(tmp_path: Path) -> None:
     out = tmp_path / "paired.json"
     cmd = [

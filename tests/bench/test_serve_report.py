@@ -338,10 +338,3 @@ def test_committed_h100_calls(tmp_path):
                 assert f"{stem}: {r['config']} {r['point']} rc {r['rc']}" in text
     for png in (tmp_path / "p").glob("*.png"):
         assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size < 150_000
-
-
-def test_server_command_lines_read_as_vllm_typed_by_a_user():
-    shim = ["/usr/bin/python3", "/repo/bench/serve.py", "vllm", "serve", "/m", "--port", "1"]
-    assert sr.vllm_command(shim) == "vllm serve /m --port 1"
-    assert sr.vllm_command(["/py", "/old/shim.py", "serve", "/m"]) == "vllm serve /m"
-    assert sr.vllm_command(["vllm", "serve", "a b"]) == "vllm serve 'a b'"
