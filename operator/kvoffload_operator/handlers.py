@@ -91,8 +91,10 @@ def _refresh_status(
             raise
         pods, visible = [], False
     mine = injected_pods(policy, pods)
-    # placement node: no sidecar in the pods (the NodePlacement condition says so)
+    # placement node: no sidecar in the pods (the NodePlacement condition says so), but the
+    # kubelet's FailedMount events name pods that no node agent lets start
     reports = [] if policy.pool.node else _ask_sidecars(mine, memo)
+    events = _failed_mounts(policy, mine, memo)
     new = build_status(
         policy,
         pods,
@@ -102,13 +104,32 @@ def _refresh_status(
         previous=status,
         reports=reports,
         pods_visible=visible,
+        events=events,
     )
     sent = memo.setdefault("sent_status", {})
     key = (policy.namespace, policy.name)
     if {k: status.get(k) for k in new} != new:
         patch.status.update(status_patch(status, new, sent.get(key, {})))
         sent[key] = new
-    _report_problems(degraded_problems(mine, reports, node=policy.pool.node), memo)
+    _report_problems(degraded_problems(mine, reports, node=policy.pool.node, events=events), memo)
+
+
+def _failed_mounts(policy: Policy, mine: list[Mapping[str, Any]], memo: Any) -> list[Any]:
+    """The namespace's FailedMount events, for a node policy with a pod still Pending on a
+    node (none otherwise: nothing to read). Without the right to list events (a Role that
+    lacks it) there are none here; the pods' own events still say it."""
+    if not policy.pool.node or not any(
+        (p.get("status") or {}).get("phase") in (None, "Pending")
+        and (p.get("spec") or {}).get("nodeName")
+        for p in mine
+    ):
+        return []
+    try:
+        return memo.api.list_failed_mounts(policy.namespace)
+    except ApiError as exc:
+        if exc.status != 403:
+            raise
+        return []
 
 
 def _ask_sidecars(mine: list[Mapping[str, Any]], memo: Any) -> list[SidecarReport]:

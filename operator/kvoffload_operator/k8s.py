@@ -55,6 +55,17 @@ class KubeApi:
         )
         return list(_json(resp).get("items") or [])
 
+    def list_failed_mounts(self, namespace: str) -> list[dict[str, Any]]:
+        """The kubelet's FailedMount events on pods of ``namespace`` (the caller filters again:
+        a field selector is a hint an emulator may ignore)."""
+        resp = self.core.list_namespaced_event(
+            namespace,
+            field_selector="reason=FailedMount,involvedObject.kind=Pod",
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+        return list(_json(resp).get("items") or [])
+
     def list_workloads(self, namespace: str) -> list[dict[str, Any]]:
         """Deployments and StatefulSets of ``namespace``, each with ``kind`` set."""
         out = []

@@ -33,6 +33,13 @@ up to 5 with their note.
 Stats-derived causes stay empty) and the condition says where the pool is instead: the node
 pool's tenant, whose agents report in the ``KVOffloadNodePool``'s ``status.nodes``. A pod the
 scheduler cannot place is not blamed on kvoffload there: nothing injected requests the pool.
+What is blamed is a pod the kubelet cannot start because it cannot mount the node agent's CSI
+volume (``kvoffload-node``): a pod still Pending on its node with a ``FailedMount`` event
+(the kubelet's, from the namespace's events) for that volume. ``NodeAgentUnavailable``: the
+driver is not registered on that node or does not answer (no agent there, or the agent down);
+``NodeMountRefused``: the agent answered a refusal (a volume the webhook did not write). The
+condition names the nodes; the kubelet retries the mount, so the pod starts once an agent
+serves there.
 """
 
 from __future__ import annotations
@@ -66,6 +73,21 @@ MAX_CAUSE_CHARS = 160  # one pod's cause in the condition's message
 MAX_SKIP_REASONS = 32  # status.skipped's maxProperties in the CRD
 POOL_UNAVAILABLE = "PoolUnavailable"  # the sidecar serves without a pool
 CONNECTOR_DISABLED = "ConnectorDisabled"  # a vLLM connector serves without the pool
+NODE_AGENT_UNAVAILABLE = "NodeAgentUnavailable"  # no node agent serves the pod's CSI volume
+NODE_MOUNT_REFUSED = "NodeMountRefused"  # the node agent refused to publish the volume
+NODE_REASONS = frozenset({NODE_AGENT_UNAVAILABLE, NODE_MOUNT_REFUSED})
+NODE_VOLUME = "kvoffload-node"  # the webhook's CSI inline volume (tested to be the injected one)
+NODE_DRIVER = "node.kvoffload.io"
+FAILED_MOUNT = "FailedMount"  # the kubelet's event reason
+# the kubelet's words when no driver answers (csi_mounter.go, csi_client.go; gRPC's codes)
+_NO_DRIVER = (
+    "not found in the list of registered CSI drivers",
+    "code = Unavailable",
+    "code = DeadlineExceeded",
+    "connection refused",
+    "no such file or directory",
+)
+MAX_NAMED_NODES = 10
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,7 @@ class ContainerProblem:
     container: str
     reason: str  # the kubelet's waiting reason (ImagePullBackOff...), PoolUnavailable, ...
     message: str  # the kubelet's message (e.g. the pull error) or the sidecar's reason
+    node: str = ""  # the pod's node, for the causes that are the node's (NODE_REASONS)
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -155,6 +178,74 @@ def unschedulable_problems(pods: Sequence[Mapping[str, Any]]) -> list[ContainerP
     return out
 
 
+def _event_time(event: Mapping[str, Any]) -> str:
+    series = event.get("series") or {}
+    return str(
+        series.get("lastObservedTime")
+        or event.get("lastTimestamp")
+        or event.get("eventTime")
+        or event.get("firstTimestamp")
+        or ""
+    )
+
+
+def _names_node_volume(message: str) -> bool:
+    """The kubelet's FailedMount messages for the node volume: `MountVolume.SetUp failed for
+    volume "kvoffload-node" : ...` or `... unmounted volumes=[kvoffload-node ...]: ...`."""
+    if f'volume "{NODE_VOLUME}"' in message:
+        return True
+    unmounted = message.partition("unmounted volumes=[")[2].partition("]")[0]
+    return NODE_VOLUME in unmounted.split()
+
+
+def node_mount_problems(
+    mine: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]
+) -> list[ContainerProblem]:
+    """Injected pods (placement node) the kubelet cannot start for want of the node volume:
+    still Pending on a node, with a ``FailedMount`` event for ``kvoffload-node``. The latest
+    event naming a cause (``MountVolume.SetUp failed``) decides which; a pod whose events only
+    say the wait timed out is counted as waiting for the agent."""
+    by_pod: dict[str, list[Mapping[str, Any]]] = {}
+    for e in events:
+        obj = e.get("involvedObject") or {}
+        if e.get("reason") != FAILED_MOUNT or obj.get("kind", "Pod") != "Pod":
+            continue
+        if not _names_node_volume(str(e.get("message", ""))):
+            continue
+        for key in (obj.get("uid"), f"{obj.get('namespace', '')}/{obj.get('name', '')}"):
+            if key:
+                by_pod.setdefault(str(key), []).append(e)
+    out = []
+    for pod in mine:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        node = str((pod.get("spec") or {}).get("nodeName") or "")
+        if status.get("phase") not in (None, "Pending") or not node:
+            continue
+        uid = str(meta.get("uid") or "")
+        found = by_pod.get(uid) if uid else None
+        if found is None:
+            found = by_pod.get(f"{meta.get('namespace', '')}/{meta.get('name', '')}", [])
+        if not found:
+            continue
+        found = sorted(found, key=_event_time)
+        causes = [e for e in found if "MountVolume.SetUp failed" in str(e.get("message", ""))]
+        message = str((causes or found)[-1].get("message", ""))
+        cause = message.partition(" : ")[2] or message
+        unavailable = not causes or any(w in cause for w in _NO_DRIVER)
+        out.append(
+            ContainerProblem(
+                pod=str(meta.get("name", "?")),
+                namespace=str(meta.get("namespace", "")),
+                uid=uid,
+                container="",
+                reason=NODE_AGENT_UNAVAILABLE if unavailable else NODE_MOUNT_REFUSED,
+                message=cause,
+                node=node,
+            )
+        )
+    return out
+
+
 def skipped_counts(pods: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """Pods carrying ``kvoffload.io/skip-reason``, counted per reason; the most frequent
     `MAX_SKIP_REASONS` only, since a pod's author can write any value there and the CRD bounds
@@ -211,11 +302,16 @@ def degraded_problems(
     reports: Sequence[SidecarReport] = (),
     *,
     node: bool = False,
+    events: Sequence[Mapping[str, Any]] = (),
 ) -> list[ContainerProblem]:
     """Every cause of ``Degraded`` among the injected pods ``mine``, worst first (see the module
     doc): a pod with a failing container gets no Stats-derived problem. ``node``: placement node,
-    where nothing injected requests the pool, so an unschedulable pod is not kvoffload's doing."""
-    failing = [*([] if node else unschedulable_problems(mine)), *container_problems(mine)]
+    where nothing injected requests the pool, so an unschedulable pod is not kvoffload's doing,
+    and a pod whose node volume cannot be mounted (the namespace's ``events``) is."""
+    failing = [
+        *(node_mount_problems(mine, events) if node else unschedulable_problems(mine)),
+        *container_problems(mine),
+    ]
     blocked = {p.pod_key for p in failing}
     live = {(p.get("metadata") or {}).get("uid") or "" for p in mine}
     names = {
@@ -251,6 +347,8 @@ def degraded_counts(problems: Sequence[ContainerProblem]) -> tuple[int, dict[str
 
 
 def _named(problem: ContainerProblem) -> str:
+    if problem.reason in NODE_REASONS:
+        return f"{problem.pod} (node {problem.node}: {_clip(problem.message)})"
     if problem.reason == UNSCHEDULABLE:
         return f"{problem.pod} ({problem.reason}: {_clip(problem.message)})"
     if not problem.serving:
@@ -280,6 +378,12 @@ def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
             reason = "ImagePullFailed"
         elif containers == {UNSCHEDULABLE}:
             reason = UNSCHEDULABLE
+        elif containers <= NODE_REASONS:  # an agent missing anywhere is the first thing to fix
+            reason = (
+                NODE_AGENT_UNAVAILABLE
+                if NODE_AGENT_UNAVAILABLE in containers
+                else NODE_MOUNT_REFUSED
+            )
         else:
             reason = "ContainerFailing"
     else:
@@ -290,6 +394,10 @@ def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
         UNSCHEDULABLE: "cannot be scheduled with the kvoffload sidecar's resources",
         POOL_UNAVAILABLE: "serve without the kvoffload pool",
         CONNECTOR_DISABLED: "serve without the kvoffload pool",
+        NODE_AGENT_UNAVAILABLE: "wait in ContainerCreating: no kvoffload node agent (CSI driver "
+        f"{NODE_DRIVER}) serves their volume on node(s) {_nodes(problems, NODE_AGENT_UNAVAILABLE)}",
+        NODE_MOUNT_REFUSED: "wait in ContainerCreating: the kvoffload node agent refuses their "
+        f"volume on node(s) {_nodes(problems, NODE_MOUNT_REFUSED)}",
     }[reason]
     pods = len({p.pod_key for p in problems})
     return (
@@ -298,6 +406,14 @@ def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
         f"{pods} injected pod(s) {head}: "
         + ", ".join(named)
         + (f" and {more} more" if more else ""),
+    )
+
+
+def _nodes(problems: Sequence[ContainerProblem], reason: str) -> str:
+    nodes = sorted({p.node for p in problems if p.reason == reason})
+    named = ", ".join(nodes[:MAX_NAMED_NODES])
+    return named + (
+        f" and {len(nodes) - MAX_NAMED_NODES} more" if len(nodes) > MAX_NAMED_NODES else ""
     )
 
 
@@ -342,6 +458,23 @@ def event_for(problem: ContainerProblem) -> tuple[str, str]:
             f"no node fits this pod with the kvoffload sidecar's request (its memory holds the "
             f"pool): {problem.message}. Lower the policy's pool size (or this pod's "
             'kvoffload.io/pool-size), or opt the pod out (kvoffload.io/inject: "false").',
+        )
+    if problem.reason == NODE_AGENT_UNAVAILABLE:
+        return (
+            "KVOffloadNodeAgentUnavailable",
+            f"no kvoffload node agent serves CSI driver {NODE_DRIVER} on node {problem.node} "
+            f"({problem.message}); the pod waits in ContainerCreating until one does. Run the "
+            "node agent DaemonSet on every node this workload can land on (chart value "
+            "nodeAgent.enabled, with nodeAgent.nodeSelector and nodeAgent.tolerations covering "
+            'these nodes), or opt the pod out (kvoffload.io/inject: "false").',
+        )
+    if problem.reason == NODE_MOUNT_REFUSED:
+        return (
+            "KVOffloadNodeMountRefused",
+            f"the kvoffload node agent on node {problem.node} refuses this pod's volume "
+            f"{NODE_VOLUME} ({problem.message}); the pod waits in ContainerCreating. The "
+            "webhook's volume is always accepted: compare the pod's volume with the policy's "
+            'injection, or opt the pod out (kvoffload.io/inject: "false").',
         )
     if problem.reason == CONNECTOR_DISABLED:
         return (
@@ -415,11 +548,13 @@ def build_status(
     previous: Mapping[str, Any] | None = None,
     reports: Sequence[SidecarReport] = (),
     pods_visible: bool = True,
+    events: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """The ``status`` of ``policy`` given the pods of its namespace (any; filtered here) and
     what their sidecars said over Stats (``reports``; none when not asked). ``pods_visible``
     False: the operator may not list pods there, so the counts are unknown (0) and the
-    ``PodsVisible`` condition says so."""
+    ``PodsVisible`` condition says so. ``events``: the namespace's ``FailedMount`` events
+    (placement node: pods waiting for the node agent's volume; others ignore them)."""
     matched = [
         p
         for p in pods
@@ -487,7 +622,7 @@ def build_status(
             gen,
             now,
         )
-    problems = degraded_problems(mine, reports, node=node)
+    problems = degraded_problems(mine, reports, node=node, events=events)
     conditions = set_condition(conditions, "Degraded", *_degraded(problems), gen, now)
     degraded_pods, degraded_reasons = degraded_counts(problems)
     noted = noted_pods(mine, reports)

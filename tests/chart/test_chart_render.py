@@ -257,7 +257,7 @@ POLICY_RULES = {
 }
 NAMESPACE_RULES = {
     ("", "pods"): ["get", "list", "watch"],
-    ("", "events"): ["create", "patch"],
+    ("", "events"): ["create", "list", "patch"],
     ("", "secrets"): ["create"],
 }
 ROLLOUT_RULES = {
