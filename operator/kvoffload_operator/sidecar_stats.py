@@ -17,8 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from kvoffload_operator.inject.decide import SIDECAR_NAME
-from kvoffload_operator.inject.render import GRPC_PORT
+from kvoffload_operator.inject.reserved import GRPC_PORT, SIDECAR_NAME
 from kvoffload_operator.sidecar_reports import SidecarReport, parse_connector_status, pod_identity
 
 PORT_NAME = "grpc-health"  # the sidecar container port the injector declares (render.py)

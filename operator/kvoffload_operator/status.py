@@ -51,8 +51,7 @@ from typing import Any
 
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.hashseed import weak_hash_algo
-from kvoffload_operator.inject.decide import SIDECAR_NAME
-from kvoffload_operator.inject.render import INSTALLER_NAME
+from kvoffload_operator.inject.reserved import INSTALLER_NAME, SIDECAR_NAME
 from kvoffload_operator.policy import Policy
 from kvoffload_operator.pool_usage import pool_usage
 from kvoffload_operator.selection import select_policy

@@ -6,9 +6,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason, decide
+from kvoffload_operator.inject.decide import Decision, SkipReason, decide
 from kvoffload_operator.inject.patch import apply_patch, json_patch
 from kvoffload_operator.inject.render import RenderDefaults, annotate_skip, render
+from kvoffload_operator.inject.reserved import SIDECAR_NAME
 from kvoffload_operator.policy import Policy
 
 __all__ = [

@@ -6,7 +6,8 @@ What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
   `startup_probe`), appended
   after the user's init containers so theirs (e.g. a model download) run first;
 - volumes ``kvoffload-pool`` (memory or hugepages emptyDir), ``kvoffload-run`` (the socket),
-  ``kvoffload-python`` (connector payload, initContainer delivery only);
+  ``kvoffload-python`` (connector payload, initContainer delivery only); every name, path and
+  port added is in `reserved`, which the decision checks the pod against first;
 - in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args`` (or, in a
   ``sh -c`` script, ``--kv-transfer-config '<json>'`` right after the engine invocation), mounts,
   ``PYTHONHASHSEED`` from the policy's seed Secret (`hashseed`) when unset and no ``envFrom`` may
@@ -32,7 +33,7 @@ from typing import Any
 
 from kvoffload_operator import annotations as ann
 from kvoffload_operator import hashseed
-from kvoffload_operator.inject.decide import SIDECAR_NAME, Decision, SkipReason
+from kvoffload_operator.inject.decide import Decision, SkipReason
 from kvoffload_operator.inject.engine import insert_flag
 from kvoffload_operator.inject.qos import (
     GUARANTEED_INSTALLER_CPU,
@@ -42,19 +43,29 @@ from kvoffload_operator.inject.qos import (
     is_guaranteed,
     within_limits,
 )
+from kvoffload_operator.inject.reserved import (
+    GRPC_PORT,
+    INSTALLER_NAME,
+    METRICS_PORT,
+    NODE_DIR,
+    NODE_DRIVER,
+    NODE_VOLUME,
+    POOL_DIR,
+    POOL_VOLUME,
+    PYTHON_DIR,
+    PYTHON_VOLUME,
+    RUN_DIR,
+    RUN_VOLUME,
+    SIDECAR_NAME,
+    USER_PYTHONPATH_ENV,
+)
 from kvoffload_operator.inject.site import Edit, EnvEdit
 from kvoffload_operator.policy import Delivery, Policy, SecurityProfile, SidecarSpec
 from kvoffload_operator.sizing import PYTHON_DIR_LIMIT, RUN_DIR_LIMIT, size_pool
 from kvoffload_operator.tenants import sidecar_flag
 
-INSTALLER_NAME = "kvoffload-connector-install"
-POOL_VOLUME, RUN_VOLUME, PYTHON_VOLUME = "kvoffload-pool", "kvoffload-run", "kvoffload-python"
-POOL_DIR, RUN_DIR, PYTHON_DIR = "/kvoffload/pool", "/kvoffload/run", "/kvoffload/python"
 SOCKET = RUN_DIR + "/pool.sock"
-# placement node: the node agent's CSI inline volume, where it binds this pod's sockets
-NODE_VOLUME, NODE_DIR, NODE_DRIVER = "kvoffload-node", "/var/run/kvoffload", "node.kvoffload.io"
 NODE_SOCKET = NODE_DIR + "/pool.sock"
-GRPC_PORT, METRICS_PORT = 9400, 9401
 POD_IP_ENV = "KVOFFLOAD_POD_IP"  # the sidecar's listeners bind it (`$(...)` in its args)
 CONNECTOR_CLASS = "KVOffloadConnector"
 CONNECTOR_MODULE = "kvoffload_connector.connector"
@@ -288,10 +299,8 @@ def _patch_vllm(container: dict[str, Any], policy: Policy, edit: Edit) -> list[s
             )
         else:  # valueFrom: keep the user's source; ours goes first through dependent expansion
             env.remove(current)
-            env.append({"name": "KVOFFLOAD_USER_PYTHONPATH", "valueFrom": current["valueFrom"]})
-            env.append(
-                {"name": "PYTHONPATH", "value": f"{PYTHON_DIR}:$(KVOFFLOAD_USER_PYTHONPATH)"}
-            )
+            env.append({"name": USER_PYTHONPATH_ENV, "valueFrom": current["valueFrom"]})
+            env.append({"name": "PYTHONPATH", "value": f"{PYTHON_DIR}:$({USER_PYTHONPATH_ENV})"})
         touched.append("PYTHONPATH")
     return touched
 
