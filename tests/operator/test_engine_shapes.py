@@ -94,6 +94,23 @@ INJECTED_ARGV = [
         {"command": ["sh", "-c", "vllm serve a"]},
         id="ray-single-node-free",
     ),
+    pytest.param(
+        {"command": ["sh", "-c", 'exec "$@"', "--"], "args": ["vllm", "serve", "m"]},
+        id="script-runs-its-arguments",
+    ),
+    pytest.param({"command": ["vllm", "serve", "m", "--"]}, id="bare-double-dash-in-command"),
+    pytest.param(
+        {"command": ["bash", "-c", 'exec "$@"', "--"], "args": ["vllm", "serve", "m", "--"]},
+        id="bare-double-dash-in-arguments",
+    ),
+    pytest.param(
+        {"command": ["sh", "-c", "cat <<'EOF'\nUsage: vllm serve MODEL\nEOF\nexec vllm serve m"]},
+        id="heredoc-usage-text",
+    ),
+    pytest.param(
+        {"command": ["bash", "-c", "cat > notes <<EOF\nDon't vllm serve\nEOF\nexec vllm serve m"]},
+        id="heredoc-with-an-apostrophe",
+    ),
 ]
 
 
@@ -281,6 +298,21 @@ SKIPPED = [
         },
         SkipReason.OTHER_KV_CACHE,
         "NIXL",
+    ),
+    (
+        {"command": ["sh", "-c", "bash <<EOF\nvllm serve a\nEOF\nexec vllm serve m"]},
+        SkipReason.SHELL_WRAPPER,
+        "fed to `bash`",
+    ),
+    ({"command": ["sh", "-c", 'exec "$@"', "vllm", "serve", "m"]}, SkipReason.SHELL_WRAPPER, "$0"),
+    ({"command": ["vllm", "serve", "m", "--port", "9400"]}, SkipReason.PORT_CLASH, "--port 9400"),
+    (
+        {
+            "command": ["vllm", "serve", "m"],
+            "volumeDevices": [{"name": "b", "devicePath": "/kvoffload"}],
+        },
+        SkipReason.PATH_CLASH,
+        "volumeDevice at /kvoffload",
     ),
 ]
 

@@ -1,6 +1,7 @@
 """What in a pod conflicts with kvoffload (pure): another KV connector, KV offloading or KV cache
 (args, shell text, env), a ``--config`` file the spec does not carry, kvoffload wired by hand,
-and an engine whose other ranks run in other pods (multi-node: pool regions are per pod)."""
+an engine whose other ranks run in other pods (multi-node: pool regions are per pod), and a
+name, path or port of the pod's own that the injection would add again (`clashes`)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,19 @@ from kvoffload_operator.inject.container import (
     shell_script,
     who_of,
 )
+from kvoffload_operator.inject.reserved import (
+    GRPC_PORT,
+    KVOFFLOAD_DIR,
+    METRICS_PORT,
+    NODE_DIR,
+    NODE_DRIVER,
+    reserved,
+)
 from kvoffload_operator.inject.site import Problem, Site
+from kvoffload_operator.policy import Policy
 
 LWS_SIZE_ANNOTATION = "leaderworkerset.sigs.k8s.io/size"
 RAY_NODE_TYPE_LABEL = "ray.io/node-type"
-KVOFFLOAD_DIR = "/kvoffload"
-NODE_DIR = "/var/run/kvoffload"  # placement node's mount of the node agent's CSI volume
-NODE_DRIVER = "node.kvoffload.io"
 
 # flags, and their keys in a --config YAML file the script writes (``kv-transfer-config: ...``)
 _KV_TRANSFER_RE = re.compile(
@@ -127,7 +134,9 @@ def _config_path(container: Mapping[str, Any]) -> tuple[str, str] | None:
     if script is not None:
         text = shell.blank_reads(words[script])
         m = _CONFIG_RE.search(text)
-        return (m.group(2), text) if m else None
+        if m:
+            return m.group(2), text
+        words = words[script + 2 :]  # the script's arguments, which `exec "$@"` runs
     for i, w in enumerate(words):
         if w == "--config" and i + 1 < len(words):
             return words[i + 1], ""
@@ -241,3 +250,107 @@ def multi_node(
         message=f"{who_of(container)} is part of {why}: the engine's other ranks run in other "
         "pods, and pool regions are per pod",
     )
+
+
+_PORTS = (GRPC_PORT, METRICS_PORT)
+_PORT_FLAG_RE = re.compile(
+    r"(?<![\w-])(?:-{1,2}[\w.-]*port[\w.-]*(?:=|\s+)['\"]?"
+    r"|-{1,2}[\w.-]*(?:listen|bind|addr|address)[\w.-]*=['\"]?(?:0\.0\.0\.0|\[::\])?:)"
+    rf"({GRPC_PORT}|{METRICS_PORT})(?!\d)",
+    re.IGNORECASE,
+)
+_PORT_ENV_RE = re.compile(r"(?:^|_)PORT(?:_|$)")
+
+
+def _containers(spec: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    return [
+        (kind, c)
+        for kind in ("initContainers", "containers", "ephemeralContainers")
+        for c in spec.get(kind) or []
+        if isinstance(c, Mapping)
+    ]
+
+
+def _beside_the_sidecar(spec: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Containers running while the sidecar does: the native sidecars (a plain init container
+    has exited before ours starts, appended after them) and the app containers."""
+    return [
+        c
+        for kind, c in _containers(spec)
+        if kind == "containers" or (kind == "initContainers" and c.get("restartPolicy") == "Always")
+    ]
+
+
+def _binds(container: Mapping[str, Any]) -> str | None:
+    """How ``container`` would bind a port of the sidecar's, or None."""
+    for port in container.get("ports") or []:
+        if isinstance(port, Mapping) and port.get("containerPort") in _PORTS:
+            return f"declares containerPort {port['containerPort']}"
+    m = _PORT_FLAG_RE.search(" ".join(config_texts(container)))
+    if m:
+        return f"binds {m.group(0)}"
+    for name, value in env_values(container).items():
+        if _PORT_ENV_RE.search(name.upper()) and value.strip() in {str(p) for p in _PORTS}:
+            return f"sets {name}={value.strip()}"
+    return None
+
+
+def clashes(pod: Mapping[str, Any], container: Mapping[str, Any], policy: Policy) -> Site | None:
+    """A skip when the pod already has a name, path or port that ``policy``'s rendering adds
+    (`reserved`): a second container or volume of one name, or a mount where the vLLM container
+    has a device, the API server refuses; a second listener on the sidecar's port fails. A
+    container of ours in a pod the injector did not record (no status annotation) that runs
+    kvoffload is `hand_wired`, found first."""
+    spec = pod.get("spec") or {}
+    ours = reserved(policy)
+    for kind, c in _containers(spec):
+        if c.get("name") in ours.containers:
+            what = " ".join(argv(c)[:2]) or f"image {c.get('image', '?')}"
+            return Site(
+                False,
+                problem=Problem.NAME_CLASH,
+                message=f"container {c['name']!r} ({kind[:-1]}, running {what}) has a name "
+                "kvoffload adds, but the injector did not add it (the pod carries no "
+                "kvoffload.io/status): the API server would refuse two containers of one name. "
+                "Rename it to inject",
+            )
+    for v in spec.get("volumes") or []:
+        if isinstance(v, Mapping) and v.get("name") in ours.volumes:
+            return Site(
+                False,
+                problem=Problem.NAME_CLASH,
+                message=f"the pod already has a volume {v['name']!r}, a name kvoffload adds: the "
+                "API server would refuse two volumes of one name. Rename it to inject",
+            )
+    who = who_of(container)
+    for name in env_names(container):
+        if name in ours.env:
+            return Site(
+                False,
+                problem=Problem.NAME_CLASH,
+                message=f"{who} already sets env {name}, a name kvoffload adds. Rename it to "
+                "inject",
+            )
+    for device in container.get("volumeDevices") or []:
+        path = posixpath.normpath(str(device.get("devicePath", "")))
+        for mount in ours.paths:
+            if path == mount or mount.startswith(path + "/") or path.startswith(mount + "/"):
+                return Site(
+                    False,
+                    problem=Problem.PATH_CLASH,
+                    message=f"{who} has a volumeDevice at {path}, where kvoffload mounts "
+                    f"{mount}: the API server refuses a device and a mount at one path, and "
+                    "a mount cannot go under a device. Move the device to inject",
+                )
+    if ours.ports:
+        for c in _beside_the_sidecar(spec):
+            how = _binds(c)
+            if how is not None:
+                return Site(
+                    False,
+                    problem=Problem.PORT_CLASH,
+                    message=f"{who_of(c)} {how}, a port kvoffload's sidecar binds on the pod's "
+                    f"IP ({GRPC_PORT} gRPC health, {METRICS_PORT} metrics): one of the two "
+                    "would fail to start. Move it to another port to inject",
+                )
+    return None

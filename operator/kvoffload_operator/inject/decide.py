@@ -3,8 +3,9 @@
 Precedence (first match wins; every step reads only the pod and the policies):
 1. opted out: label or annotation ``kvoffload.io/inject: "false"``            → OPTED_OUT
 2. no policy of the namespace selects the pod's labels                          → NO_MATCHING_POLICY
-3. already injected (status annotation or our sidecar present): by the winning
-   policy → ALREADY_INJECTED (no change); by another → CONFLICTING_POLICIES
+3. already injected (our ``kvoffload.io/status`` annotation: the injector's record, never a
+   container name or our label alone): by the winning policy → ALREADY_INJECTED (no change);
+   by another → CONFLICTING_POLICIES
 4. kvoffload wired by hand (its sidecar, mounts under /kvoffload or /var/run/kvoffload, the
    node agent's CSI volume, KVOffloadConnector)                                   → HAND_WIRED
 5. ``hostNetwork: true`` (the sidecar's ports would bind on the node; not with placement node,
@@ -16,7 +17,8 @@ Precedence (first match wins; every step reads only the pod and the policies):
 8. the vLLM container: named (pod annotation, else ``spec.vllmContainer.name``) or detected
    (see `engine`: ``vllm serve|run-batch``, ``vllm bench throughput|latency``, ``python -m
    vllm.entrypoints...``, huggingfaceserver ``--backend vllm``, a ``sh -c`` script with one
-   engine invocation, a vLLM image's entrypoint); missing                        → NO_VLLM_CONTAINER
+   engine invocation (here-document texts are data) or running its arguments (``exec "$@"``),
+   a vLLM image's entrypoint); missing                                           → NO_VLLM_CONTAINER
 9. it already configures a KV connector (``--kv-transfer-config`` in args, shell text or env)
                                                                         → HAS_KV_TRANSFER_CONFIG
    vLLM's own offloading (``--kv-offloading-size|backend``, VLLM_USE_SIMPLE_KV_OFFLOAD)
@@ -30,6 +32,9 @@ Precedence (first match wins; every step reads only the pod and the policies):
    a script file, a ConfigMap script, an unknown image entrypoint       → OPAQUE_ENTRYPOINT
    ``--config FILE`` not in the spec (it may set the connector)          → CONFIG_FILE
    huggingfaceserver ``--backend auto`` (vLLM or not is chosen at start) → BACKEND_AUTO
+11. the pod already has what the rendering adds (`reserved`): a container, volume or env
+   name → NAME_CLASH; a device at, above or under a path mounted in the vLLM container
+   → PATH_CLASH; a port the sidecar binds, declared or in a flag or env → PORT_CLASH
 Otherwise inject with the winner (see `selection` for how overlaps resolve).
 """
 
@@ -42,14 +47,18 @@ from enum import Enum
 from typing import Any
 
 from kvoffload_operator import annotations as ann
-from kvoffload_operator.inject.conflicts import config_file, conflicts, hand_wired, multi_node
+from kvoffload_operator.inject.conflicts import (
+    clashes,
+    config_file,
+    conflicts,
+    hand_wired,
+    multi_node,
+)
 from kvoffload_operator.inject.container import shell_script
-from kvoffload_operator.inject.engine import engine_site
+from kvoffload_operator.inject.engine import append_edit, engine_site
 from kvoffload_operator.inject.site import NOT_VLLM, Edit, EnvEdit, Problem, Site
 from kvoffload_operator.policy import InjectVia, Policy, PolicyError, pool_from_spec
 from kvoffload_operator.selection import select_policy
-
-SIDECAR_NAME = "kvoffload-sidecar"
 
 
 class SkipReason(str, Enum):
@@ -72,6 +81,9 @@ class SkipReason(str, Enum):
     HAS_KV_OFFLOADING = "has-kv-offloading"
     OTHER_KV_CACHE = "other-kv-cache"
     MULTI_NODE = "multi-node"
+    NAME_CLASH = "name-clash"
+    PATH_CLASH = "path-clash"
+    PORT_CLASH = "port-clash"
     ERROR = "error"  # the injector itself failed; the pod is admitted unchanged
 
     @property
@@ -118,19 +130,18 @@ def _opted_out(meta: Mapping[str, Any]) -> bool:
 
 
 def injected_by(pod: Mapping[str, Any]) -> str | None:
-    """The policy that injected this pod, ``""`` if injected by an unknown one, None if not."""
+    """The policy that injected this pod, ``""`` if injected by an unknown one, None if not.
+    The status annotation is the injector's record; a container named like ours without it is
+    someone else's (`hand_wired` when it runs kvoffload, else a name clash), and our label is
+    no record (a user may copy it into a template)."""
     meta = pod.get("metadata") or {}
     raw = (meta.get("annotations") or {}).get(ann.STATUS)
-    if raw is not None:
-        try:
-            return str(json.loads(raw).get("policy", ""))
-        except (ValueError, AttributeError):
-            return ""
-    spec = pod.get("spec") or {}
-    names = {
-        c.get("name") for c in (spec.get("initContainers") or []) + (spec.get("containers") or [])
-    }
-    return "" if SIDECAR_NAME in names else None
+    if raw is None:
+        return None
+    try:
+        return str(json.loads(raw).get("policy", ""))
+    except (ValueError, AttributeError):
+        return ""
 
 
 def _skip_of(site: Site) -> tuple[SkipReason, str]:
@@ -279,9 +290,12 @@ def decide(
     if via is not InjectVia.AUTO:
         if problem is not None and not (problem.problem and problem.problem.overridable):
             return _skip_decision(problem, policy, losers)
-        edit = EnvEdit() if via is InjectVia.ENV else None
+        edit = EnvEdit() if via is InjectVia.ENV else append_edit(container)
     elif problem is not None:
         return _skip_decision(problem, policy, losers)
+    clash = clashes(pod, container, policy)
+    if clash is not None:
+        return _skip_decision(clash, policy, losers)
     how = f" (inject-via {via.value})" if via is not InjectVia.AUTO else ""
     return Decision(
         True,

@@ -8,7 +8,14 @@ A container's engine site is one of:
   ``args``;
 - ``shell``: ``sh -c "<script>"`` with exactly one engine invocation in the script: the
   ``--kv-transfer-config <json>`` goes right after that invocation's words, quoted for every
-  parse the text goes through (an ``eval "exec vllm serve …"`` parses it twice: `shell`).
+  parse the text goes through (an ``eval "exec vllm serve …"`` parses it twice: `shell`). A
+  here-document's text is data, not an invocation, unless it may run (`shell.heredoc_runs`:
+  then which engine is configured cannot be told);
+- ``arguments``: ``sh -c 'exec "$@"' -- vllm serve …``, a script that runs its positional
+  parameters (the words after ``$0``): those words are read as the engine's argv, and the flag
+  goes into them as into any argv.
+In an argv the flag is appended, or put right before the engine's first bare ``--`` (after it,
+vLLM would read the flag as a positional argument).
 What the injector cannot see into is a precise skip, never a guess: a script file or an image
 entrypoint it does not know (``opaque-entrypoint``), a ``--config`` file (``config-file``),
 huggingfaceserver's ``--backend auto`` (``backend-auto``). So are a client without an engine
@@ -28,6 +35,7 @@ from kvoffload_operator.inject.container import argv, shell_script, unwrap, who_
 from kvoffload_operator.inject.site import (
     ENV_VAR,
     NOT_VLLM,
+    ArgvEdit,
     Edit,
     EnvEdit,
     Problem,
@@ -71,9 +79,37 @@ _CLIENT_RE = re.compile(
 )
 
 
-def _vllm_subcommand(container: Mapping[str, Any], rest: list[str]) -> Site:
+def before_dashes(words: Sequence[str], first: int) -> ArgvEdit | None:
+    """Where the flag goes in ``words`` whose engine arguments start at ``first``: right before
+    the first bare ``--`` from there on, else appended to args (None)."""
+    for at in range(first, len(words)):
+        if words[at] == "--":
+            return ArgvEdit(at)
+    return None
+
+
+def first_argument(container: Mapping[str, Any]) -> int:
+    """Index in `argv` of the first word the program reads as its own argument: after the
+    program past exec wrappers, after ``$0`` of a ``sh -c`` script, 0 with no ``command``
+    (the image's entrypoint comes first)."""
+    if not container.get("command"):
+        return 0
+    script = shell_script(container)
+    return script + 2 if script is not None else unwrap(argv(container)) + 1
+
+
+def append_edit(container: Mapping[str, Any]) -> ArgvEdit | None:
+    """The edit that appends the flag to ``container``'s arguments (``inject-via: args``)."""
+    return before_dashes(argv(container), first_argument(container))
+
+
+def _engine(words: Sequence[str], first: int) -> Site:
+    return Site(True, edit=before_dashes(words, first))
+
+
+def _vllm_subcommand(container: Mapping[str, Any], rest: list[str], first: int) -> Site:
     if tuple(rest[:1]) in ENGINE_SUBCOMMANDS or tuple(rest[:2]) in ENGINE_SUBCOMMANDS:
-        return Site(True)
+        return _engine(argv(container), first)
     what = " ".join(rest[:2]) or "(no subcommand)"
     return Site(
         False,
@@ -101,14 +137,14 @@ def _flag_value(words: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def _huggingfaceserver(container: Mapping[str, Any], words: list[str]) -> Site:
+def _huggingfaceserver(container: Mapping[str, Any], words: list[str], first: int) -> Site:
     """KServe's huggingfaceserver: with the vLLM backend it builds vLLM's parser
     (``make_arg_parser``) and ``AsyncEngineArgs.from_cli_args``, so our flag reaches the engine;
     with ``--backend huggingface`` there is no vLLM; ``auto`` (the default) chooses at start."""
     who = who_of(container)
     backend = (_flag_value(words, "--backend") or "auto").strip().lower()
     if backend == "vllm":
-        return Site(True)
+        return _engine(argv(container), first)
     if backend == "huggingface":
         return Site(
             False,
@@ -126,26 +162,87 @@ def _huggingfaceserver(container: Mapping[str, Any], words: list[str]) -> Site:
     )
 
 
+def _shifted(edit: Edit, by: int) -> Edit:
+    """An edit of the words ``argv[by:]`` as an edit of the whole argv."""
+    if isinstance(edit, ArgvEdit):
+        return ArgvEdit(edit.at + by)
+    if isinstance(edit, ShellEdit):
+        return ShellEdit(edit.word + by, edit.offset, edit.parse)
+    return edit
+
+
+def _arguments_site(container: Mapping[str, Any], index: int, changed: str | None) -> Site:
+    """The site of the positional parameters that the script ``argv[index]`` runs (``exec
+    "$@"``): the words after ``$0``, read as an argv of their own."""
+    words = argv(container)
+    who = who_of(container)
+    if not any("vllm" in w for w in words[index:]):
+        return NOT_VLLM
+    if changed is not None:
+        return Site(
+            False,
+            problem=Problem.SHELL_WRAPPER,
+            message=f'{who} runs its arguments ("$@") after {changed} in the script, so which '
+            "command they start cannot be told",
+        )
+    rest = words[index + 2 :]
+    site = engine_site({"name": container.get("name"), "command": rest}) if rest else NOT_VLLM
+    if site.engine or site.problem is not None:
+        return Site(site.engine, _shifted(site.edit, index + 2), site.problem, site.message)
+    zero = words[index + 1] if index + 1 < len(words) else "(none)"
+    return Site(
+        False,
+        problem=Problem.SHELL_WRAPPER,
+        message=f'{who} runs its arguments ("$@"), `{" ".join(rest)[:60]}`, which start no '
+        f"vLLM engine: the first word after the script is $0 (`{zero}`), not an argument; "
+        "put `--` or `sh` before the command",
+    )
+
+
 def _shell_site(container: Mapping[str, Any], index: int) -> Site:
     script = argv(container)[index]
-    ctx = shell.contexts(script)
+    lexed = shell.lex(script)
+    ctx = lexed.contexts
+    docs = {d.op: d for d in lexed.heredocs}
     text = shell.blank_reads(script)
     who = who_of(container)
     runs, data = [], 0
     for m in _ENGINE_RE.finditer(text):
+        here = ctx[m.start()]
+        if here.state == shell.HEREDOC:
+            doc = docs[here.opened_at]
+            why = shell.heredoc_runs(script, doc, ctx)
+            if why is None:
+                continue  # text for a command that only reads it (cat <<EOF)
+            return Site(
+                False,
+                problem=Problem.SHELL_WRAPPER,
+                message=f"{who} has `{m.group(0)}` in a here-document (<<{doc.delimiter}) that "
+                f"{why}: whether it starts another engine cannot be told",
+            )
         parse = shell.consumer(script, m.start(), ctx)
         if parse is None or ctx[m.end()] != ctx[m.start()]:
             data += 1  # quoted text for another command (echo, grep), or quoting not followed
             continue
         runs.append((m, parse))
-    if len(runs) == 1:
+    engines = len(runs)
+    arguments, changed = shell.runs_arguments(script, ctx)
+    if arguments:  # `exec "$@"`: the words after $0 are a command of the script
+        site = _arguments_site(container, index, changed)
+        if site.engine and engines + arguments == 1:
+            return site
+        if site.engine:
+            engines += arguments
+        elif site.problem is not None and (changed is not None or not runs):
+            return site
+    if engines == 1:
         m, parse = runs[0]
         return Site(True, edit=ShellEdit(index, m.end(), parse))
-    if len(runs) > 1:
+    if engines > 1:
         return Site(
             False,
             problem=Problem.SHELL_WRAPPER,
-            message=f"{who} starts {len(runs)} vLLM engines in one shell script; which one to "
+            message=f"{who} starts {engines} vLLM engines in one shell script; which one to "
             "configure is ambiguous",
         )
     if data:
@@ -227,21 +324,21 @@ def engine_site(
     if prog and not prog[0].startswith("-"):
         exe = posixpath.basename(prog[0])
         if exe == "vllm":
-            return _vllm_subcommand(container, prog[1:])
+            return _vllm_subcommand(container, prog[1:], start + 1)
         if exe.startswith("python") and "-m" in prog:
             at = prog.index("-m") + 1
             module = prog[at] if at < len(prog) else ""
             if module == "vllm.entrypoints.cli.main":
-                return _vllm_subcommand(container, prog[at + 1 :])
+                return _vllm_subcommand(container, prog[at + 1 :], start + at + 1)
             if module.startswith("vllm.entrypoints"):
-                return Site(True)
+                return _engine(words, start + at + 1)
             if module == "huggingfaceserver":
-                return _huggingfaceserver(container, prog[at + 1 :])
+                return _huggingfaceserver(container, prog[at + 1 :], start + at + 1)
     if not container.get("command"):
         if "huggingfaceserver" in _image_repo(container):
-            return _huggingfaceserver(container, words)
+            return _huggingfaceserver(container, words, 0)
         if _image_is_vllm(container):
-            return Site(True)  # the image's entrypoint is vLLM's server
+            return _engine(words, 0)  # the image's entrypoint is vLLM's server
     if named or _looks_like_vllm(container):
         return _opaque(container, words, volumes or {}, named)
     return NOT_VLLM
@@ -256,6 +353,14 @@ def insert_flag(container: dict[str, Any], edit: Edit, flag: str, value: str) ->
         return
     if edit is None:
         container["args"] = [*(container.get("args") or []), f"{flag}={value}"]
+        return
+    if isinstance(edit, ArgvEdit):  # before a bare `--`: in command if that is where it is
+        command = list(container.get("command") or [])
+        key, at = (
+            ("command", edit.at) if edit.at < len(command) else ("args", edit.at - len(command))
+        )
+        words = list(container.get(key) or [])
+        container[key] = [*words[:at], f"{flag}={value}", *words[at:]]
         return
     n_command = len(container.get("command") or [])
     in_command = edit.word < n_command

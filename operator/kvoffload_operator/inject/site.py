@@ -1,5 +1,6 @@
 """What the injector concludes of one container (`Site`): an engine site and the edit that puts
-our flag there (`ShellEdit`, `EnvEdit`, or appended args), or the `Problem` that stops it."""
+our flag there (`ShellEdit`, `EnvEdit`, `ArgvEdit`, or appended args), or the `Problem` that
+stops it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ ENV_VAR = "KVOFFLOAD_KV_TRANSFER_CONFIG"  # `inject-via: env`: the script passes
 
 
 class Problem(str, Enum):
-    """Why a container cannot take our flag (mapped onto `SkipReason` by `decide`)."""
+    """Why a container cannot take our flag, or the pod what we add (mapped onto `SkipReason`
+    by `decide`)."""
 
     NO_ENGINE = "no-engine"
     SHELL_WRAPPER = "shell-wrapper"
@@ -24,6 +26,9 @@ class Problem(str, Enum):
     OTHER_KV_CACHE = "other-kv-cache"
     HAND_WIRED = "hand-wired"
     MULTI_NODE = "multi-node"
+    NAME_CLASH = "name-clash"  # a container, volume or env name we add is taken
+    PATH_CLASH = "path-clash"  # a device where we mount
+    PORT_CLASH = "port-clash"  # a port the sidecar binds
 
     @property
     def overridable(self) -> bool:
@@ -54,7 +59,16 @@ class EnvEdit:
     name: str = ENV_VAR
 
 
-Edit = ShellEdit | EnvEdit | None  # None: append ``--kv-transfer-config=<json>`` to args
+@dataclass(frozen=True)
+class ArgvEdit:
+    """Insert ``--kv-transfer-config=<json>`` as the word ``argv(container)[at]``: where the
+    engine's argv has a bare ``--``, right before it (after it, the flag would be a positional
+    argument)."""
+
+    at: int
+
+
+Edit = ShellEdit | EnvEdit | ArgvEdit | None  # None: append ``--kv-transfer-config=<json>``
 
 
 @dataclass(frozen=True)

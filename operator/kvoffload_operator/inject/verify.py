@@ -9,9 +9,11 @@ rule the user's pod already broke is not the injector's doing, so only new viola
   limits below requests.
 - **delivery** (`check_delivery`): the vLLM container's command line, re-parsed as the kubelet
   and the shell will read it, carries ``--kv-transfer-config`` exactly once, as its own argument,
-  with a value that parses as JSON equal to what the injector meant. Shell scripts are re-split
-  with `shlex` and followed into ``eval`` and nested ``sh -c`` strings, the places where the
-  shell parses a word a second time (and strips quotes the JSON needs).
+  with a value that parses as JSON equal to what the injector meant, and never after a bare
+  ``--`` of the engine's argv (a positional there). Shell scripts are re-split with `shlex`
+  (here-document texts left out: they are data) and followed into ``eval`` and nested ``sh -c``
+  strings, the places where the shell parses a word a second time (and strips quotes the JSON
+  needs); a script that runs its arguments (``exec "$@"``) gets the flag in those.
 
 Why the webhook runs only these and never executes the command line: executing a pod's script
 in the operator would run text that anyone who may create a pod wrote, inside the process that
@@ -36,7 +38,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvoffload_operator.inject.container import SHELLS, argv, shell_script
+from kvoffload_operator.inject import shell
+from kvoffload_operator.inject.container import SHELLS, argv, shell_script, unwrap
 from kvoffload_operator.inject.render import kv_transfer_config
 from kvoffload_operator.inject.site import EnvEdit
 from kvoffload_operator.policy import PolicyError, quantity_value
@@ -287,6 +290,9 @@ def check_delivery(
     if index is None:
         return failures + _argv_delivery(argv(old), argv(new), new, intent), []
     old_words, new_words = argv(old), argv(new)
+    if len(new_words) == len(old_words) + 1 and new_words[: index + 2] == old_words[: index + 2]:
+        found, unverified = _arguments_delivery(old_words, new_words, index, intent)
+        return failures + found, unverified
     if len(old_words) != len(new_words) or any(
         a != b for i, (a, b) in enumerate(zip(old_words, new_words, strict=True)) if i != index
     ):
@@ -313,15 +319,45 @@ def _env_delivery(old: Mapping[str, Any], new: Mapping[str, Any], intent: Intent
 def _argv_delivery(
     old: list[str], new: list[str], container: Mapping[str, Any], intent: Intent
 ) -> list[Failure]:
+    """One word added to the argv, ``--kv-transfer-config=<json>``, at its end or before a
+    bare ``--``, never after one: from there on the engine reads words as positionals."""
     exe = posixpath.basename(new[0]) if container.get("command") else ""
     if exe in SHELLS:  # `bash /script.sh`: the script decides (the execution check can tell)
         return []
-    if new[: len(old)] != old or len(new) != len(old) + 1:
-        return [Failure("flag-placement", "the flag is not one word appended to the args")]
-    at, values = _flag_value(new[len(old) :])
-    if at != [0] or "=" not in new[-1]:
-        return [Failure("flag-once", f"the appended word {new[-1][:60]!r} is not {FLAG}=<json>")]
+    at = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b), len(old))
+    if len(new) != len(old) + 1 or new[:at] + new[at + 1 :] != old:
+        return [Failure("flag-placement", "the flag is not one word added to the argv")]
+    flags, values = _flag_value(new[at : at + 1])
+    if flags != [0] or "=" not in new[at]:
+        return [Failure("flag-once", f"the added word {new[at][:60]!r} is not {FLAG}=<json>")]
+    first = unwrap(new) + 1 if container.get("command") else 0
+    if "--" in new[first:at]:
+        return [
+            Failure(
+                "flag-placement",
+                f"{FLAG} comes after a bare --, where the engine reads it as a positional argument",
+            )
+        ]
     return check_value(values[0], intent.config, "args")
+
+
+def _arguments_delivery(
+    old: list[str], new: list[str], index: int, intent: Intent
+) -> tuple[list[Failure], list[str]]:
+    """The flag added to the script's arguments (the words after ``$0``). A script that runs
+    them (``exec "$@"``) has the engine's argv there; one that passes them on otherwise
+    (``./start.sh "$@"``, ``inject-via: args``) only running it can tell; one that never reads
+    them would drop the flag."""
+    script = shell.blank_reads(new[index])
+    runs, changed = shell.runs_arguments(new[index])
+    if runs and changed is None:
+        rest = index + 2
+        return _argv_delivery(old[rest:], new[rest:], {"command": new[rest:]}, intent), []
+    if re.search(r"\$(?:[@*]|\{[@*#]|[1-9])", script):
+        return [], ["the script passes its arguments on: only running it can tell"]
+    return [
+        Failure("flag-placement", "the flag went to the script's arguments, which it never reads")
+    ], []
 
 
 def _without_comments(script: str) -> str:
@@ -350,9 +386,15 @@ def _without_comments(script: str) -> str:
     return "".join(out)
 
 
+def _without_heredocs(script: str) -> str:
+    """``script`` without the texts and end lines of its here-documents (data, not words)."""
+    ctx = shell.contexts(script)
+    return "".join(ch for i, ch in enumerate(script) if ch == "\n" or ctx[i].state != shell.HEREDOC)
+
+
 def _tokens(script: str) -> list[str]:
     """Shell words and operators (newlines kept: they end commands; continuations joined)."""
-    text = _without_comments(script.replace("\\\n", ""))
+    text = _without_comments(_without_heredocs(script).replace("\\\n", ""))
     lexer = shlex.shlex(text, posix=True, punctuation_chars=_PUNCT)
     lexer.whitespace_split = True
     lexer.whitespace = " \t\r"

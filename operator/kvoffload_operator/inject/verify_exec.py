@@ -458,15 +458,21 @@ def _judge(run: _Run, intent: Intent, how: str) -> ExecResult:
 
 
 def check_engine_argv(engine: Sequence[str], intent: Intent) -> ExecResult:
-    """The flag appears once in the engine's argv, and its value is the policy's JSON."""
-    values = []
+    """The flag appears once in the engine's argv, before any bare ``--`` (after it the engine
+    reads it as a positional argument), and its value is the policy's JSON."""
+    values, at = [], []
     for i, w in enumerate(engine):
         m = _FLAG.match(w)
         if m:
             values.append(w[m.end() :] if m.group(1) else (engine[i + 1 : i + 2] or [""])[0])
+            at.append(i)
     shown = tuple(engine)
     if len(values) != 1:
         return ExecResult(FAILED, f"the engine got --kv-transfer-config {len(values)} times", shown)
+    if "--" in engine[1 : at[0]]:
+        return ExecResult(
+            FAILED, "the engine got --kv-transfer-config after a bare --, as a positional", shown
+        )
     failures = check_value(values[0], intent.config, "the engine's argv")
     if failures:
         return ExecResult(FAILED, str(failures[0]), shown)
