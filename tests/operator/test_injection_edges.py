@@ -6,7 +6,8 @@
    the API server would refuse, nor taken for "already injected": that is our annotation's word);
 2. ``sh -c 'exec "$@"' --`` with the vLLM command in the container's args runs those args as
    the script's positional parameters: the flag goes into them;
-3. the flag never lands after a bare ``--`` of an engine's argv (there it is a positional);
+3. the flag never lands after a bare ``--`` of an engine's argv (there it is a positional):
+   it goes first among the engine's arguments, which vLLM's own parser reads;
 4. a here-document is data for the command it feeds: ``vllm serve`` in its text is no engine,
    unless the text may run (fed to a shell, written to a file the script uses again), which is
    a precise skip.
@@ -398,13 +399,21 @@ def test_3_inject_via_args_also_goes_before_a_bare_double_dash() -> None:
     original["metadata"]["annotations"] = {ann.INJECT_VIA: "args"}
     result = inject_pod(original, [POLICY])
     assert result.decision.inject, result.decision.message
-    args = container_of(result)["args"]
-    assert args[:2] == ["--model", "m"] and args[3:] == ["--", "extra"]
-    assert args[2].startswith("--kv-transfer-config=")
+    flag, *rest = container_of(result)["args"]
+    assert flag.startswith("--kv-transfer-config=") and rest == container["args"]
 
 
 @pytest.mark.vllm
-def test_3_vllms_own_parser_reads_the_flag_placed_before_a_bare_double_dash() -> None:
+@pytest.mark.parametrize(
+    "command",
+    [["vllm", "serve", "facebook/opt-125m", "--"], ["vllm", "serve", "--", "facebook/opt-125m"]],
+    ids=["trailing", "before-the-model"],
+)
+def test_3_vllms_own_parser_reads_the_flag_placed_before_a_bare_double_dash(
+    command: list[str],
+) -> None:
+    """vLLM's own parser takes the user's argv and the injected one alike (a `--` left over
+    after options is an error to argparse, so the flag goes before the positional too)."""
     from vllm.entrypoints.cli import serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -412,9 +421,8 @@ def test_3_vllms_own_parser_reads_the_flag_placed_before_a_bare_double_dash() ->
     sub = parser.add_subparsers(dest="subparser")
     for cmd in serve.cmd_init():
         cmd.subparser_init(sub)
-    result = inject_pod(pod({**VLLM, "command": ["vllm", "serve", "facebook/opt-125m", "--"]}),
-                        [POLICY])  # fmt: skip
-    c = container_of(result)
+    assert parser.parse_args(command[1:]).model_tag == "facebook/opt-125m"
+    c = container_of(inject_pod(pod({**VLLM, "command": command}), [POLICY]))
     ns = parser.parse_args([*c["command"], *c.get("args", [])][1:])
     assert ns.kv_transfer_config.kv_connector == "KVOffloadConnector"
     assert ns.model_tag == "facebook/opt-125m"

@@ -14,8 +14,10 @@ A container's engine site is one of:
 - ``arguments``: ``sh -c 'exec "$@"' -- vllm serve …``, a script that runs its positional
   parameters (the words after ``$0``): those words are read as the engine's argv, and the flag
   goes into them as into any argv.
-In an argv the flag is appended, or put right before the engine's first bare ``--`` (after it,
-vLLM would read the flag as a positional argument).
+In an argv the flag is appended; where the engine's arguments hold a bare ``--`` it goes first
+among them, right after ``vllm serve`` (after the ``--`` it would be a positional argument, and
+argparse refuses a ``--`` left over after options: ``vllm serve m --kv-transfer-config=… --``
+fails where ``vllm serve --kv-transfer-config=… m --`` parses).
 What the injector cannot see into is a precise skip, never a guess: a script file or an image
 entrypoint it does not know (``opaque-entrypoint``), a ``--config`` file (``config-file``),
 huggingfaceserver's ``--backend auto`` (``backend-auto``). So are a client without an engine
@@ -80,12 +82,10 @@ _CLIENT_RE = re.compile(
 
 
 def before_dashes(words: Sequence[str], first: int) -> ArgvEdit | None:
-    """Where the flag goes in ``words`` whose engine arguments start at ``first``: right before
-    the first bare ``--`` from there on, else appended to args (None)."""
-    for at in range(first, len(words)):
-        if words[at] == "--":
-            return ArgvEdit(at)
-    return None
+    """Where the flag goes in ``words`` whose engine arguments start at ``first``: first among
+    them when they hold a bare ``--`` (before it and before any positional), else appended to
+    args (None)."""
+    return ArgvEdit(first) if "--" in words[first:] else None
 
 
 def first_argument(container: Mapping[str, Any]) -> int:
@@ -107,9 +107,12 @@ def _engine(words: Sequence[str], first: int) -> Site:
     return Site(True, edit=before_dashes(words, first))
 
 
-def _vllm_subcommand(container: Mapping[str, Any], rest: list[str], first: int) -> Site:
-    if tuple(rest[:1]) in ENGINE_SUBCOMMANDS or tuple(rest[:2]) in ENGINE_SUBCOMMANDS:
-        return _engine(argv(container), first)
+def _vllm_subcommand(container: Mapping[str, Any], rest: list[str], at: int) -> Site:
+    """``rest``: the words after ``vllm`` (or its ``cli.main``), from ``argv[at]`` on."""
+    if tuple(rest[:2]) in ENGINE_SUBCOMMANDS:
+        return _engine(argv(container), at + 2)
+    if tuple(rest[:1]) in ENGINE_SUBCOMMANDS:
+        return _engine(argv(container), at + 1)
     what = " ".join(rest[:2]) or "(no subcommand)"
     return Site(
         False,
@@ -354,7 +357,7 @@ def insert_flag(container: dict[str, Any], edit: Edit, flag: str, value: str) ->
     if edit is None:
         container["args"] = [*(container.get("args") or []), f"{flag}={value}"]
         return
-    if isinstance(edit, ArgvEdit):  # before a bare `--`: in command if that is where it is
+    if isinstance(edit, ArgvEdit):  # in command if the engine's arguments start there
         command = list(container.get("command") or [])
         key, at = (
             ("command", edit.at) if edit.at < len(command) else ("args", edit.at - len(command))

@@ -8,8 +8,8 @@ What is added (the operator ↔ chart contract in docs/ARCHITECTURE.md):
 - volumes ``kvoffload-pool`` (memory or hugepages emptyDir), ``kvoffload-run`` (the socket),
   ``kvoffload-python`` (connector payload, initContainer delivery only); every name, path and
   port added is in `reserved`, which the decision checks the pod against first;
-- in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args`` (before a bare
-  ``--`` of the engine's argv, if it has one; or, in a ``sh -c`` script,
+- in the vLLM container: ``--kv-transfer-config=<json>`` appended to ``args`` (first among the
+  engine's arguments where they hold a bare ``--``; or, in a ``sh -c`` script,
   ``--kv-transfer-config '<json>'`` right after the engine invocation), mounts,
   ``PYTHONHASHSEED`` from the policy's seed Secret (`hashseed`) when unset and no ``envFrom`` may
   set it (block hashes must agree across processes), ``PYTHONPATH``;

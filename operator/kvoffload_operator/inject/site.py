@@ -62,8 +62,8 @@ class EnvEdit:
 @dataclass(frozen=True)
 class ArgvEdit:
     """Insert ``--kv-transfer-config=<json>`` as the word ``argv(container)[at]``: where the
-    engine's argv has a bare ``--``, right before it (after it, the flag would be a positional
-    argument)."""
+    engine's arguments hold a bare ``--``, first among them (after the ``--`` the flag would be
+    a positional argument; between options and a trailing ``--``, argparse refuses the ``--``)."""
 
     at: int
 

@@ -319,8 +319,8 @@ def _env_delivery(old: Mapping[str, Any], new: Mapping[str, Any], intent: Intent
 def _argv_delivery(
     old: list[str], new: list[str], container: Mapping[str, Any], intent: Intent
 ) -> list[Failure]:
-    """One word added to the argv, ``--kv-transfer-config=<json>``, at its end or before a
-    bare ``--``, never after one: from there on the engine reads words as positionals."""
+    """One word added to the argv, ``--kv-transfer-config=<json>``, never after a bare ``--``:
+    from there on the engine reads words as positionals."""
     exe = posixpath.basename(new[0]) if container.get("command") else ""
     if exe in SHELLS:  # `bash /script.sh`: the script decides (the execution check can tell)
         return []
