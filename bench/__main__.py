@@ -22,9 +22,8 @@ BENCHMARKS = {
     "adoption": "how fast a restarted sidecar adopts its pool",
     "node_prefault": "what making a node pool tenant's memfd resident costs per GiB",
     "transfer": "how close GPU <-> pool copies come to the PCIe ceiling",
-    "e2e_gpu": "TTFT of a pool hit and multi-turn throughput beside vLLM's connectors (offline)",
+    "e2e_gpu": "TTFT of a pool hit, multi-turn throughput, the first request after a restart",
     "serve": "`vllm serve` under load (sweep, report) and at 0% hits against vLLM alone (paired)",
-    "warm_start": "the first long request after a vLLM restart",
     "router": "routing on the host tier (Dynamo's KV indexer) against round-robin",
 }
 

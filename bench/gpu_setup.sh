@@ -1,23 +1,13 @@
 #!/usr/bin/env bash
-# Builds .gpu/: what the GPU-machine wrappers (bench/gpu_run.sh, gpu_check.sh, sourced
-# gpu_env.sh) need there and the GPU image lacks. The GPU machine has no
-# network: name `.gpu` in the device call's `carry` (it is git-ignored). Run it here, once, on a
-# machine with pip and the package index:
+# Builds .gpu/ (git-ignored; name it in the device call's `carry`): what bench/gpu_run.sh needs
+# on the GPU machine (no network) and its image (Python 3.12, torch 2.11 + CUDA 13, grpcio 1.84,
+# no vLLM) lacks. Run it here, once, with pip and the package index (bench/README.md: contents):
 #
 #   bash bench/gpu_setup.sh            # build what is missing (about 50 MiB in all)
-#   bash bench/gpu_setup.sh --check [vllm|serve]   # only say what is missing (exit 3), no network
+#   bash bench/gpu_setup.sh --check [rpc|vllm|serve]   # only say what is missing (exit 3)
 #
-# What it holds (the image: Python 3.12, torch 2.11.0 + CUDA 13, grpcio 1.84, no vLLM):
-#   .gpu/vllm026-h100-carry.tar.xz  ~40 MiB  vLLM 0.26.0 (the release built for that torch and
-#        CUDA) slimmed to a dense model on sm_90 (H100/H200), plus the 19 small packages it needs
-#        beyond the image (pydantic, msgspec, pyzmq, openai, fastapi, xgrammar, ...). Copied from
-#        $GPU_VLLM_DIR (default ../shared/gpu-vllm) when it is there, else built from PyPI by that
-#        folder's build-carry.sh (~4 min).
-#   .gpu/whl/   ~8 MiB   grpcio 1.85.1, grpcio-health-checking 1.85.1, protobuf 7.36.2: the
-#        generated stubs need grpcio >= 1.85.1 and the image has no grpc_health.
-#   .gpu/whl2/  ~2 MiB   the packages `vllm serve` and `vllm bench serve` import that the image
-#        lacks (gpu_run.sh installs only the missing ones).
-# With the checkout the carried tree must stay under the device call's 64 MiB.
+# The vLLM 0.26 carry is copied from $GPU_VLLM_DIR (default ../shared/gpu-vllm) when it is there,
+# else built from PyPI by that folder's build-carry.sh (~4 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU=.gpu

