@@ -31,7 +31,8 @@ over the bytes of every committed slot of the pool file, again and again, while 
 without kvoffload (a child process started beside this one, so the two start together) then
 runs every prompt once; the report counts differing tokens per phase.
 
-    python tests/drill/chaos_drill.py [--chaos-s 60] [--seed 0] [--out JSON] [--phases ...]
+    python tests/drill/chaos_drill.py [--chaos-s 60] [--events N] [--seed 0] [--out JSON]
+        [--phases ...]
         [--engine-env VAR=VALUE] [--sidecar-env VAR=VALUE]
 
 `--engine-env` / `--sidecar-env` set variables in the kvoffload engine's processes (this one, its
@@ -112,7 +113,7 @@ class Chaos(threading.Thread):
 
     def _run(self) -> None:
         start = time.monotonic()
-        for k in range(10**6):
+        for k in range(self.args.events or 10**6):
             if time.monotonic() - start >= self.args.chaos_s:
                 break
             if self.stop_event.wait(self.rng.uniform(*self.args.gap_s)):
@@ -653,6 +654,9 @@ def main() -> int:
     ap.add_argument("--phases", default=",".join(PHASES), help="which of " + ",".join(PHASES))
     ap.add_argument("--warmup", type=int, default=0, help="warm-up requests; 0: 2 per document")
     ap.add_argument("--chaos-s", type=float, default=60.0, help="events start within this")
+    ap.add_argument(
+        "--events", type=int, default=0, help="at most this many events (0: as --chaos-s allows)"
+    )
     ap.add_argument("--gap-s", type=float_range, default=(1.0, 4.0), help="LO,HI between events")
     ap.add_argument("--freeze-s", type=float_range, default=(2.5, 5.5), help="LO,HI SIGSTOP")
     ap.add_argument("--down-s", type=float_range, default=(2.3, 4.0), help="LO,HI killed")

@@ -536,8 +536,10 @@ class Reference:
         self.log = work_dir / "reference.log"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--reference-server"]
         cmd += [json.dumps({"kwargs": kwargs, "max_tokens": max_tokens, "dir": str(work_dir)})]
-        # its own port range: two engines starting together could pick one port with bind(0)
+        # its own port range: two engines starting together could pick one port with bind(0);
+        # its engine core and worker in its own process (a third of the start of three)
         env = dict(os.environ, VLLM_PORT=str(random.randrange(20000, 29000, 16)))
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd,

@@ -5,8 +5,10 @@ drill's comparison does see wrong bytes (its negative control scribbles over the
 committed slots and must differ).
 
 One run serves every test of this module: one engine with kvoffload and one without (started
-together, shared by the drill and its control). KVO_CHAOS_S sets the chaos phase's length
-(`make soak` runs a long one).
+together, shared by the drill and its control). In `make test` the chaos phase is one cycle of
+the three events (a freeze, a kill, a freeze then a kill; the middle one a lull), seed 21: its
+first freeze, thawed, outlasts the register deadline. KVO_CHAOS_EVENTS sets how many events
+(0: as many as KVO_CHAOS_S, the phase's length, allows: `make soak` runs 600 s of them).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import pytest
 from drill_process import run_drill
 
 CHAOS_S = float(os.environ.get("KVO_CHAOS_S", "60"))
+EVENTS = int(os.environ.get("KVO_CHAOS_EVENTS", "3"))
+SEED = os.environ.get("KVO_CHAOS_SEED", "21")
 RUN_TIMEOUT_S = 240 + 2 * CHAOS_S  # both engines' start, the phases, the reference, slack
 
 pytestmark = [
@@ -35,7 +39,8 @@ MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
 def run_chaos(out: Path, *extra: str, timeout_s: float = RUN_TIMEOUT_S) -> dict:
     """chaos_drill.py in a subprocess; its JSON report, with its exit status and log."""
-    cmd = ["--model", str(MODEL), "--chaos-s", f"{CHAOS_S:g}"]
+    cmd = ["--model", str(MODEL), "--chaos-s", f"{CHAOS_S:g}", "--events", str(EVENTS)]
+    cmd += ["--seed", SEED]
     cmd += ["--out", str(out), "--sidecar-log", str(out.with_suffix(".sidecar.log")), *extra]
     return run_drill(DRILL, cmd, out, timeout_s)
 
