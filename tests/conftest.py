@@ -78,6 +78,7 @@ LONGEST_FIRST = (
     "tests/bench/test_serve_paired.py",
     "tests/connector/test_vllm_quotas.py",
     "tests/connector/test_vllm_idle.py",
+    "tests/node/test_node_engine.py",
     "tests/operator/test_security_operator.py",
     "tests/connector/test_layout.py",
     "tests/model/test_slot_protocol_model.py",

@@ -306,6 +306,15 @@ class ActiveConnector:
         stats.add(values)
         return None if stats.is_empty() else stats
 
+    def no_pool_reason(self) -> str:
+        """Why this process serves without the pool now ("" while it uses it): the status
+        file's `no_pool`."""
+        if self._scheduler is not None:
+            return self._scheduler.no_pool_reason()
+        if self._worker is not None:
+            return self._worker.no_pool_reason()
+        return ""
+
     def shutdown(self) -> None:
         if self._scheduler is not None:
             self._scheduler.shutdown()

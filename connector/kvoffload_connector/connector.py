@@ -60,6 +60,16 @@ def _socket_of(vllm_config: Any) -> str:
         return DEFAULT_SOCKET
 
 
+def _placement_of(vllm_config: Any) -> str:
+    """The configured placement as written ("pod" when unset), even in a config that failed."""
+    try:
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        placement = extra.get("placement", "pod")
+        return placement if isinstance(placement, str) else repr(placement)
+    except Exception:  # noqa: BLE001
+        return "pod"
+
+
 def _vllm_version() -> str:
     try:
         import vllm
@@ -100,6 +110,7 @@ class KVOffloadConnector(SchedulerHooks, WorkerHooks, KVConnectorBase_V1, Suppor
         self._fault_stats: dict[str, float] = {}
         self._lora_to_vllm: bool | None = None  # LoRA requests left to vLLM (compat)
         self._events_failed = False  # take_events raised once: said, and quiet since
+        self._no_pool_said = ""  # why the pool is not used now, as the status file says it
         self._scheduler_role = scheduler_role = role == KVConnectorRole.SCHEDULER
         self._role_name = "scheduler" if scheduler_role else "worker"
         self._rank = 0
@@ -133,6 +144,9 @@ class KVOffloadConnector(SchedulerHooks, WorkerHooks, KVConnectorBase_V1, Suppor
             extra = self._status_extra(self._config_for_status, self._kv_cache_config_for_status)
         if self.fault:
             extra = {**(extra or {}), "fault": self.fault}
+        extra = {**(extra or {}), "placement": _placement_of(self._config_for_status)}
+        if self._no_pool_said and self._impl is not None:
+            extra["no_pool"] = self._no_pool_said
         guard.write_status(
             _socket_of(self._config_for_status),
             "active" if self._impl is not None else "disabled",
@@ -142,6 +156,18 @@ class KVOffloadConnector(SchedulerHooks, WorkerHooks, KVConnectorBase_V1, Suppor
             _vllm_version(),
             extra,
         )
+
+    def _refresh_status(self) -> None:
+        """At a step (and once a rank registered): rewrite the status file when why the pool
+        is not used changed (a rank that found no pool, a sidecar or node agent away or back),
+        so `kvoffload stats` and the pod's status file say it while it lasts."""
+        try:
+            reason = self._impl.no_pool_reason() if self._impl is not None else ""
+        except Exception:  # noqa: BLE001 - a status detail must never stop vLLM
+            return
+        if reason != self._no_pool_said:
+            self._no_pool_said = reason
+            self._write_status()
 
     def _status_extra(self, vllm_config: Any, kv_cache_config: Any) -> dict[str, Any]:
         """The scheduler's further status fields: the GPU KV capacity, and notes on limits the

@@ -125,6 +125,7 @@ class SchedulerHooks:
                 self._inject("build_connector_meta")
                 meta = self._impl.build_connector_meta(scheduler_output)
                 self._promises.shipped()
+                self._refresh_status()
                 return meta
             except Exception as exc:  # noqa: BLE001 - the owed loads leave as failing jobs
                 self._fault("build_connector_meta", exc)

@@ -53,6 +53,8 @@ class WorkerHooks:
             self._impl.register_kv_caches(kv_caches)
         except Exception as exc:  # noqa: BLE001 - no job ran yet: dropping the rank is safe
             self._disable_worker(exc)
+            return
+        self._refresh_status()  # a rank that found no pool says why from here on
 
     def _disable_worker(self, exc: BaseException) -> None:
         self.disabled_reason = f"cannot register the KV caches: {guard.reason(exc)}"
@@ -156,7 +158,9 @@ class WorkerHooks:
         if self._impl is not None:
             try:
                 self._inject("build_connector_worker_meta")
-                return self._impl.build_connector_worker_meta()
+                report = self._impl.build_connector_worker_meta()
+                self._refresh_status()
+                return report
             except Exception as exc:  # noqa: BLE001
                 self._fault("build_connector_worker_meta", exc)
         if self._debts is None:

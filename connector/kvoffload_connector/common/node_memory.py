@@ -9,6 +9,7 @@ shrink it under this mapping.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import fcntl
 import json
@@ -72,9 +73,7 @@ def request(
         socket.send_fds(sock, [raw], fds)
     else:
         sock.send(raw)
-    # close-on-exec: a process the engine starts must not hold the tenant's memory, nor the
-    # description an engine lock sits on
-    data, got, _flags, _ = socket.recv_fds(sock, MAX_ANSWER, 4, socket.MSG_CMSG_CLOEXEC)
+    data, got = _recv_fds(sock, 4)
     if not data:
         for fd in got:
             os.close(fd)
@@ -86,6 +85,20 @@ def request(
             os.close(fd)
         raise NodeMemoryError("PROTOCOL", "the agent's answer is not JSON") from None
     return answer, got
+
+
+def _recv_fds(sock: socket.socket, maxfds: int) -> tuple[bytes, list[int]]:
+    """One message and the fds it carried, received close-on-exec (`socket.recv_fds` drops
+    its flags): a process the engine starts must hold neither the tenant's memory nor the
+    description an engine lock sits on."""
+    fds = array.array("i")
+    data, ancdata, _flags, _ = sock.recvmsg(
+        MAX_ANSWER, socket.CMSG_LEN(maxfds * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+    )
+    for level, kind, cdata in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+    return data, list(fds)
 
 
 def open_tenant_memory(path: str, tenant: str, *, timeout: float = 5.0) -> TenantMapping:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 
 from kvoffload_connector.common.client import PoolUnavailable
+from kvoffload_connector.common.config import Placement
 from kvoffload_connector.common.metadata import Registration
 
 # the scheduler side logs as one logger, whichever part of it speaks
@@ -52,9 +53,22 @@ class PoolReadiness:
         if not self.client.connected:
             if self._registration is None:
                 return "no worker has reported a registration yet"
-            return "the sidecar is away or refused the registration (retrying)"
+            server = "the node agent" if self.cfg.placement is Placement.NODE else "the sidecar"
+            return f"{server} is away or refused the registration (retrying)"
         missing = [r for r in range(self.world_size) if not self._ready.get(r)]
         return f"rank(s) {missing} have no mapped pool"
+
+    def no_pool_reason(self) -> str:
+        """Why requests are served without the pool now ("" while it serves them), for the
+        status file: what a worker found at its first registration, or why it is unusable
+        (with the client's last registration error)."""
+        if self._usable():
+            return ""
+        if self._no_pool and not self.client.connected:
+            return self._no_pool
+        reason = self._unusable_reason()
+        error = "" if self.client.connected else getattr(self.client, "last_error", "")
+        return f"{reason}: {error}" if error else reason
 
     def _tell_unusable(self) -> None:
         """One log line per reason (not per step) for serving without the pool."""

@@ -30,6 +30,7 @@ from kvoffload_connector.worker.engine_lock import EngineLock
 from kvoffload_connector.worker.job_lock import jobs_locked
 from kvoffload_connector.worker.layout import CanonicalLayout
 from kvoffload_connector.worker.pool_binding import PoolBinding
+from kvoffload_connector.worker.pool_memory import TenantAttach, TenantMemory
 from kvoffload_connector.worker.pool_view import PoolView
 from kvoffload_connector.worker.slot_versions import SlotVersions
 from kvoffload_connector.worker.store_completion import StoreCompletion
@@ -68,6 +69,12 @@ class OffloadWorker(PoolBinding, StoreCompletion):
         self.block_size = compat.block_size(vllm_config, kv_cache_config)
         self.chunk_blocks = cfg.chunk_tokens // self.block_size
         self.client = PoolClient.from_config(cfg, f"{cfg.client_name}/{engine_name}/rank-{rank}")
+        # node placement: the tenant memory each registration names, taken on the thread that
+        # registers (pool_memory.py), and this rank's own description of it once mapped
+        self._tenant = TenantAttach(cfg, rank)
+        self.client.accept = self._tenant.accept
+        self._memory: TenantMemory | None = None
+        self._map_problem = ""  # why the last registration's region could not be mapped
         self._rpc = RpcThread(f"kvoffload-rank{rank}-rpc")
         self.layout: CanonicalLayout | None = None
         self.device: torch.device | None = None
@@ -104,7 +111,8 @@ class OffloadWorker(PoolBinding, StoreCompletion):
         # job what its check and its commit need.
         self.slot_versions: SlotVersions | None = None
         self._engine_lock: EngineLock | None = None
-        self._lock_key: tuple[str, int, int] | None = None  # (path, base, engine) it locks
+        # (pool file path or tenant memory key, base, engine) it locks
+        self._lock_key: tuple[object, int, int] | None = None
         self._load_checks: dict[int, tuple[list[int], list[int]]] = {}  # job: slots, versions
         self._store_fences: dict[int, tuple[int, int]] = {}  # job: sidecar epoch, engine
         self._engine_key = 0  # the engine this rank stores for (the scheduler's, per step)
@@ -357,3 +365,4 @@ class OffloadWorker(PoolBinding, StoreCompletion):
         finally:
             self._rpc.close()
             self.client.close()
+            self._tenant.close()

@@ -15,6 +15,10 @@ under a new generation (it then ends every session: the rank re-registers and ma
 
 The engine lock (engine_lock.py) is held for the mapped generation from before a step's first
 store copy until every copy into that mapping finished.
+
+In node placement the registration names a tenant's memfd instead of a path (pool_memory.py):
+the rank maps, reads the slot table and locks through its own description of it, taken when it
+registered, and keeps the mapping across registrations only for the same memfd and generation.
 """
 
 from __future__ import annotations
@@ -76,33 +80,52 @@ class PoolBinding:
             self._apply(reg)
         except PoolUnavailable as e:
             log.warning(
-                "kvoffload: no pool from the sidecar at %s (%s); serving without it, retrying",
+                "kvoffload: no pool from %s at %s (%s); serving without it, retrying",
+                self._tenant.server,
                 self.cfg.socket,
                 e,
             )
-            self._report_no_pool = f"no pool from the sidecar: {e}"
+            self._report_no_pool = f"no pool from {self._tenant.server}: {e}"
         except (OSError, ValueError) as e:
             log.warning("kvoffload: cannot map the pool region: %s", e)
-            self._report_no_pool = f"cannot map the pool region: {e}"
+            self._report_no_pool = self._map_problem = f"cannot map the pool region: {e}"
 
     def _apply(self, reg: RegisterResult) -> None:
         """Step thread: adopt a (re-)registration, re-mapping when the pool changed."""
         assert self.layout is not None and self.spec is not None
         region = reg.regions[self.rank]
+        # node placement: this registration's own description of the tenant's memfd (taken
+        # when it registered, pool_memory.py); None for a pool file
+        memory = self._tenant.take(reg)
+        held = self._memory
         same = (
             self.pool is not None
             and reg.generation == self.generation
-            and self.pool.path == region.path
             and self.pool.offset == region.offset
+            and (
+                self.pool.path == region.path and held is None
+                if memory is None
+                else held is not None and memory.key == held.key
+            )
         )
+        if same and memory is not None:
+            memory.close()  # the same memfd, mapped and locked through the description held
         if not same:
             self._close_engine()
             # A re-map may run inside vLLM's inference_mode (a step); tensors made there are
             # inference tensors that the engine's copy thread could not write.
             with torch.inference_mode(False):
-                self.pool = PoolView.open(
-                    region.path, region.offset, region.slot_bytes, region.slot_count
-                )
+                if memory is not None:
+                    try:
+                        self.pool = memory.view(region)
+                    except BaseException:
+                        memory.close()
+                        raise
+                    self._memory = memory
+                else:
+                    self.pool = PoolView.open(
+                        region.path, region.offset, region.slot_bytes, region.slot_count
+                    )
                 self.pool.start_device_registration(self.device)
                 self.engine = make_engine(
                     self.layout, self.pool, self.device, store_ctas=self.cfg.store_ctas
@@ -110,11 +133,15 @@ class PoolBinding:
             self._start_completion()
             self.generation = reg.generation
         if self.slot_versions is None and reg.slot_table_offset:
-            self.slot_versions = SlotVersions(
-                region.path, reg.slot_table_offset, reg.slot_record_bytes, region.slot_count
-            )
+            if self._memory is not None:
+                self.slot_versions = self._memory.slot_versions(reg, region)
+            else:
+                self.slot_versions = SlotVersions(
+                    region.path, reg.slot_table_offset, reg.slot_record_bytes, region.slot_count
+                )
         self.namespace_id = reg.namespace_id
         self._applied = reg
+        self._map_problem = ""
         self._report_drained()
         self._report_registration = Registration(
             self.spec, self.num_ranks, self.layout.slot_bytes, reg.namespace_id, reg.generation
@@ -137,6 +164,9 @@ class PoolBinding:
         if self.slot_versions is not None:
             self.slot_versions.close()
             self.slot_versions = None
+        if self._memory is not None:  # nothing maps or locks through it any more
+            self._memory.close()
+            self._memory = None
 
     def _hold_engine_lock(self, engine: int) -> bool:
         """Step thread, before a step's copies: hold this rank's lock for `engine` in the
@@ -146,13 +176,15 @@ class PoolBinding:
         reg, pool = self._applied, self.pool
         if not engine or reg is None or pool is None or not reg.engine_lock_base:
             return False
-        key = (pool.path, reg.engine_lock_base, engine)
+        memory = self._memory  # node placement: the lock sits on this rank's description
+        key = (pool.path if memory is None else memory.key, reg.engine_lock_base, engine)
         if self._lock_key == key and self._engine_lock is not None:
             return True
         if self._lock_key is not None and self._lock_key[:2] != key[:2] and self._jobs:
             return False  # a lock of another mapping with copies in flight: keep that one
         try:
-            lock = EngineLock(pool.path, lock_offset(key[1], engine, self.rank))
+            offset = lock_offset(key[1], engine, self.rank)
+            lock = EngineLock(pool.path, offset) if memory is None else memory.engine_lock(offset)
         except (OSError, ValueError) as e:
             log.warning("kvoffload: rank %d cannot hold its engine lock: %s", self.rank, e)
             return False
@@ -186,6 +218,7 @@ class PoolBinding:
                 self._apply(reg)
             except (OSError, ValueError) as e:
                 self._applied = reg  # said once; the next registration tries again
+                self._map_problem = f"cannot map the pool region: {e}"
                 log.warning("kvoffload: cannot map the pool region: %s", e)
         if self.spec is not None and not self.client.connected and not self._reconnect_queued:
             self._reconnect_queued = True
@@ -210,3 +243,18 @@ class PoolBinding:
     @property
     def ready(self) -> bool:
         return self.engine is not None and self.pool is not None and self.pool.ready
+
+    def no_pool_reason(self) -> str:
+        """Why this rank serves without the pool now ("" while it is mapped, device-registered
+        and attached), for the status file."""
+        pool, client, server = self.pool, self.client, self._tenant.server
+        if not client.connected:
+            why = client.last_error or self._tenant.problem or "not registered yet"
+            return f"no pool from {server} at {self.cfg.socket} (retrying): {why}"
+        if self.ready:
+            return ""
+        if pool is None:
+            return self._map_problem or "the pool region is not mapped yet"
+        if pool.error:
+            return f"device registration failed: {pool.error}"
+        return "registering the pool with the device"

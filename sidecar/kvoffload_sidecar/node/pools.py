@@ -419,6 +419,8 @@ class TenantPools:
     async def _start_pod(self, tp: TenantPool, b: Binding) -> PodServer:
         servicer = PoolServicer(tp.pool, tp.metrics)
         servicer.tenant_memory = b.tenant
+        # Stats relays the pod's connector status files, as a sidecar's relays its pod's
+        servicer.status_dir = Path(b.target_path)
         servicer.session_socket_name = SESSION_SOCKET
         server = new_server()
         add_servicer(servicer, server)
