@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -38,12 +39,28 @@ from kvoffload_connector.worker.engine_lock import _FLOCK, lock_offset
 from kvoffload_connector.worker.layout import canonicalize
 from kvoffload_connector.worker.offload_worker import OffloadWorker
 from kvoffload_connector.worker.pool_memory import TenantAttach, TenantMemory
-from nodeharness import POD_A, POD_B, Agent, Kubelet, MiB, Pod, make_root
+from nodeharness import AGENT, POD_A, POD_B, Agent, Kubelet, MiB, Pod, make_root
 from test_node_slots import POD_A2, start_holder
 
 from tests.connector.kv_setup import expected_block, fill_random, make_kv_caches, write_block
 
 pytestmark = pytest.mark.process
+
+
+def _console_script() -> None:
+    """Where `kvoffload` is not installed beside this interpreter (the GPU host runs the
+    checkout from PYTHONPATH), the node harness runs a shim of it on this interpreter."""
+    if Path(AGENT[0]).exists():
+        return
+    shim = Path(tempfile.mkdtemp(prefix="kvo-bin-")) / "kvoffload"
+    shim.write_text(
+        f"#!{sys.executable}\nimport sys\nfrom kvoffload_cli.main import main\nsys.exit(main())\n"
+    )
+    shim.chmod(0o755)
+    AGENT[0] = str(shim)
+
+
+_console_script()
 
 CHUNK_BLOCKS = 4
 ENGINE = 4242
@@ -118,10 +135,10 @@ def node() -> Iterator[Node]:
 # -- a worker rank over a pod's sockets -----------------------------------------------------
 
 
-def make_worker(socket_path: str, **extra) -> tuple[OffloadWorker, object]:
-    """A rank as register_kv_caches leaves it before it registers: its layout (CPU KV caches
-    of 24 blocks) and namespace spec."""
-    setup = make_kv_caches("LBHNC", num_blocks=24)
+def make_worker(socket_path: str, device: str = "cpu", **extra) -> tuple[OffloadWorker, object]:
+    """A rank as register_kv_caches leaves it before it registers: its layout (KV caches of
+    24 blocks on `device`) and namespace spec."""
+    setup = make_kv_caches("LBHNC", num_blocks=24, device=device)
     layout = canonicalize(setup.kv_caches, setup.layer_groups, CHUNK_BLOCKS, setup.kv_cache_config)
     fill_random(layout, seed=3)
     cfg = parse_extra_config({"socket": socket_path, "placement": "node", **extra}, block_size=4)
@@ -132,7 +149,7 @@ def make_worker(socket_path: str, **extra) -> tuple[OffloadWorker, object]:
         cache_config=SimpleNamespace(block_size=4),
     )
     w = OffloadWorker(cfg, vllm_config=vllm_config, kv_cache_config=None, rank=0)
-    w.layout, w.device = layout, torch.device("cpu")
+    w.layout, w.device = layout, torch.device(device)
     w.spec = build_spec(
         model="node-test",
         dtype="float32",
@@ -539,3 +556,40 @@ def test_stats_through_a_pods_pool_sock_relays_its_status_files_never_through_a_
     assert "secret" not in table.stdout and "token" not in table.stdout
     raw = subprocess.run([*cli, "--json"], capture_output=True, text=True, timeout=30)
     assert json.loads(json.loads(raw.stdout)["connector_status"]) == [entry]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_rank_registers_the_tenant_mapping_and_round_trips_through_it(node):
+    """On a GPU: the rank's mapping of the tenant memfd is page-locked with CUDA in pieces
+    (cudaHostRegister, as a pool file's is), and the CUDA engine's copies store into it and
+    load from it: the blocks come back bit for bit, another pod of the tenant sees them."""
+    w, setup = make_worker(f"{node.mount(POD_A)}/pool.sock", device="cuda")
+    sched = None
+    try:
+        register(w)
+        assert w.pool.wait_ready(60) and w.pool.registered, w.pool.error
+        assert len(w.pool._registered) == len(w.pool.pieces())
+        assert type(w.engine).__name__ != "CpuTorchEngine", type(w.engine)
+        sched = scheduler_client(w)
+        wait_pool_ready(sched)
+        want = [expected_block(setup, w.layout, 0, b) for b in range(8)]
+        store(w, sched, [21, 22], list(range(8)))
+        for b in range(8):
+            write_block(setup, w.layout, 0, b, np.zeros_like(want[b]))
+        assert load(w, sched, [21, 22], list(range(8, 16)))
+        torch.cuda.synchronize()
+        assert blocks_equal(setup, w.layout, list(range(8, 16)), want)
+        cpu, cpu_setup = make_worker(f"{node.mount(POD_A2)}/pool.sock")
+        try:
+            register(cpu)
+            cpu_sched = scheduler_client(cpu)
+            assert load(cpu, cpu_sched, [21, 22], list(range(4, 12)))
+            assert blocks_equal(cpu_setup, cpu.layout, list(range(4, 12)), want)
+            cpu_sched.close()
+        finally:
+            cpu.shutdown()
+    finally:
+        if sched is not None:
+            sched.close()
+        w.shutdown()
