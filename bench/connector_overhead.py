@@ -51,13 +51,13 @@ def _timed_class():
     """The connector with every step-path hook timed (imported inside vLLM's processes)."""
     from kvoffload_connector.connector import KVOffloadConnector
 
-    out_dir = os.environ["KVO_BENCH_DIR"]
+    out_dir = Path(os.environ["KVO_BENCH_DIR"])
 
     class Timed(KVOffloadConnector):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
-            self._t = {"seconds": 0.0, "cpu_seconds": 0.0, "calls": 0, "steps": 0}
-            self._path = Path(out_dir) / f"{self.role.name.lower()}-{os.getpid()}.json"
+            self._timing = False  # counting starts with the first call after the warm-up
+            self._path = out_dir / f"{self.role.name.lower()}-{os.getpid()}.json"
 
         def _dump(self):
             self._path.write_text(json.dumps(self._t))
@@ -66,6 +66,11 @@ def _timed_class():
         base = getattr(KVOffloadConnector, name)
 
         def timed(self, *a, **kw):
+            if not self._timing and (out_dir / "timed").exists():  # the warm-up is over
+                self._t = {"seconds": 0.0, "cpu_seconds": 0.0, "calls": 0, "steps": 0}
+                self._timing = True
+            if not self._timing:
+                return base(self, *a, **kw)
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return base(self, *a, **kw)
@@ -83,8 +88,7 @@ def _timed_class():
                     self._t["empty_steps"] = self._t.get("empty_steps", 0) + 1
                 if name in ("build_connector_meta", "build_connector_worker_meta"):
                     self._t["steps"] += 1
-                    if self._t["steps"] % 10 == 0:
-                        self._dump()
+                    self._dump()  # every step: the totals of exactly the timed steps
 
         return timed
 
@@ -111,6 +115,8 @@ def engine_run(args: argparse.Namespace) -> dict:
 
     kv = None
     if args.socket:
+        for f in Path(os.environ["KVO_BENCH_DIR"]).iterdir():  # an earlier child's counts
+            f.unlink()
         kv = {
             "kv_connector": "TimedKVOffloadConnector",
             "kv_connector_module_path": "connector_overhead",
@@ -133,9 +139,8 @@ def engine_run(args: argparse.Namespace) -> dict:
     )
     sp = SamplingParams(temperature=0.0, max_tokens=args.decode, ignore_eos=True)
     llm.generate(_prompts(args.batch, args.prompt, f"warm-up{args.seed}"), sp, use_tqdm=False)
-    if args.socket:
-        for f in Path(os.environ["KVO_BENCH_DIR"]).glob("*.json"):
-            f.unlink()
+    if args.socket:  # the timed connector counts from here on
+        (Path(os.environ["KVO_BENCH_DIR"]) / "timed").touch()
     batch = _prompts(args.batch * args.rounds, args.prompt, args.seed)
     t0 = time.perf_counter()
     llm.generate(batch, sp, use_tqdm=False)
