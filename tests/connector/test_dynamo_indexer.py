@@ -80,6 +80,9 @@ class _Indexer:
 
 def _run(phase: str, sidecar: SidecarProcess, indexer: _Indexer, worker: int, out: Path, *extra):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")  # one seed, every replica
+    # the engine core and worker in the runner's process: the indexer sees the same events, and
+    # the engine starts in a third of the time of three processes
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cmd = [
         sys.executable, str(RUNNER), phase, "--model", str(MODEL), "--socket", sidecar.socket,
         "--indexer", indexer.url, "--worker-id", str(worker), "--out", str(out),
