@@ -1,8 +1,6 @@
-"""One entry point for every benchmark: `python -m bench NAME [args]`; `python -m bench` lists them.
-
-Each NAME is a script beside this file, run as its own `__main__` with its own flags (`python -m
-bench NAME --help`). `bash bench/gpu_run.sh NAME` runs the same scripts on the GPU machine;
-bench/README.md says which machine each benchmark needs and how long it takes.
+"""One entry point for every benchmark: `python -m bench NAME [args]` runs the script NAME.py
+beside this file as `__main__` (`NAME --help`: its flags); `python -m bench` lists them. The GPU
+machine runs the same through `bash bench/gpu_run.sh NAME`; bench/README.md: machines, minutes.
 """
 
 from __future__ import annotations

