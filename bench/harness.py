@@ -20,20 +20,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "bootstrap_median_ci",
-    "call_names",
-    "cell",
-    "machine",
-    "percentile",
-    "read_result",
-    "report",
-    "result_stem",
-    "rotations",
-    "spread",
-    "table",
-]
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
