@@ -944,7 +944,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_report.main(rest)
     if mode == "sweep":
-        report = sweep(build_parser().parse_args(rest))
+        parser = build_parser()
+        a = parser.parse_args(rest)
+        needs = {
+            "prefix": a.prefix_len + a.suffix_len + a.output_len,
+            "random": a.random_input_len + a.output_len,
+        }
+        for name in sorted({p.workload for p in plan_points(a)} & needs.keys()):
+            if needs[name] > a.max_model_len:  # vLLM would answer each request 400 Bad Request
+                parser.error(
+                    f"--max-model-len {a.max_model_len} is below a {name} request's "
+                    f"{needs[name]} tokens"
+                )
+        report = sweep(a)
         return 1 if any(s.get("status") != "ok" for s in report["servers"].values()) else 0
     if mode in ("-h", "--help"):
         print(__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1])
