@@ -12,8 +12,16 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
   mountPath, which must agree between the containers that mount it (checked); `readOnly` and
   `subPath` are not emulated.
 - **Volumes**: every `emptyDir` is a real tmpfs, `size=<sizeLimit>` (default 1Gi), `mode=0777`.
-  Other volume kinds (PVCs, Secrets) are ignored. Mount points missing on the host are created
-  and removed at stop.
+  A CSI inline volume of a driver the pod is given (`csi=[CsiDriver(...)]`, a CSIDriver with
+  `podInfoOnMount: true`) is published as the kubelet's CSI part does it: NodePublishVolume on
+  the plugin's socket for `<pods dir>/<pod uid>/volumes/kubernetes.io~csi/<volume>/mount`
+  (the kubelet's volume handle, `csi-` + sha256 of pod uid and volume name), the volume's
+  `volumeAttributes` with the pod's name, namespace, uid and service account and
+  `csi.storage.k8s.io/ephemeral: "true"`, the pod's `fsGroup` as `volume_mount_group` when the
+  plugin has that capability; the target is bind-mounted at each container's mountPath, and
+  NodeUnpublishVolume is called once the pod's processes are gone. Other volume kinds (PVCs,
+  Secrets, other drivers) are ignored. Mount points missing on the host are created and
+  removed at stop.
 - **Checkout reachability**: the images live in this checkout. When an ancestor of the checkout
   is not traversable by other uids (e.g. /root, mode 700), the pod's namespace gets a 0755 tmpfs
   over that ancestor with the checkout bind-mounted back at its own path.
@@ -24,9 +32,11 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
   its startupProbe (exec; grpc as a health check to the pod IP) is polled like the
   kubelet does (periodSeconds, timeoutSeconds, failureThreshold; a failed probe restarts it, as
   the kubelet would) before the next container starts. Each runs via `setpriv --reuid --regid
-  --clear-groups` as its securityContext.runAsUser (pod's, else the image's USER: 65532 for
+  --groups` as its securityContext.runAsUser (pod's, else the image's USER: 65532 for
   kvoffload images, 1000 for vLLM), group runAsGroup (else the uid; `# harness-uid: U:G` in the
-  manifest overrides, e.g. OpenShift's arbitrary uid with gid 0), env only from the manifest
+  manifest overrides, e.g. OpenShift's arbitrary uid with gid 0), supplementary groups the
+  pod's `fsGroup` and `supplementalGroups` as the kubelet adds them (none: `--clear-groups`),
+  env only from the manifest
   (literal values, `$(VAR)` in them, pod-field `fieldRef`s) plus PATH and HOME=/tmp.
   `restart_always(name)` restarts a container whenever it exits (restartPolicy Always);
   `restart(name)` stops one with a signal and starts it again (a liveness failure, a rollout of
@@ -49,14 +59,17 @@ vLLM entrypoint. The harness reads whatever the manifest says; it knows no injec
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +135,15 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+@dataclass(frozen=True)
+class CsiDriver:
+    """A CSI node plugin the kubelet part calls for the pod's inline volumes of `name`."""
+
+    name: str
+    socket: Path  # the plugin's CSI endpoint (node-driver-registrar's --csi-address)
+    pods_dir: Path  # the kubelet's pods directory, where the targets are
+
+
 @dataclass
 class Pod:
     """A pod sandbox: see the module doc. Use `with Pod(doc, workdir) as pod: pod.start()`."""
@@ -130,6 +152,10 @@ class Pod:
     workdir: Path
     uid_override: tuple[int, int] | None = None
     start_sidecars: bool = True
+    csi: Sequence[CsiDriver] = ()
+    name: str = translate.FIELDS["metadata.name"]
+    namespace: str = translate.FIELDS["metadata.namespace"]
+    pod_uid: str = field(default_factory=lambda: str(uuid.uuid4()))  # metadata.uid
     procs: dict[str, Proc] = field(default_factory=dict)
     _pause: subprocess.Popen[bytes] | None = None
     _created: list[Path] = field(default_factory=list)
@@ -137,6 +163,7 @@ class Pod:
     _watch: threading.Thread | None = None
     _stopping: bool = False
     _cgroups: dict[str, Path] = field(default_factory=dict)  # container -> its memory cgroup
+    _published: list[tuple[CsiDriver, str, str]] = field(default_factory=list)  # volume id, target
     last_stats_error: str = ""  # why the last pool_stats() got no answer
 
     def __post_init__(self) -> None:
@@ -155,11 +182,16 @@ class Pod:
             if time.monotonic() > deadline:
                 raise RuntimeError("pause process never entered its namespace")
             time.sleep(0.01)
-        self.ns(["ip", "link", "set", "lo", "up"])
-        self.ns(["ip", "addr", "add", f"{translate.POD_IP}/32", "dev", "lo"])
-        self._reach_checkout()
-        self._private_tmp()
-        self._mount_volumes()
+        try:
+            self.ns(["ip", "link", "set", "lo", "up"])
+            self.ns(["ip", "addr", "add", f"{translate.POD_IP}/32", "dev", "lo"])
+            self._reach_checkout()
+            self._private_tmp()
+            self._mount_volumes()
+            self._publish_csi()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -238,6 +270,84 @@ class Pod:
             self._mkdir("/payload")
             self.ns(["mount", "--bind", "-o", "ro", str(self.images.payload), "/payload"])
 
+    def csi_target(self, driver: CsiDriver, volume: str) -> Path:
+        """Where the kubelet has `driver` publish this pod's inline volume `volume`."""
+        return driver.pods_dir / self.pod_uid / "volumes" / "kubernetes.io~csi" / volume / "mount"
+
+    def _publish_csi(self) -> None:
+        """NodePublishVolume for each inline volume of a given driver, then its target
+        bind-mounted where the containers mount the volume (see the module doc)."""
+        drivers = {d.name: d for d in self.csi}
+        volumes = [v for v in self.spec.get("volumes") or []
+                   if (v.get("csi") or {}).get("driver") in drivers]  # fmt: skip
+        if not volumes:
+            return
+        import grpc
+        from kvoffload.csi.v1 import csi_pb2, csi_pb2_grpc
+
+        sc = self.spec.get("securityContext") or {}
+        for v in volumes:
+            driver, src = drivers[v["csi"]["driver"]], v["csi"]
+            target = self.csi_target(driver, v["name"])
+            missing = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+            target.parent.mkdir(parents=True)  # the kubelet makes the parent, the plugin the target
+            self._created.extend(reversed(missing))
+            handle = "csi-" + hashlib.sha256(f"{self.pod_uid}{v['name']}".encode()).hexdigest()
+            context = {
+                **(src.get("volumeAttributes") or {}),
+                "csi.storage.k8s.io/pod.name": self.name,
+                "csi.storage.k8s.io/pod.namespace": self.namespace,
+                "csi.storage.k8s.io/pod.uid": self.pod_uid,
+                "csi.storage.k8s.io/serviceAccount.name": self.spec.get(
+                    "serviceAccountName", translate.FIELDS["spec.serviceAccountName"]
+                ),
+                "csi.storage.k8s.io/ephemeral": "true",
+            }
+            access = csi_pb2.VolumeCapability.AccessMode
+            cap = csi_pb2.VolumeCapability(access_mode=access(mode=access.SINGLE_NODE_WRITER))
+            cap.mount.SetInParent()
+            with grpc.insecure_channel(f"unix://{driver.socket}") as channel:
+                node = csi_pb2_grpc.NodeStub(channel)
+                rpc = csi_pb2.NodeServiceCapability.RPC
+                caps = node.NodeGetCapabilities(csi_pb2.NodeGetCapabilitiesRequest(), timeout=10)
+                if "fsGroup" in sc and any(c.rpc.type == rpc.VOLUME_MOUNT_GROUP
+                                           for c in caps.capabilities):  # fmt: skip
+                    cap.mount.volume_mount_group = str(sc["fsGroup"])
+                node.NodePublishVolume(
+                    csi_pb2.NodePublishVolumeRequest(
+                        volume_id=handle,
+                        target_path=str(target),
+                        volume_capability=cap,
+                        readonly=bool(src.get("readOnly", False)),
+                        volume_context=context,
+                    ),
+                    timeout=30,
+                )
+            self._published.append((driver, handle, str(target)))
+            for c in self._containers():
+                for m in c.get("volumeMounts") or []:
+                    if m["name"] == v["name"]:
+                        self._mkdir(m["mountPath"])
+                        self.ns(["mount", "--bind", str(target), m["mountPath"]])
+
+    def _unpublish_csi(self) -> None:
+        if not self._published:
+            return
+        import grpc
+        from kvoffload.csi.v1 import csi_pb2, csi_pb2_grpc
+
+        for driver, handle, target in reversed(self._published):
+            # a plugin already gone: the rest of the pod is cleaned all the same
+            with (
+                grpc.insecure_channel(f"unix://{driver.socket}") as channel,
+                contextlib.suppress(grpc.RpcError),
+            ):
+                csi_pb2_grpc.NodeStub(channel).NodeUnpublishVolume(
+                    csi_pb2.NodeUnpublishVolumeRequest(volume_id=handle, target_path=target),
+                    timeout=30,
+                )
+        self._published.clear()
+
     # -- containers ------------------------------------------------------------------------
     @staticmethod
     def _image_kind(c: Mapping[str, Any]) -> str:
@@ -277,6 +387,14 @@ class Pod:
             return translate.translate(c)
         return translate.kubelet_argv(c)
 
+    def _groups(self) -> str:
+        """setpriv's supplementary groups: the pod's fsGroup and supplementalGroups, which the
+        kubelet gives every container's processes."""
+        sc = self.spec.get("securityContext") or {}
+        groups = [sc["fsGroup"]] if "fsGroup" in sc else []
+        groups += [g for g in sc.get("supplementalGroups") or [] if g not in groups]
+        return f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
+
     def _wrap(self, c: Mapping[str, Any], argv: Sequence[str], limit: bool = False) -> list[str]:
         uid, gid = self._ids(c)
         env = [f"{k}={v}" for k, v in self._env(c).items()]
@@ -284,7 +402,7 @@ class Pod:
         join = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh"] if cg else []
         return [
             *self.nsenter(), *join,
-            "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--",
+            "setpriv", f"--reuid={uid}", f"--regid={gid}", self._groups(), "--",
             "env", "-i", *env, *argv,
         ]  # fmt: skip
 
@@ -466,6 +584,7 @@ class Pod:
                 os.killpg(self._pause.pid, signal.SIGKILL)
             self._pause.wait(timeout=10)
             self._pause = None
+        self._unpublish_csi()  # the kubelet unpublishes once the pod's containers are gone
         for p in reversed(self._created):
             with contextlib.suppress(OSError):
                 p.rmdir()
@@ -583,3 +702,55 @@ def running(doc: dict[str, Any], workdir: Path, **kw: Any) -> Iterator[tuple[Pod
         engine = pod.start()
         pod.wait_serving(engine)
         yield pod, engine
+
+
+class NodeAgent:
+    """`kvoffload node-agent` as its DaemonSet runs it on a node (here with a fixed node pool
+    file instead of the API): the CSI node plugin of `node.kvoffload.io`, whose socket and pods
+    directory the pods' kubelet part is given (`driver`). Its directory is under /run, not
+    /tmp: every pod has its own /tmp, and the agent's sockets must be where the pods' bind
+    mounts find them; its log is `workdir/node-agent.log`. Use `with NodeAgent(pool, workdir) as
+    agent: Pod(..., csi=[agent.driver])`."""
+
+    DRIVER = "node.kvoffload.io"
+
+    def __init__(self, pool: Mapping[str, Any], workdir: Path) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="kvo-node-", dir="/run"))
+        self.pool = pool
+        self.log = workdir / "node-agent.log"
+        self.driver = CsiDriver(self.DRIVER, self.root / "csi.sock", self.root / "kubelet" / "pods")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> NodeAgent:
+        pool_file = self.root / "node-pool.json"
+        pool_file.write_text(json.dumps(self.pool))
+        self.driver.pods_dir.mkdir(parents=True)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [str(images.VENV / "bin" / "kvoffload"), "node-agent",
+                 "--csi-socket", str(self.driver.socket), "--node-id", "node",
+                 "--node-pool", str(pool_file), "--state-dir", str(self.root / "state"),
+                 "--publish-root", str(self.driver.pods_dir)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while "node agent serving" not in self.text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.__exit__()
+                raise RuntimeError(f"the node agent did not start:\n{self.text()[-3000:]}")
+            time.sleep(0.05)
+        return self
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -4,11 +4,15 @@
   skipped pod is unchanged apart from the skip annotation;
 - every injected server pod serves with pool hits in round 2 and the tokens of the same pod
   without kvoffload (baselines cached per translated engine argv: most fixtures share one);
-- pod-level faults on one injected fixture end with the engine serving and identical tokens.
+- pod-level faults on one injected fixture end with the engine serving and identical tokens;
+- node placement: two pods of the restricted fixture injected with a `placement: node` policy,
+  of two uids, share one real node agent (the harness publishes their CSI volume as the
+  kubelet does): the second pod's first requests hit what the first stored, same tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
@@ -21,9 +25,12 @@ import pod_translate as translate
 import pytest
 import yaml
 
+from tests.operator.pss import restricted_violations
+
 HERE = Path(__file__).resolve().parent
 MANIFESTS = sorted((HERE / "manifests").glob("*.yaml"))
 POLICY = HERE / "policy.yaml"
+NODE_POLICY = HERE / "policy-node.yaml"  # placement node: tenant pod-tests of node pool pod-tests
 KVOFFLOAD = harness.images.VENV / "bin" / "kvoffload"
 SKIP_ANNOTATION = "kvoffload.io/skip-reason"
 FAULT_FIXTURE = HERE / "manifests" / "args-only-vllm-openai.yaml"
@@ -58,9 +65,9 @@ def expectation(path: Path) -> tuple[str, str | None]:
     raise AssertionError(f"{path.name} has no '# expect:' line")
 
 
-def inject(path: Path) -> list[dict[str, Any]]:
+def inject(path: Path, policy: Path = POLICY) -> list[dict[str, Any]]:
     r = subprocess.run(
-        [str(KVOFFLOAD), "inject", "-f", str(path), "--policy", str(POLICY)],
+        [str(KVOFFLOAD), "inject", "-f", str(path), "--policy", str(policy)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -651,3 +658,98 @@ def test_fault_sidecar_sigkill_under_load_keeps_the_pool_for_a_fresh_engine(
         assert stored_blocks[0] == stored_blocks[1], "the fresh engine stored them anew"
         assert after["pool_generation"] == at_kill["pool_generation"]
         assert engine.alive() and pod.procs[name].restarts == 1
+
+
+# -- node placement -------------------------------------------------------------------------------
+NODE_FIXTURE = HERE / "manifests" / "restricted-psa-uid1000.yaml"
+NODE_POOL = {  # the admin's node pool as the agent reads it: the policy's tenant, granted to
+    "name": "pod-tests",  # the pods' namespace (harness pods are in `default`)
+    "tenants": [{"name": "pod-tests", "shareBytes": 64 << 20, "namespaces": ["default"]}],
+}
+
+
+def _as_uid(path: Path, uid: int, out: Path) -> Path:
+    """`path`'s manifest with the pod's securityContext running as `uid` (its group too) and no
+    fsGroup: another replica's pod as another team's template would write it."""
+    doc = load(path)
+    _, spec = harness.pod_spec(doc)
+    sc = spec["securityContext"]
+    sc.update(runAsUser=uid, runAsGroup=uid)
+    sc.pop("fsGroup", None)
+    out.write_text(yaml.safe_dump(doc))
+    return out
+
+
+@_mark
+@pytest.mark.timeout(900)  # two vLLM pods (and the baseline when run alone) on a busy 2-core box
+def test_node_placement_two_pods_share_one_agent_and_the_second_hits_the_first(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Two replicas of the restricted fixture, injected by the real injector with a `placement:
+    node` policy (one tenant), as two pods: A runs as uid 1000 with fsGroup 1000, B as uid 1001
+    without one, each with its own tmpfs emptyDirs. One real node agent serves both; the
+    harness publishes each pod's `kvoffload-node` volume through the agent's CSI Node service
+    with the kubelet's pod info, at the kubelet's target path, and the vLLM container sees it
+    at /var/run/kvoffload. A serves the prompts (stored in the tenant's pool); B's first
+    requests are pool hits (the agent's Stats for the tenant, through B's own pool.sock), with
+    the tokens of the pod without kvoffload, and B stores none of them again; A serves them
+    again after its prefix cache reset, with hits. The injected pods pass Pod Security
+    "restricted" (no hostPath, no hostIPC, no added capability)."""
+    wd = workdir_for(tmp_path_factory, "node")
+    prompts_ = PROMPT_SETS["round"]
+    want = baseline(NODE_FIXTURE, wd)["round"]
+    (doc_a,) = inject(NODE_FIXTURE, NODE_POLICY)
+    (doc_b,) = inject(_as_uid(NODE_FIXTURE, 1001, wd / "uid1001.yaml"), NODE_POLICY)
+    for doc in (doc_a, doc_b):
+        _, spec = harness.pod_spec(doc)
+        assert restricted_violations({"spec": spec}) == []
+        assert not any("hostPath" in v for v in spec["volumes"]) and not spec.get("hostIPC")
+        assert all("add" not in ((c.get("securityContext") or {}).get("capabilities") or {})
+                   for c in [*spec.get("initContainers", []), *spec["containers"]])  # fmt: skip
+        assert not any(c.get("restartPolicy") == "Always" for c in spec.get("initContainers", []))
+        (csi,) = [v for v in spec["volumes"] if "csi" in v]
+        assert csi == {"name": "kvoffload-node", "csi": {"driver": harness.NodeAgent.DRIVER,
+                       "readOnly": False, "volumeAttributes": {"tenant": "pod-tests"}}}  # fmt: skip
+    socket = "/var/run/kvoffload/pool.sock"
+    with contextlib.ExitStack() as stack:
+        agent = stack.enter_context(harness.NodeAgent(NODE_POOL, wd))
+        (wd / "a").mkdir()
+        (wd / "b").mkdir()
+        pod_a, engine_a = stack.enter_context(
+            harness.running(doc_a, wd / "a", csi=[agent.driver], name="vllm-restricted-0")
+        )
+        assert pod_a.complete(prompts_, MAX_TOKENS) == want
+        settle(pod_a, socket, at_least=len(prompts_))
+        pod_b, engine_b = stack.enter_context(
+            harness.running(doc_b, wd / "b", csi=[agent.driver], name="vllm-restricted-1")
+        )
+        # two uids, each pod its own tmpfs and its own directory of the agent's
+        assert (_uid_of(engine_a.popen.pid), _uid_of(engine_b.popen.pid)) == (1000, 1001)
+        tmpfs = [pod.ns(["stat", "-f", "-c", "%T", "/kvoffload/python"]).strip()
+                 + pod.ns(["stat", "-c", " %d", "/kvoffload/python"])
+                 for pod in (pod_a, pod_b)]  # fmt: skip
+        (fs_a, dev_a), (fs_b, dev_b) = (t.split() for t in tmpfs)
+        assert fs_a == fs_b == "tmpfs" and dev_a != dev_b, tmpfs
+        listing = [pod.ns(["ls", "/var/run/kvoffload"]).split() for pod in (pod_a, pod_b)]
+        assert all({"memory.sock", "pool.sock"} <= set(names) for names in listing), listing
+        inodes = [pod.ns(["stat", "-c", "%i", "/var/run/kvoffload"]) for pod in (pod_a, pod_b)]
+        assert inodes[0] != inodes[1], "both pods see one directory"
+
+        before = pod_b.pool_stats(socket) or {}
+        assert pod_b.complete(prompts_, MAX_TOKENS) == want
+        after = settle(pod_b, socket, at_least=len(prompts_))
+        assert harness.pool_hits(after) - harness.pool_hits(before) >= len(prompts_), (
+            f"pod B's requests were not pool hits: {after}\n{engine_b.text()[-3000:]}\n"
+            f"{agent.text()[-3000:]}"
+        )
+        stored = [sum(n["stored_blocks"] for n in st["namespaces"]) for st in (before, after)]
+        assert stored[0] == stored[1], "pod B stored A's prefixes again"
+        # one tenant pool behind both pods' sockets
+        stats_a = pod_a.pool_stats(socket) or {}
+        assert stats_a.get("pool_generation") == after.get("pool_generation") is not None
+
+        pod_a.reset_prefix_cache()
+        assert pod_a.complete(prompts_, MAX_TOKENS) == want
+        again = pod_a.pool_stats(socket) or {}
+        assert harness.pool_hits(again) - harness.pool_hits(after) >= len(prompts_), again
+        assert engine_a.alive() and engine_b.alive()
