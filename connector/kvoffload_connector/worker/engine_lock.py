@@ -3,8 +3,9 @@
 The sidecar reuses a store reservation's slots only after a commit, an abort, or the death of
 the engine that owns it, and it learns of a death from the kernel, never from a clock: each
 worker rank holds an open-file-description read lock (`F_OFD_SETLK`, `F_RDLCK`) on its byte of
-the pool file (`RegisterResponse.engine_lock_base + (engine << 8) + rank`, far beyond the end
-of the file), from before its first store copy until it exits or drained every copy into the
+the pool file, or in node placement of the tenant's memfd
+(`RegisterResponse.engine_lock_base + (engine << 8) + rank`, far beyond the end of the file),
+from before its first store copy until it exits or drained every copy into the
 mapping of that generation. The kernel drops the lock when the process dies, so no schedule
 (a stopped engine, a GPU stall, a lost session) makes the sidecar hand its slots to another
 store while it may still write them. Stdlib only.
@@ -12,6 +13,7 @@ store while it may still write them. Stdlib only.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import struct
@@ -31,21 +33,25 @@ def lock_offset(base: int, engine: int, rank: int) -> int:
 
 
 class EngineLock:
-    """One held lock byte of the pool file at `path` (its own open file description, so no
-    other open or close of the file in this process can drop it). OSError when the kernel
-    refuses it."""
+    """One held lock byte on an open file description of this lock's own: the pool file at
+    `path` opened anew (pod placement), or with `fd`, a duplicate of the description behind it
+    (a tenant's memfd in node placement; `path` then only names it). Being its own, no other
+    open or close of the file in this process can drop it; released by unlocking, since in node
+    placement a mapping of the memfd keeps the description open and closing would not drop it.
+    OSError when the kernel refuses it."""
 
-    def __init__(self, path: str, offset: int) -> None:
+    def __init__(self, path: str, offset: int, fd: int | None = None) -> None:
         self.path, self.offset = path, offset
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = os.dup(fd) if fd is not None else os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fcntl.fcntl(
-                self._fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0)
-            )
+            self._set(fcntl.F_RDLCK)
         except OSError:
             os.close(self._fd)
             self._fd = -1
             raise
+
+    def _set(self, kind: int) -> None:
+        fcntl.fcntl(self._fd, _F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, self.offset, 1, 0))
 
     @property
     def held(self) -> bool:
@@ -54,5 +60,7 @@ class EngineLock:
     def release(self) -> None:
         """Only once every copy into this generation's mapping finished (or never started)."""
         if self._fd >= 0:
-            os.close(self._fd)  # the description's last reference: the lock goes with it
+            with contextlib.suppress(OSError):
+                self._set(fcntl.F_UNLCK)
+            os.close(self._fd)
             self._fd = -1

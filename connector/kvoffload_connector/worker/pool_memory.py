@@ -27,8 +27,6 @@ mapping (every copy into it finished first) and maps the new one.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import logging
 import os
 import threading
@@ -38,54 +36,19 @@ from typing import TYPE_CHECKING
 from kvoffload_connector.common.config import ConnectorConfig, Placement
 from kvoffload_connector.common.errors import PoolUnavailable
 from kvoffload_connector.common.node_memory import NodeMemoryError, receive_tenant_memory
-from kvoffload_connector.worker.engine_lock import _F_OFD_SETLK, _FLOCK
+from kvoffload_connector.worker.engine_lock import EngineLock
 from kvoffload_connector.worker.pool_view import PoolView
 from kvoffload_connector.worker.slot_versions import SlotVersions
 
 if TYPE_CHECKING:
     from kvoffload_connector.common.pool_replies import RankRegion, RegisterResult
 
-__all__ = ["MEMORY_SOCKET", "DescriptionLock", "TenantAttach", "TenantMemory"]
+__all__ = ["MEMORY_SOCKET", "TenantAttach", "TenantMemory"]
 
 log = logging.getLogger(__name__)
 
 MEMORY_SOCKET = "memory.sock"  # beside the agent's pool.sock in the pod's volume
 _KEEP_FETCHED = 2  # memories taken for registrations the step thread has not applied yet
-
-
-class DescriptionLock:
-    """One engine lock byte held on the open file description behind `fd` (through a
-    duplicate, so the caller's own close does not matter). Released by unlocking: a mapping of
-    the memfd keeps the description open, so closing would not drop it. OSError when the
-    kernel refuses it."""
-
-    def __init__(self, fd: int, offset: int, name: str) -> None:
-        self.path, self.offset = name, offset
-        self._fd = os.dup(fd)
-        try:
-            fcntl.fcntl(
-                self._fd, _F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, offset, 1, 0)
-            )
-        except OSError:
-            os.close(self._fd)
-            self._fd = -1
-            raise
-
-    @property
-    def held(self) -> bool:
-        return self._fd >= 0
-
-    def release(self) -> None:
-        """Only once every copy into this mapping finished (or never started)."""
-        if self._fd >= 0:
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(
-                    self._fd,
-                    _F_OFD_SETLK,
-                    _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, self.offset, 1, 0),
-                )
-            os.close(self._fd)
-            self._fd = -1
 
 
 @dataclass
@@ -138,8 +101,8 @@ class TenantMemory:
             self.name, reg.slot_table_offset, reg.slot_record_bytes, region.slot_count, fd=self.fd
         )
 
-    def engine_lock(self, offset: int) -> DescriptionLock:
-        return DescriptionLock(self.fd, offset, self.name)
+    def engine_lock(self, offset: int) -> EngineLock:
+        return EngineLock(self.name, offset, fd=self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
