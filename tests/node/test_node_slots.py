@@ -42,6 +42,7 @@ from nodeharness import (
     Pod,
     make_root,
     pool_call,
+    start_holder,
 )
 
 pytestmark = pytest.mark.process
@@ -56,24 +57,6 @@ def block_digest(seed: str, i: int) -> str:
     """What slot_client.py stores for key `i` under `seed`, as a digest of the slot's bytes."""
     unit = hashlib.sha256(f"{seed}:{i}".encode()).digest()
     return hashlib.sha256((unit * (SLOT_BYTES // len(unit)))[:SLOT_BYTES]).hexdigest()
-
-
-def start_holder(root: Path) -> tuple[subprocess.Popen, str]:
-    """`kvoffload node-holder` with its socket in a 0700 directory, as the chart runs it."""
-    d = root / "holder"
-    d.mkdir(mode=0o700)
-    path = str(d / "holder.sock")
-    log = root / "holder.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [AGENT[0], "node-holder", "--socket", path, "--prefault"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 20
-    while "node holder serving" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.02)
-    return proc, path
 
 
 @dataclass
