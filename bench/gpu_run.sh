@@ -45,7 +45,12 @@ case $name in
     run=(python3 -m bench e2e_gpu --sections warm_start --configs kvo-layer,none,offloading)
     preset=(--model "$model" --reps 3 --sizes 100000 --max-model-len 102400 --gpu-blocks 0
       --pool-gib 32 --cpu-gib 32 --stall-s 120 --log "$OUT/engines.log") ;;
-  serve) preset=(); env_kind=serve; probe=("${1:-}") ;;  # MODE (sweep|paired) first
+  serve) preset=(); env_kind=serve; probe=("${1:-}")  # MODE (sweep|paired|replicas) first
+    if [[ ${1:-} == replicas ]]; then  # two replicas on one GPU, each half its memory
+      shift; run+=(replicas); probe=()
+      preset=(--model "$model" --gpu-mem-util 0.45 --pool-gib 16 --prefixes 8
+        --prefix-tokens 4096 --suffix-tokens 64 --max-model-len 8192 --warmup-requests 2)
+    fi ;;
   *) preset=() ;;
 esac
 # Python: .gpu/whl's wheels first on sys.path (the image's grpcio 1.84 is older than the stubs

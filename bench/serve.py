@@ -4,6 +4,7 @@
     python -m bench serve paired [flags]   a paired light-load A/B at 0% hits
     python -m bench serve merge FILES... --pair kvo-eager/none   paired calls merged
     python -m bench serve report FILES... --md MD [--plots DIR]  sweep calls merged (serve_report)
+    python -m bench serve replicas [flags]   two replicas on one node pool, then on two pod pools
     python bench/serve.py vllm ARGS...     `vllm ARGS` from this interpreter (servers, clients)
 
 **sweep**: each configuration in turn (rotate the order between calls) gets its own `vllm serve`
@@ -17,6 +18,11 @@ server, one at a time, in a rotating order: each round's TTFT ratio to the first
 is a pair (median, bootstrap 95%). Start two servers of each configuration A B B A
 (`none,kvo-eager,kvo-eager#2,none#2`): each side pooled per round is balanced for the start
 order, and `none#2` against `none` is a server's own offset.
+
+**replicas** (bench/serve_replicas.py): two replicas of one model and a shared-prefix workload
+sent to both in turn, first on one node pool (a real node agent), then on two per-pod pools of
+half its size: TTFT of a prefix the other replica computed against a hit in a replica's own
+pool, hit rate and host bytes side by side.
 
 Configurations (the same GPU KV cache and --cpu-gib host memory each): `none`, `offloading`,
 `simple` (vLLM's connectors), `kvo-eager` (as shipped), `kvo-lazy`, each kvo one on a fresh
@@ -252,10 +258,21 @@ def stop(proc: subprocess.Popen | None) -> None:
 
 
 class Server:
-    """One `vllm serve` process and, for kvoffload, its own fresh sidecar."""
+    """One `vllm serve` process and, for kvoffload, its own fresh sidecar, or the pool socket
+    given (`pool_socket`: a node agent's pod `pool.sock`); `env` adds to the server's
+    environment."""
 
-    def __init__(self, a: argparse.Namespace, config: str, model_dir: Path, log_dir: Path):
+    def __init__(
+        self,
+        a: argparse.Namespace,
+        config: str,
+        model_dir: Path,
+        log_dir: Path,
+        pool_socket: str = "",
+        env: dict[str, str] | None = None,
+    ):
         self.a, self.config, self.model_dir = a, config, model_dir
+        self.pool_socket, self.env = pool_socket, dict(env or {})
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"server.{config}.log"
@@ -265,7 +282,7 @@ class Server:
 
     def argv(self) -> list[str]:
         a = self.a
-        socket_path = self.sidecar.socket if self.sidecar else ""
+        socket_path = self.sidecar.socket if self.sidecar else self.pool_socket
         kv = kv_transfer_config(config_of(self.config), socket_path, int(a.cpu_gib * (1 << 30)))
         argv = vllm_cli("serve", str(self.model_dir), "--served-model-name", SERVED_NAME)
         argv += f"--port {self.port} --host 127.0.0.1 --load-format dummy --dtype {a.dtype}".split()
@@ -285,7 +302,7 @@ class Server:
         return argv + list(a.serve_arg)
 
     def start(self) -> None:
-        if self.config.startswith("kvo"):
+        if self.config.startswith("kvo") and not self.pool_socket:
             from kvoffload_cli.sidecar_child import SidecarProcess
 
             size = int(pool_gib(config_of(self.config), self.a.cpu_gib) * (1 << 30))
@@ -294,6 +311,7 @@ class Server:
         env = dict(os.environ)
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # a server runs its engine core apart
         env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
+        env.update(self.env)
         self.proc = spawn(self.argv(), self.log_path, env)
         self.start_s = wait_healthy(self.proc, self.url, self.a.start_timeout_s, self.log_path)
 
@@ -315,7 +333,8 @@ class Server:
         return found
 
     def sidecar_stats(self) -> dict[str, Any] | None:
-        return sidecar_stats(self.sidecar.socket) if self.sidecar else None
+        socket_path = self.sidecar.socket if self.sidecar else self.pool_socket
+        return sidecar_stats(socket_path) if socket_path else None
 
     def stop(self) -> None:
         stop(self.proc)
@@ -841,16 +860,14 @@ def configs_arg(text: str) -> list[str]:
     return items
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="serve sweep", description=__doc__.split("\n\n")[0])
+def add_server_flags(p: argparse.ArgumentParser) -> None:
+    """What every mode that starts servers shares: the model, the output, the budget, and the
+    engine (the same for every configuration)."""
     add = p.add_argument
     add("--model", default=str(ROOT / "bench/e2e_models/llama3-8b"), help="config.json's folder")
-    add("--configs", default="none,offloading,simple,kvo-eager", type=configs_arg)
     add("--out", default=str(ROOT / "bench/out/serve/sweep.json"))
     add("--budget-s", type=float, default=540.0, help="stop starting work after this")
     add("--start-timeout-s", type=float, default=240.0)
-    add("--point-timeout-s", type=float, default=90.0, help="+ 3x a point's length")
-    # the engine: the same for every configuration
     add("--dtype", default="bfloat16")
     add("--tp", type=int, default=1)
     add("--gpu-blocks", type=int, default=3000, help="num_gpu_blocks_override")
@@ -867,6 +884,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-graph-batch", type=int, default=128, help="largest decode graph")
     add("--serve-arg", action="append", default=[], help="one more `vllm serve` arg")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="serve sweep", description=__doc__.split("\n\n")[0])
+    add_server_flags(p)
+    add = p.add_argument
+    add("--configs", default="none,offloading,simple,kvo-eager", type=configs_arg)
+    add("--point-timeout-s", type=float, default=90.0, help="+ 3x a point's length")
     # the workloads
     add("--rates", type=floats, default=floats("2,4,8,16,32"))
     add("--random-rates", type=floats, default=floats("2"))
@@ -943,6 +968,10 @@ def main(argv: list[str] | None = None) -> int:
         import serve_report
 
         return serve_report.main(rest)
+    if mode == "replicas":
+        import serve_replicas
+
+        return serve_replicas.main(rest)
     if mode == "sweep":
         parser = build_parser()
         a = parser.parse_args(rest)

@@ -33,13 +33,15 @@ def _bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 def test_every_name_and_serve_mode_parses_its_help() -> None:
     calls = [(name, "--help") for name in _registry()]
-    calls += [("serve", mode, "--help") for mode in ("sweep", "paired", "merge", "report")]
+    modes = ("sweep", "paired", "merge", "report", "replicas")
+    calls += [("serve", mode, "--help") for mode in modes]
     with ThreadPoolExecutor(max_workers=4) as pool:
         done = dict(zip(calls, pool.map(lambda c: _bench(*c), calls), strict=True))
     for call, proc in done.items():
         assert proc.returncode == 0, (call, proc.stderr[-2000:])
         assert "usage" in proc.stdout.lower() or "python -m bench" in proc.stdout, call
-    assert "--budget-s" in done[("serve", "sweep", "--help")].stdout  # bench/gpu_run.sh's probe
+    for mode in ("sweep", "replicas"):  # bench/gpu_run.sh's probe
+        assert "--budget-s" in done[("serve", mode, "--help")].stdout
 
 
 def test_unknown_names_and_modes_are_refused() -> None:
