@@ -53,10 +53,20 @@ def kv_groups(spec: NamespaceSpec) -> int:
     return max(1, len([g for g in groups.split(";") if g]))
 
 
+def slots_tokens(spec: NamespaceSpec, slots: int) -> int:
+    """Tokens `slots` slots of a namespace of `spec` hold: slots x chunk tokens / KV groups,
+    in that namespace's own block size."""
+    return slots * spec.chunk_blocks * spec.block_size // kv_groups(spec)
+
+
 def host_tokens(ns: NamespaceStats) -> int:
     """Tokens the namespace's slots hold: slots x chunk tokens / KV groups."""
-    spec = ns.spec
-    return ns.slot_count * spec.chunk_blocks * spec.block_size // kv_groups(spec)
+    return slots_tokens(ns.spec, ns.slot_count)
+
+
+def used_tokens(ns: NamespaceStats) -> int:
+    """Tokens of the namespace's committed or reserved slots, counted as `host_tokens`."""
+    return slots_tokens(ns.spec, ns.committed_slots + ns.reserved_slots)
 
 
 def _int(value: Any) -> int:

@@ -159,6 +159,7 @@ def format_stats(resp: Any) -> str:
         f"({'ready' if resp.pool_ready else 'not ready'}), eviction {resp.eviction_policy}, "
         f"generation {resp.pool_generation}, uptime {resp.uptime_seconds:.0f}s, "
         f"version {resp.version}",
+        *shared_lines(resp),
         *adoption_lines(resp.adoption),
         *connector_lines(resp.connector_status),
         "",
@@ -170,6 +171,7 @@ def format_stats(resp: Any) -> str:
         "slots",
         "capacity",
         "used",
+        "tokens",
         "pinned",
         "hit ratio",
         "lookups",
@@ -190,6 +192,7 @@ def format_stats(resp: Any) -> str:
                 str(ns.slot_count),
                 format_bytes(ns.capacity_bytes),
                 format_bytes(ns.used_bytes),
+                f"{ns.used_tokens}/{ns.capacity_tokens}",
                 format_bytes(ns.pinned_bytes),
                 _ratio(ns.hit_blocks, ns.miss_blocks),
                 str(ns.lookups),
@@ -219,6 +222,19 @@ def format_stats(resp: Any) -> str:
     ]
     lines += _table(latency) if len(latency) > 1 else ["no RPCs yet"]
     return "\n".join(lines)
+
+
+def shared_lines(resp: Any) -> list[str]:
+    """Node placement: which shared pool this is and who shares it (none in pod placement)."""
+    if resp.placement != "node":
+        return []
+    p = resp.shared
+    return [
+        f"placement node: pool {p.pool_id} (node pool {p.node_pool}, node {p.node}, tenant "
+        f"{p.tenant}), shared by {p.attached_pods} pod(s) attached, {p.active_pods} with a "
+        f"live client ({p.live_clients} client(s)); tenant memory {format_bytes(p.capacity_bytes)}"
+        f", used {format_bytes(p.used_bytes)}: count it once per pool id, not per replica"
+    ]
 
 
 def tenant_lines(namespaces: Sequence[Any]) -> list[str]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from kvoffload.v1 import pool_pb2 as pb
 
+from kvoffload_sidecar.capacity import host_tokens, used_tokens
 from kvoffload_sidecar.errors import InvalidArgument
 from kvoffload_sidecar.events import EventPage
 from kvoffload_sidecar.keys import NamespaceSpec
@@ -176,6 +177,8 @@ def namespace_stats_to_proto(ns: NamespaceStats, out: pb.NamespaceStats) -> None
         setattr(out, field, getattr(ns, field))
     for tenant in ns.tenants:
         out.tenants.add(**dataclasses.asdict(tenant))
+    out.capacity_tokens = host_tokens(ns)
+    out.used_tokens = used_tokens(ns)
 
 
 _NAMESPACE_COUNTERS = (

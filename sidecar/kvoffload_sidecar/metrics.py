@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvoffload_sidecar import persist
-from kvoffload_sidecar.capacity import CapacityCollector, host_tokens
+from kvoffload_sidecar.capacity import CapacityCollector, host_tokens, used_tokens
 from kvoffload_sidecar.persist import Adoption
 from kvoffload_sidecar.tenant_metrics import tenant_metrics
 from kvoffload_sidecar.transfer_timing import TransferTimer
@@ -114,6 +114,13 @@ NAMESPACE_METRICS: tuple[NamespaceMetric, ...] = (
         "Tokens the namespace's slots hold: slots x chunk tokens / KV groups (host tier).",
         (NAMESPACE_LABEL,),
         lambda ns, _p: (((), float(host_tokens(ns))),),
+    ),
+    NamespaceMetric(
+        "kvoffload_pool_used_tokens",
+        "gauge",
+        "Tokens of the namespace's committed or reserved slots, counted as capacity_tokens.",
+        (NAMESPACE_LABEL,),
+        lambda ns, _p: (((), float(used_tokens(ns))),),
     ),
     NamespaceMetric(
         "kvoffload_pool_pinned_bytes",

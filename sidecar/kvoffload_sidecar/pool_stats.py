@@ -36,6 +36,14 @@ class PoolObservation:
                 adoption=replace(self.adoption, discarded=dict(self.adoption.discarded)),
             )
 
+    def live_client_ids(self) -> frozenset[int]:
+        """Ids of the registered clients not detached, reaped or idle past the timeout."""
+        with self._lock:
+            now = self._clock()
+            return frozenset(
+                cid for cid, client in self._clients.items() if self._is_live(client, now)
+            )
+
     def _ns_stats(self, ns: NamespaceState, now: float) -> NamespaceStats:
         c, k, sb = ns.index.counts, ns.counters, ns.slot_bytes
         return NamespaceStats(

@@ -156,6 +156,12 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         self._session_tasks: set[asyncio.Task[Any]] = set()  # open gRPC Session handlers
         self._ending: set[asyncio.Task[Any]] = set()  # of those, cancelled by cancel_sessions
         self.status_dir: Path | None = None  # where connectors write their status files
+        self.placement = "pod"  # Stats: "node" where a node agent's pods share the pool
+        # node placement: fills Stats' SharedPool (the agent's pools.py); None in pod mode
+        self.shared: Callable[[pb.SharedPool], None] | None = None
+        # node placement: ids of the clients registered through this server (one pod's), so
+        # the agent can tell which pods have a live client; None: not kept (pod mode)
+        self.registered_clients: set[int] | None = None
 
     # -- handlers: one per method, shared by unary calls and the Session stream ------------------
 
@@ -166,6 +172,8 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         out.session_socket = self.session_socket_name
         out.presence_map = self.presence_map_name
         out.tenant_memory = self.tenant_memory
+        if self.registered_clients is not None:
+            self.registered_clients.add(reg.client_id)
 
     def _lookup(self, req: pb.LookupRequest, _session: int, out: pb.LookupResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)
@@ -251,6 +259,9 @@ class PoolServicer(pb_grpc.KVPoolServicer):
             self._pool.stats(), self._metrics.latency.snapshot(), self._version, out
         )
         out.connector_status = read_connector_status(self.status_dir)
+        out.placement = self.placement
+        if self.shared is not None:
+            self.shared(out.shared)
 
     # -- unary RPCs ------------------------------------------------------------------------------
 

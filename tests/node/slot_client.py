@@ -54,6 +54,23 @@ def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def block_hash(i: int) -> bytes:
+    """The vLLM block hash key `i`'s announce blob carries."""
+    return hashlib.sha256(f"block-hash:{i}".encode()).digest()
+
+
+def announce(i: int) -> bytes:
+    """Key `i`'s blob as the connector's `announce_blob` encodes it: version, group, block
+    size, the chunk's block hashes, parent, tokens, LoRA id and name, extra keys, epoch."""
+    import msgspec
+
+    tokens = list(range(i * 16, i * 16 + 16))
+    parent = block_hash(i - 1) if i > 1 else None
+    return msgspec.msgpack.encode(
+        [1, 0, 16, [block_hash(i)], parent, tokens, None, None, None, b""]
+    )
+
+
 def spec(model: str) -> pb.NamespaceSpec:
     return pb.NamespaceSpec(
         model=model,
@@ -151,6 +168,9 @@ def main() -> int:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--engine", type=int, default=0)
     p.add_argument("--no-lock", action="store_true", help="store without the engine lock")
+    p.add_argument(
+        "--announce", action="store_true", help="send each key's KV-events blob (announce_blob's)"
+    )
     ns = p.parse_args()
     keys = [int(k) for k in ns.keys.split(",") if k]
     engine = ns.engine or int.from_bytes(os.urandom(4), "little") + 1
@@ -180,7 +200,10 @@ def main() -> int:
             pod.lock()
         res = pod.stub.ReserveStore(
             pb.ReserveStoreRequest(
-                namespace_id=reg.namespace_id, client_id=reg.client_id, keys=pod.packed(keys)
+                namespace_id=reg.namespace_id,
+                client_id=reg.client_id,
+                keys=pod.packed(keys),
+                announce=[announce(k) for k in keys] if ns.announce else [],
             ),
             timeout=10,
         )

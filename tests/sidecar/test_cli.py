@@ -76,6 +76,7 @@ def test_stats_table(busy_sidecar: tuple[SidecarProc, str]) -> None:
         "slots",
         "capacity",
         "used",
+        "tokens",
         "pinned",
         "hit",
         "ratio",
@@ -93,6 +94,11 @@ def test_stats_table(busy_sidecar: tuple[SidecarProc, str]) -> None:
     assert row.split()[1:4] == ["tiny-llama", "1", "255"]
     assert "80.0%" in row
     assert row.split()[-9:-5] == ["2", "3", "2", "0"]  # sizes after them are two tokens each
+    # tokens used/capacity, after capacity and used (two words each): 3 of 255 slots
+    used_tokens, capacity_tokens = map(int, row.split()[8].split("/"))
+    assert capacity_tokens > 0 and capacity_tokens % 255 == 0
+    assert used_tokens == 3 * capacity_tokens // 255
+    assert not any(line.startswith("placement node") for line in lines)  # a pod's own pool
     methods = {line.split()[0] for line in lines if line.split() and line.split()[0][:1].isupper()}
     assert {
         "Register",
@@ -111,6 +117,7 @@ def test_stats_json(
     assert main_stats(["--socket", str(proc.socket), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["pool_bytes"] == 16 << 20 and data["pool_ready"] is True
+    assert data["placement"] == "pod" and data["shared"]["pool_id"] == ""  # not shared
     (ns,) = data["namespaces"]
     assert ns["namespace_id"] == namespace_id
     assert ns["spec"]["model"] == "tiny-llama" and ns["spec"]["extra"] == {}

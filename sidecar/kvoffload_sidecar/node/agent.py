@@ -23,6 +23,7 @@ from kvoffload_sidecar.node.csi import NodeAgent, NodeConfig, serve
 from kvoffload_sidecar.node.follow import PoolFollower
 from kvoffload_sidecar.node.grants import NodePoolSpec, load_spec
 from kvoffload_sidecar.node.kube import ApiConfig, KubeClient
+from kvoffload_sidecar.node.node_metrics import serve_metrics
 from kvoffload_sidecar.node.pools import PoolOptions, TenantPools
 from kvoffload_sidecar.node.tenant_memory import MemoryServer, TenantMemory
 from kvoffload_sidecar.tenants import parse_tenants
@@ -74,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="quotas by vLLM cache_salt inside every tenant's pool (the sidecar's --tenants)",
     )
+    p.add_argument(
+        "--metrics-listen",
+        default=None,
+        help="HOST:PORT of /metrics: every tenant pool once, labelled pool_id (off by default)",
+    )
     p.add_argument("--client-timeout-s", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--detach-grace-s", type=float, default=2.0, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
@@ -118,7 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         access = Access(follower.spec, follower.precondition)
     else:
         access = Access(lambda: fixed)
-    pools = TenantPools(options, allocate=allocate, refusal=access.refusal)
+    pools = TenantPools(
+        options,
+        allocate=allocate,
+        refusal=access.refusal,
+        node_pool=fixed.name,
+        node=ns.node_id,
+    )
+    metrics = serve_metrics(pools, ns.metrics_listen) if ns.metrics_listen else None
     memory.subscribe(pools.add)  # each tenant's pool, over its memfd (adopting its index)
     attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
     server = MemoryServer(memory, attest=attest, refusal=access.refusal)
@@ -136,11 +149,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
+    if metrics is not None:
+        print(f"node agent metrics on port {metrics.port}", flush=True)
     print(f"node agent serving {ns.csi_socket} ({len(agent.bindings())} bindings)", flush=True)
     done.wait()
     if follower is not None:
         follower.stop()
     grpc_server.stop(2).wait()
+    if metrics is not None:
+        metrics.close()
     pools.close()
     server.close()
     memory.close()

@@ -53,7 +53,7 @@ from kvoffload_sidecar.metrics import SidecarMetrics
 from kvoffload_sidecar.node.access import UNAVAILABLE, Refusal, not_granted
 from kvoffload_sidecar.node.bindings import Binding
 from kvoffload_sidecar.node.tenant_memory import TenantRegion, bind_in_dir, set_socket_owner
-from kvoffload_sidecar.pool import Pool, PoolSettings
+from kvoffload_sidecar.pool import Pool, PoolSettings, PoolStats
 from kvoffload_sidecar.server import (
     MAX_MESSAGE_BYTES,
     SERVICE_NAME,
@@ -189,6 +189,41 @@ class TenantPool:
     pods: dict[tuple[str, str], PodServer] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SharedPool:
+    """A tenant's pool as its sharers see it (Stats' SharedPool, the agent's metrics): one
+    `pool_id` for every pod of the tenant on this node, so capacity is counted once."""
+
+    pool_id: str  # "<node pool>/<node>/<tenant>/<generation>"
+    node_pool: str
+    node: str
+    tenant: str
+    generation: str
+    attached_pods: int  # pods whose pool.sock serves this pool now
+    active_pods: int  # of those, pods with a live client registered through their pool.sock
+    live_clients: int  # live registered clients, every pod and namespace
+    capacity_bytes: int  # the tenant's memfd
+    used_bytes: int  # committed or reserved slots, every namespace
+    stats: PoolStats
+
+    def to_proto(self, out: pb.SharedPool) -> None:
+        out.pool_id = self.pool_id
+        out.node_pool = self.node_pool
+        out.node = self.node
+        out.tenant = self.tenant
+        out.attached_pods = self.attached_pods
+        out.active_pods = self.active_pods
+        out.live_clients = self.live_clients
+        out.capacity_bytes = self.capacity_bytes
+        out.used_bytes = self.used_bytes
+
+
+def pool_id(node_pool: str, node: str, tenant: str, generation: str) -> str:
+    """The shared pool's identifier: names are DNS labels or subdomains (no "/" in them), the
+    generation is the pool's own (kept by an agent restart that adopts the index)."""
+    return f"{node_pool}/{node}/{tenant}/{generation}"
+
+
 class TenantPools:
     """Every tenant's Pool in this agent, and the pod servers on them.
 
@@ -206,9 +241,14 @@ class TenantPools:
         socket_mode: int = 0o666,
         room: Callable[[], MemoryRoom | None] = memory_room,
         refusal: Callable[[Binding], Refusal] = not_granted,
+        node_pool: str = "",
+        node: str = "",
     ) -> None:
-        """`refusal(binding)`: what an ungranted binding's `pool.sock` answers (access.py)."""
+        """`refusal(binding)`: what an ungranted binding's `pool.sock` answers (access.py);
+        `node_pool` and `node` name the shared pools (`SharedPool.pool_id`)."""
         self.options = options or PoolOptions()
+        self.node_pool = node_pool
+        self.node = node
         self._refusal = refusal
         self._allocate = allocate
         self._mode = socket_mode
@@ -299,6 +339,50 @@ class TenantPools:
         with self._lock:
             tp = self._tenants.get(tenant)
         return tp.pool if tp is not None else None
+
+    def tenants(self) -> list[str]:
+        """Tenants with a Pool in this agent, by name."""
+        with self._lock:
+            return sorted(self._tenants)
+
+    def metrics_of(self, tenant: str) -> SidecarMetrics | None:
+        with self._lock:
+            tp = self._tenants.get(tenant)
+        return tp.metrics if tp is not None else None
+
+    def shared(self, tenant: str) -> SharedPool | None:
+        """The tenant's pool and who shares it now; None when it has no Pool here."""
+        with self._lock:
+            tp = self._tenants.get(tenant)
+        return self._shared(tp) if tp is not None else None
+
+    def _shared(self, tp: TenantPool) -> SharedPool:
+        stats = tp.pool.stats()
+        live = tp.pool.live_client_ids()
+        with self._lock:
+            registered = [pod.servicer.registered_clients for pod in tp.pods.values()]
+        active = sum(1 for ids in registered if ids is not None and not ids.isdisjoint(live))
+        return SharedPool(
+            pool_id=pool_id(self.node_pool, self.node, tp.tenant, stats.pool_generation),
+            node_pool=self.node_pool,
+            node=self.node,
+            tenant=tp.tenant,
+            generation=stats.pool_generation,
+            attached_pods=len(registered),
+            active_pods=active,
+            live_clients=len(live),
+            capacity_bytes=stats.pool_bytes,
+            used_bytes=sum(ns.used_bytes for ns in stats.namespaces),
+            stats=stats,
+        )
+
+    def _fill_shared(self, tp: TenantPool, servicer: PoolServicer, out: pb.SharedPool) -> None:
+        """Stats' SharedPool for a pod's server (on the loop thread, where Register adds to
+        `registered_clients`: the ids no longer live are dropped here)."""
+        ids = servicer.registered_clients
+        if ids is not None:
+            ids.intersection_update(tp.pool.live_client_ids())
+        self._shared(tp).to_proto(out)
 
     async def _start_reaper(self, tp: TenantPool) -> asyncio.Task[None]:
         return asyncio.create_task(self._reap(tp))
@@ -422,6 +506,10 @@ class TenantPools:
         # Stats relays the pod's connector status files, as a sidecar's relays its pod's
         servicer.status_dir = Path(b.target_path)
         servicer.session_socket_name = SESSION_SOCKET
+        # Stats says the pool is shared, by whom (pods with a live client registered here)
+        servicer.placement = "node"
+        servicer.registered_clients = set()
+        servicer.shared = functools.partial(self._fill_shared, tp, servicer)
         server = new_server()
         add_servicer(servicer, server)
         health_servicer = health.aio.HealthServicer()

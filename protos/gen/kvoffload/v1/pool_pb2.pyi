@@ -304,7 +304,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants", "refused_commits", "unlocked_reservations", "withheld_slots")
+    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants", "refused_commits", "unlocked_reservations", "withheld_slots", "capacity_tokens", "used_tokens")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,8 @@ class NamespaceStats(_message.Message):
     REFUSED_COMMITS_FIELD_NUMBER: _ClassVar[int]
     UNLOCKED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     WITHHELD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     spec: NamespaceSpec
     num_ranks: int
@@ -355,7 +357,9 @@ class NamespaceStats(_message.Message):
     refused_commits: int
     unlocked_reservations: int
     withheld_slots: int
-    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., refused_commits: _Optional[int] = ..., unlocked_reservations: _Optional[int] = ..., withheld_slots: _Optional[int] = ...) -> None: ...
+    capacity_tokens: int
+    used_tokens: int
+    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., refused_commits: _Optional[int] = ..., unlocked_reservations: _Optional[int] = ..., withheld_slots: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("name", "guaranteed_fraction", "max_fraction", "guaranteed_slots", "max_slots", "used_slots", "committed_slots", "used_bytes", "stored_blocks", "evicted_blocks", "lookups", "hit_blocks", "miss_blocks", "queried_blocks")
@@ -402,7 +406,7 @@ class RpcLatency(_message.Message):
     def __init__(self, method: _Optional[str] = ..., count: _Optional[int] = ..., p50_seconds: _Optional[float] = ..., p99_seconds: _Optional[float] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("pool_bytes", "prefaulted_bytes", "pool_ready", "eviction_policy", "pool_generation", "namespaces", "rpc_latency", "uptime_seconds", "version", "degraded_reason", "connector_status", "adoption")
+    __slots__ = ("pool_bytes", "prefaulted_bytes", "pool_ready", "eviction_policy", "pool_generation", "namespaces", "rpc_latency", "uptime_seconds", "version", "degraded_reason", "connector_status", "adoption", "placement", "shared")
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFAULTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     POOL_READY_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +419,8 @@ class StatsResponse(_message.Message):
     DEGRADED_REASON_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_STATUS_FIELD_NUMBER: _ClassVar[int]
     ADOPTION_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
     pool_bytes: int
     prefaulted_bytes: int
     pool_ready: bool
@@ -427,7 +433,31 @@ class StatsResponse(_message.Message):
     degraded_reason: str
     connector_status: str
     adoption: PoolAdoption
-    def __init__(self, pool_bytes: _Optional[int] = ..., prefaulted_bytes: _Optional[int] = ..., pool_ready: _Optional[bool] = ..., eviction_policy: _Optional[str] = ..., pool_generation: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., rpc_latency: _Optional[_Iterable[_Union[RpcLatency, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., connector_status: _Optional[str] = ..., adoption: _Optional[_Union[PoolAdoption, _Mapping]] = ...) -> None: ...
+    placement: str
+    shared: SharedPool
+    def __init__(self, pool_bytes: _Optional[int] = ..., prefaulted_bytes: _Optional[int] = ..., pool_ready: _Optional[bool] = ..., eviction_policy: _Optional[str] = ..., pool_generation: _Optional[str] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., rpc_latency: _Optional[_Iterable[_Union[RpcLatency, _Mapping]]] = ..., uptime_seconds: _Optional[float] = ..., version: _Optional[str] = ..., degraded_reason: _Optional[str] = ..., connector_status: _Optional[str] = ..., adoption: _Optional[_Union[PoolAdoption, _Mapping]] = ..., placement: _Optional[str] = ..., shared: _Optional[_Union[SharedPool, _Mapping]] = ...) -> None: ...
+
+class SharedPool(_message.Message):
+    __slots__ = ("pool_id", "node_pool", "node", "tenant", "attached_pods", "active_pods", "capacity_bytes", "used_bytes", "live_clients")
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_POOL_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_PODS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_PODS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    pool_id: str
+    node_pool: str
+    node: str
+    tenant: str
+    attached_pods: int
+    active_pods: int
+    capacity_bytes: int
+    used_bytes: int
+    live_clients: int
+    def __init__(self, pool_id: _Optional[str] = ..., node_pool: _Optional[str] = ..., node: _Optional[str] = ..., tenant: _Optional[str] = ..., attached_pods: _Optional[int] = ..., active_pods: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., live_clients: _Optional[int] = ...) -> None: ...
 
 class PoolAdoption(_message.Message):
     __slots__ = ("outcome", "reason", "format_version", "adopted_blocks", "adopted_namespaces", "discarded_blocks", "adopt_seconds", "boots")

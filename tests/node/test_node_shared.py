@@ -1,0 +1,204 @@
+"""A node pool seen as shared: Stats over each pod's `pool.sock`, the agent's /metrics,
+`kvoffload stats`, and the host tier's KV events of every engine that can load a block.
+
+One real agent (`--metrics-listen`), the kubelet stand-in publishing two pods of tenant alpha
+and one of beta, each pod's client a process of its own (tests/node/slot_client.py)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from kvoffload.v1 import pool_pb2 as pb
+from kvoffload.v1 import pool_pb2_grpc as pb_grpc
+from kvoffload_connector.scheduler.events import DecodedBlob, EventFeed
+from kvoffload_sidecar.cli import main_stats
+from nodeharness import ALPHA_GROUP, POD_A, POD_B, Agent, Kubelet, MiB, Pod, make_root
+from slot_client import block_hash
+
+from tests.sidecar.metrics_doc import check_text_format, documented, exposed, samples
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
+
+CLIENT = str(Path(__file__).with_name("slot_client.py"))
+POD_A2 = Pod("team-a", "vllm-a-1", str(uuid.uuid4()), "vllm", "alpha", ALPHA_GROUP)
+TOKENS_PER_SLOT = 16  # slot_client.py's spec: block_size 16, chunk_blocks 1, one KV group
+
+
+@dataclass
+class Node:
+    root: Path
+    agent: Agent
+    kubelet: Kubelet
+    metrics_port: int
+
+    def mount(self, pod: Pod) -> str:
+        link = self.root / f"m-{pod.name}"
+        if not link.exists():
+            link.symlink_to(self.kubelet.target(pod))
+        return str(link)
+
+    def client(self, pod: Pod, action: str, *args: str) -> None:
+        out = subprocess.run(
+            [sys.executable, CLIENT, self.mount(pod), action, "--tenant", pod.tenant, *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, f"{out.stderr}\n--- agent ---\n{self.agent.log.read_text()}"
+
+    def stub(self, pod: Pod) -> pb_grpc.KVPoolStub:
+        channel = grpc.insecure_channel(f"unix:{self.mount(pod)}/pool.sock")
+        return pb_grpc.KVPoolStub(channel)
+
+    def stats(self, pod: Pod) -> pb.StatsResponse:
+        return self.stub(pod).Stats(pb.StatsRequest(), timeout=10, wait_for_ready=True)
+
+    def scrape(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.read().decode()
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[Node]:
+    root = make_root()
+    a = Agent(root, "--metrics-listen", "127.0.0.1:0")
+    a.start()
+    k = Kubelet(root, a.csi_socket)
+    try:
+        found = re.search(r"node agent metrics on port (\d+)", a.log.read_text())
+        assert found, a.log.read_text()
+        for pod in (POD_A, POD_A2, POD_B):
+            k.publish(pod)
+        yield Node(root, a, k, int(found.group(1)))
+    finally:
+        k.channel.close()
+        a.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_stats_of_every_pod_name_the_one_shared_pool_and_its_sharers(node: Node) -> None:
+    a, a2, b = (node.stats(p) for p in (POD_A, POD_A2, POD_B))
+    for s in (a, a2, b):
+        assert s.placement == "node" and s.HasField("shared")
+    assert a.shared.pool_id == a2.shared.pool_id == f"node-pool/node-a/alpha/{a.pool_generation}"
+    assert b.shared.pool_id == f"node-pool/node-a/beta/{b.pool_generation}" != a.shared.pool_id
+    assert (a.shared.node_pool, a.shared.node, a.shared.tenant) == ("node-pool", "node-a", "alpha")
+    assert (a.shared.capacity_bytes, b.shared.capacity_bytes) == (4 * MiB, 2 * MiB)
+    assert (a.shared.attached_pods, b.shared.attached_pods) == (2, 1)  # published, granted
+    assert a.shared.active_pods == 0 and a.shared.live_clients == 0  # nobody registered yet
+
+    node.client(POD_A, "store", "--keys", "1,2,3", "--announce")
+    a = node.stats(POD_A2)  # any sharer's Stats answers the same pool
+    assert (a.shared.attached_pods, a.shared.active_pods, a.shared.live_clients) == (2, 1, 1)
+    node.client(POD_A2, "register")
+    a = node.stats(POD_A)
+    assert (a.shared.active_pods, a.shared.live_clients) == (2, 2)
+    assert node.stats(POD_B).shared.active_pods == 0  # beta's pool is another, unused
+
+    (ns,) = a.namespaces
+    assert ns.capacity_tokens == ns.slot_count * TOKENS_PER_SLOT > 0
+    assert ns.used_tokens == 3 * TOKENS_PER_SLOT
+    assert a.shared.used_bytes == ns.used_bytes == 3 * ns.slot_bytes
+
+
+def test_kvoffload_stats_prints_the_shared_pool(
+    node: Node, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main_stats(["--socket", f"{node.mount(POD_A2)}/pool.sock"]) == 0
+    out = capsys.readouterr().out
+    pool_id = node.stats(POD_A).shared.pool_id
+    assert f"placement node: pool {pool_id} (node pool node-pool, node node-a, tenant alpha)" in out
+    assert "shared by 2 pod(s) attached" in out and "count it once per pool id" in out
+    assert re.search(r"\s48/\d+\s", out), out  # tokens used/capacity of the namespace row
+
+
+def test_agent_metrics_expose_each_pool_once_with_its_id(node: Node) -> None:
+    text = node.scrape()
+    check_text_format(text)
+    a, b = (node.stats(p).shared.pool_id for p in (POD_A, POD_B))
+    info = samples(text, "kvoffload_node_pool_info")
+    assert {dict(k)["pool_id"] for k in info} == {a, b}  # one series per pool, not per pod
+    assert samples(text, "kvoffload_node_pool_attached_pods") == {
+        (("pool_id", a),): 2.0,
+        (("pool_id", b),): 1.0,
+    }
+    assert samples(text, "kvoffload_node_pool_capacity_bytes")[(("pool_id", a),)] == 4 * MiB
+    tokens = {dict(k)["pool_id"]: v for k, v in samples(text, "kvoffload_pool_used_tokens").items()}
+    assert tokens[a] == 3 * TOKENS_PER_SLOT
+    # the agent's series: its own section's as documented, the sidecar's with pool_id added
+    node_doc = documented("Node agent")
+    sidecar_doc = documented("Sidecar", "Per-tenant")
+    families = exposed(text)
+    for name, family in families.items():
+        if name in node_doc:
+            assert family.labels == node_doc[name].labels, name
+            continue
+        if name == "kvoffload_build_info":  # the agent's own, once
+            assert family.labels == {"version"} and family.samples == 1
+            continue
+        assert name in sidecar_doc, f"{name} is not documented"
+        if family.samples:  # (a histogram no call observed yet has none)
+            assert family.labels == sidecar_doc[name].labels | {"pool_id"}, name
+    assert set(node_doc) <= set(families)
+    assert "kvoffload_pool_capacity_tokens" in families  # per domain, with pool_id
+    # no pod's GPU tier here, no degraded sidecar
+    assert not {"kvoffload_kv_capacity_tokens", "kvoffload_pool_degraded"} & set(families)
+
+
+class Builder:
+    """The feed's event builder without vLLM (importing it takes seconds; the vLLM format of
+    these events is the engine tests'): what the feed decoded of each stored block."""
+
+    def stored(self, blob: DecodedBlob) -> DecodedBlob:
+        return blob
+
+    def removed(self, announced: object) -> object:
+        return announced
+
+
+def events_of(node: Node, pod: Pod, namespace_id: str) -> list:
+    """The host tier's KV events the engine of `pod` announces: the connector's feed over the
+    pod's own pool.sock, read until caught up."""
+    stub = node.stub(pod)
+
+    def fetch(log_id: str, after: int, cursor: int, page: int) -> pb.EventsResponse:
+        req = pb.EventsRequest(
+            namespace_id=namespace_id, log_id=log_id, after_seq=after, cursor=cursor,
+            max_events=page,
+        )  # fmt: skip
+        return stub.Events(req, timeout=10)
+
+    feed = EventFeed(fetch, builder=Builder())
+    feed.poll()
+    return feed.take()
+
+
+def test_a_replica_announces_the_blocks_another_stored_and_another_tenant_none(
+    node: Node,
+) -> None:
+    stats = node.stats(POD_A)
+    if not stats.namespaces or stats.namespaces[0].stored_blocks < 3:
+        node.client(POD_A, "store", "--keys", "1,2,3", "--announce")
+        stats = node.stats(POD_A)
+    (ns,) = stats.namespaces
+    deadline = time.monotonic() + 10
+    events = events_of(node, POD_A2, ns.namespace_id)  # B never stored: it can load them
+    while len(events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        events = events_of(node, POD_A2, ns.namespace_id)
+    assert [e.hashes for e in events] == [(block_hash(i),) for i in (1, 2, 3)]
+    assert events[0].tokens == list(range(16, 32)) and events[1].parent == block_hash(1)
+    # beta registers the same model: another tenant's pool, another memfd; nothing of alpha's
+    node.client(POD_B, "register")
+    (beta_ns,) = node.stats(POD_B).namespaces
+    assert events_of(node, POD_B, beta_ns.namespace_id) == []
