@@ -4,9 +4,15 @@ conftest.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import signal
+import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from kvoffload.v1 import pool_pb2 as pb
@@ -45,6 +51,79 @@ class Agent(standin.Agent):
 
 POD_A = Pod("team-a", "vllm-a-0", str(uuid.uuid4()), "vllm", "alpha", ALPHA_GROUP)
 POD_B = Pod("team-b", "vllm-b-0", str(uuid.uuid4()), "vllm", "beta", BETA_GROUP)
+
+
+POD_A2 = Pod("team-a", "vllm-a-1", str(uuid.uuid4()), "vllm", "alpha", ALPHA_GROUP)  # A's replica
+
+
+class Node:
+    """A node for a test: the holder (unless `holder=False`), the agent beside it (its memfds
+    from the holder; its grants POOL's unless `pool`), the kubelet stand-in, `pods` published.
+    A context manager; `mount(pod)`: the pod's volume as the pod sees it."""
+
+    def __init__(
+        self,
+        *pods: Pod,
+        holder: bool = True,
+        pool: dict[str, Any] | None = None,
+        agent_args: Sequence[str] = (),
+    ) -> None:
+        self.root = make_root()
+        self.holder: subprocess.Popen | None = None
+        self.holder_socket = ""
+        try:
+            if holder:
+                self.holder, self.holder_socket = start_holder(self.root)
+        except BaseException:
+            shutil.rmtree(self.root, ignore_errors=True)
+            raise
+        held = ["--holder-socket", self.holder_socket] if holder else []
+        self.agent = Agent(self.root, *held, *agent_args)
+        if pool is not None:
+            self.agent.pool_file.write_text(json.dumps(pool))
+        self.kubelet = Kubelet(self.root, self.agent.csi_socket)
+        try:
+            self.agent.start()
+            for pod in pods:
+                self.kubelet.publish(pod)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Node:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def mount(self, pod: Pod) -> str:
+        """The pod's volume as the pod sees it (a short link; a pod mounts it at
+        /var/run/kvoffload, and the published path is longer than sun_path)."""
+        return self.kubelet.short(pod)
+
+    def restart_agent(self) -> None:
+        """The agent SIGKILLed and started again beside the same holder."""
+        self.agent.kill()
+        self.agent.start()
+
+    def replace(self) -> None:
+        """Holder and agent SIGKILLed; a new holder (new memfds: new pools), the agent again."""
+        assert self.holder is not None
+        self.agent.kill()
+        self.holder.send_signal(signal.SIGKILL)
+        self.holder.wait(10)
+        shutil.rmtree(self.root / "holder")
+        self.holder, path = start_holder(self.root)
+        assert path == self.holder_socket
+        self.agent.start()
+
+    def close(self) -> None:
+        self.kubelet.channel.close()
+        self.agent.stop()
+        if self.holder is not None and self.holder.poll() is None:
+            self.holder.send_signal(signal.SIGTERM)
+            self.holder.wait(10)
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def pool_call(directory: str, method: str = "Register") -> tuple[grpc.StatusCode, str]:

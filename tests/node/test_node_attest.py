@@ -4,15 +4,15 @@ path and refuses a process of another pod even where the filesystem let it reach
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from kvoffload_connector.common.node_memory import NodeMemoryError, open_tenant_memory
 from kvoffload_sidecar.node.attest import pod_uid_of_cgroup
-from nodeharness import POD_A, POD_B, Agent, Kubelet, MiB, make_root
+from nodeharness import POD_A, POD_B, MiB, Node
 
 UID = "0f3c6a2e-57b1-4c3e-9d55-0c2b5f1e8a10"
 
@@ -47,21 +47,17 @@ def test_no_pod_or_several_places_nobody(text: str) -> None:
 
 
 @pytest.mark.process
-def test_an_attesting_agent_refuses_a_peer_of_another_pod() -> None:
-    root = make_root()
-    proc = root / "proc"
+def test_an_attesting_agent_refuses_a_peer_of_another_pod(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
     # this test process is "in" pod A for the agent: its cgroup file, systemd driver
     (proc / str(os.getpid())).mkdir(parents=True)
     (proc / str(os.getpid()) / "cgroup").write_text(
         "0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod"
         f"{POD_A.uid.replace('-', '_')}.slice/cri-containerd-1.scope\n"
     )
-    a = Agent(root, "--attest-peers", "cgroup", "--proc-root", str(proc))
-    a.start()
-    k = Kubelet(root, a.csi_socket)
-    try:
-        k.publish(POD_A)
-        k.publish(POD_B)
+    attesting = ("--attest-peers", "cgroup", "--proc-root", str(proc))
+    with Node(POD_A, POD_B, holder=False, agent_args=attesting) as node:
+        k = node.kubelet
         m = open_tenant_memory(str(k.target(POD_A) / "memory.sock"), "alpha")
         assert m.size == 4 * MiB
         m.close()
@@ -85,7 +81,3 @@ def test_an_attesting_agent_refuses_a_peer_of_another_pod() -> None:
         assert out.stdout.split() == ["PERMISSION_DENIED"], out.stderr
         k.unpublish(POD_A)
         k.unpublish(POD_B)
-    finally:
-        k.channel.close()
-        a.stop()
-        shutil.rmtree(root, ignore_errors=True)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +19,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,8 +36,7 @@ from kvoffload_connector.worker.engine_lock import _FLOCK, lock_offset
 from kvoffload_connector.worker.layout import canonicalize
 from kvoffload_connector.worker.offload_worker import OffloadWorker
 from kvoffload_connector.worker.pool_memory import TenantAttach, TenantMemory
-from nodeharness import AGENT, POD_A, POD_B, Agent, Kubelet, MiB, Pod, make_root
-from test_node_slots import POD_A2, start_holder
+from nodeharness import AGENT, POD_A, POD_A2, POD_B, MiB, Node
 
 from tests.connector.kv_setup import expected_block, fill_random, make_kv_caches, write_block
 
@@ -80,56 +76,10 @@ def test_placement_is_pod_by_default_node_when_asked_and_a_bad_value_is_refused(
 # -- a node with a holder, pods published ---------------------------------------------------
 
 
-@dataclass
-class Node:
-    root: Path
-    holder: subprocess.Popen
-    holder_socket: str
-    agent: Agent
-    kubelet: Kubelet
-    links: dict[str, str] = field(default_factory=dict)
-
-    def mount(self, pod: Pod) -> str:
-        """The pod's volume as the pod sees it (a short link; a pod mounts it at
-        /var/run/kvoffload)."""
-        link = self.root / f"m-{pod.name}"
-        if not link.exists():
-            link.symlink_to(self.kubelet.target(pod))
-        return str(link)
-
-    def restart_agent(self) -> None:
-        self.agent.kill()
-        self.agent.start()
-
-    def replace(self) -> None:
-        """Holder and agent SIGKILLed, a new holder (new memfds), the agent again."""
-        self.agent.kill()
-        self.holder.send_signal(signal.SIGKILL)
-        self.holder.wait(10)
-        shutil.rmtree(self.root / "holder")
-        self.holder, path = start_holder(self.root)
-        assert path == self.holder_socket
-        self.agent.start()
-
-
 @pytest.fixture
 def node() -> Iterator[Node]:
-    root = make_root()
-    holder, path = start_holder(root)
-    agent = Agent(root, "--holder-socket", path)
-    agent.start()
-    kubelet = Kubelet(root, agent.csi_socket)
-    n = Node(root, holder, path, agent, kubelet)
-    try:
-        for pod in (POD_A, POD_A2, POD_B):
-            kubelet.publish(pod)
+    with Node(POD_A, POD_A2, POD_B) as n:
         yield n
-    finally:
-        kubelet.channel.close()
-        agent.stop()
-        n.holder.send_signal(signal.SIGTERM)
-        n.holder.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 # -- a worker rank over a pod's sockets -----------------------------------------------------

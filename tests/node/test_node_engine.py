@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -25,8 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodeharness import POD_A, POD_B, Agent, Kubelet, MiB, make_root
-from test_node_slots import POD_A2, start_holder
+from nodeharness import POD_A, POD_A2, POD_B, MiB, Node, Pod
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -49,44 +46,14 @@ TENANTS = {
 P_SEED, R_SEED = 31, 41  # the outage test's S is R_SEED + 1
 
 
-class Node:
+def pool_socket(node: Node, pod: Pod) -> str:
+    return f"{node.mount(pod)}/pool.sock"
+
+
+def new_node() -> Node:
     """A holder, the agent beside it and the kubelet stand-in, pods A, A2 (alpha), B (beta)
-    published; each pod's volume seen through a short link (a pod mounts it at
-    /var/run/kvoffload)."""
-
-    def __init__(self) -> None:
-        self.root = make_root()
-        self.holder, self.holder_socket = start_holder(self.root)
-        self.agent = Agent(self.root, "--holder-socket", self.holder_socket)
-        self.agent.pool_file.write_text(json.dumps(TENANTS))
-        self.agent.start()
-        self.kubelet = Kubelet(self.root, self.agent.csi_socket)
-        for pod in (POD_A, POD_A2, POD_B):
-            self.kubelet.publish(pod)
-
-    def socket(self, pod) -> str:
-        link = self.root / f"m-{pod.name}"
-        if not link.exists():
-            link.symlink_to(self.kubelet.target(pod))
-        return str(link / "pool.sock")
-
-    def replace(self) -> None:
-        """Holder and agent SIGKILLed; a new holder (new memfds: new pools) and agent."""
-        self.agent.kill()
-        self.holder.send_signal(signal.SIGKILL)
-        self.holder.wait(10)
-        shutil.rmtree(self.root / "holder")
-        self.holder, path = start_holder(self.root)
-        assert path == self.holder_socket
-        self.agent.start()
-
-    def close(self) -> None:
-        self.kubelet.channel.close()
-        self.agent.stop()
-        if self.holder.poll() is None:
-            self.holder.send_signal(signal.SIGTERM)
-            self.holder.wait(10)
-        shutil.rmtree(self.root, ignore_errors=True)
+    published, the shares TENANTS'."""
+    return Node(POD_A, POD_A2, POD_B, pool=TENANTS)
 
 
 def engine(scenario: str, socket: str, out: Path, *args: str, timeout: int = 300) -> dict:
@@ -107,11 +74,8 @@ def engine(scenario: str, socket: str, out: Path, *args: str, timeout: int = 300
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    n = Node()
-    try:
+    with new_node() as n:
         yield n
-    finally:
-        n.close()
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +102,7 @@ def test_a_second_pod_of_the_tenant_hits_what_the_first_stored_and_beta_hits_non
     node, reference, tmp_path
 ):
     ref = reference[str(P_SEED)]
-    a = engine("store", node.socket(POD_A), tmp_path / "a.json", "--seed", str(P_SEED))
+    a = engine("store", pool_socket(node, POD_A), tmp_path / "a.json", "--seed", str(P_SEED))
     same(a["first"], ref)
     assert all(o["cached"] == 0 for o in a["first"]), a["first"]  # a fresh pool: misses
     per_prompt = 300 // a["chunk_tokens"]
@@ -150,14 +114,15 @@ def test_a_second_pod_of_the_tenant_hits_what_the_first_stored_and_beta_hits_non
         assert "no_pool" not in st, st
     # kvoffload stats through the pod's pool.sock shows the connectors and their placement
     stats = subprocess.run(
-        [str(Path(sys.executable).parent / "kvoffload"), "stats", "--socket", node.socket(POD_A)],
+        [str(Path(sys.executable).parent / "kvoffload"), "stats",
+         "--socket", pool_socket(node, POD_A)],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert stats.returncode == 0, stats.stderr
     assert "connector scheduler rank 0 (placement node): active" in stats.stdout, stats.stdout
     assert "connector worker rank 0 (placement node): active" in stats.stdout, stats.stdout
 
-    b = engine("load", node.socket(POD_A2), tmp_path / "b.json", "--seed", str(P_SEED))
+    b = engine("load", pool_socket(node, POD_A2), tmp_path / "b.json", "--seed", str(P_SEED))
     assert all(o["cached"] >= 256 for o in b["first"]), f"{b['first']}\n{b['log']}"
     same(b["first"], ref)
     same(b["again"], ref)
@@ -166,7 +131,7 @@ def test_a_second_pod_of_the_tenant_hits_what_the_first_stored_and_beta_hits_non
     assert b["after"]["loaded_blocks"] > b["before"]["loaded_blocks"]
     assert b["mapped"] == [b["memory"]["ino"]], b  # it maps alpha's memfd, nothing else
 
-    beta = engine("load", node.socket(POD_B), tmp_path / "beta.json", "--seed", str(P_SEED),
+    beta = engine("load", pool_socket(node, POD_B), tmp_path / "beta.json", "--seed", str(P_SEED),
                   "--tenant", "beta")  # fmt: skip
     assert all(o["cached"] == 0 for o in beta["first"]), beta["first"]  # alpha's blocks: none
     same(beta["first"], ref)
@@ -180,7 +145,7 @@ def test_absent_agent_then_sigkill_then_new_memory_the_engine_serves_and_reattac
     reference, tmp_path
 ):
     """Its own node: the agent stopped before the engine starts, and later replaced."""
-    n = Node()
+    n = new_node()
     ctl = tmp_path / "ctl"
     ctl.mkdir()
     n.agent.stop()  # the pod's volume stays; nothing serves its sockets
@@ -203,7 +168,7 @@ def test_absent_agent_then_sigkill_then_new_memory_the_engine_serves_and_reattac
     t = threading.Thread(target=drive, daemon=True)
     t.start()
     try:
-        r = engine("outage", n.socket(POD_A), tmp_path / "outage.json", "--seed", str(R_SEED),
+        r = engine("outage", pool_socket(n, POD_A), tmp_path / "outage.json", "--seed", str(R_SEED),
                    "--ctl", str(ctl), timeout=500)  # fmt: skip
     finally:
         stop.set()

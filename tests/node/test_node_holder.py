@@ -6,53 +6,26 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
-import time
-from pathlib import Path
 
 import pytest
 from kvoffload_connector.common.node_memory import open_tenant_memory
 from kvoffload_sidecar.node.holder import Holder, HolderError, lend
-from nodeharness import AGENT, POD_A, POD_B, Agent, Kubelet, MiB, make_root
+from nodeharness import POD_A, POD_B, MiB, Node
 
 pytestmark = pytest.mark.process
 
 
-def _start_holder(root: Path) -> tuple[subprocess.Popen, str]:
-    d = root / "holder"
-    d.mkdir(mode=0o700)
-    path = str(d / "holder.sock")
-    log = root / "holder.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [AGENT[0], "node-holder", "--socket", path, "--prefault"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    deadline = time.monotonic() + 20
-    while "node holder serving" not in log.read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.02)
-    return proc, path
-
-
 def test_a_pods_blocks_outlive_an_agent_sigkill() -> None:
-    root = make_root()
-    holder, path = _start_holder(root)
-    a = Agent(root, "--holder-socket", path)
-    a.start()
-    k = Kubelet(root, a.csi_socket)
-    try:
-        k.publish(POD_A)
-        k.publish(POD_B)
+    with Node(POD_A, POD_B) as node:
+        k, path = node.kubelet, node.holder_socket
         sock = str(k.target(POD_A) / "memory.sock")
         m = open_tenant_memory(sock, "alpha")
         m.buffer[MiB : MiB + 6] = b"stored"
         m.close()  # the pod lets go: only the holder keeps the memory now
-        a.kill()
-        a.start()
+        node.restart_agent()
         again = open_tenant_memory(sock, "alpha")
         assert again.buffer[MiB : MiB + 6] == b"stored"
         again.close()
@@ -76,12 +49,6 @@ def test_a_pods_blocks_outlive_an_agent_sigkill() -> None:
         assert out.stdout.split() == ["EACCES"], out.stderr
         k.unpublish(POD_A)
         k.unpublish(POD_B)
-    finally:
-        k.channel.close()
-        a.stop()
-        holder.terminate()
-        holder.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_holder_answers_only_its_own_uid_and_takes_no_fds() -> None:

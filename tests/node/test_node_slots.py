@@ -17,10 +17,10 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import nodeharness
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
@@ -32,25 +32,20 @@ from kvoffload_sidecar.node.pools import PoolOptions, TenantPools
 from kvoffload_sidecar.node.tenant_memory import TenantRegion, create_memfd
 from nodeharness import (
     AGENT,
-    ALPHA_GROUP,
     BETA_GROUP,
     POD_A,
+    POD_A2,
     POD_B,
-    Agent,
-    Kubelet,
     MiB,
     Pod,
     make_root,
     pool_call,
-    start_holder,
 )
 
 pytestmark = pytest.mark.process
 
 CLIENT = str(Path(__file__).with_name("slot_client.py"))
 SLOT_BYTES = 64 << 10
-# a second pod of tenant alpha: another replica of the same model
-POD_A2 = Pod("team-a", "vllm-a-1", str(uuid.uuid4()), "vllm", "alpha", ALPHA_GROUP)
 
 
 def block_digest(seed: str, i: int) -> str:
@@ -59,20 +54,8 @@ def block_digest(seed: str, i: int) -> str:
     return hashlib.sha256((unit * (SLOT_BYTES // len(unit)))[:SLOT_BYTES]).hexdigest()
 
 
-@dataclass
-class Node:
-    root: Path
-    agent: Agent
-    kubelet: Kubelet
-    holder: subprocess.Popen
-
-    def mount(self, pod: Pod) -> str:
-        """The pod's volume as the pod sees it: a short path to its directory (a real pod
-        mounts it at /var/run/kvoffload; the published path is longer than sun_path)."""
-        link = self.root / f"m-{pod.name}"
-        if not link.exists():
-            link.symlink_to(self.kubelet.target(pod))
-        return str(link)
+class Node(nodeharness.Node):
+    """The node, each pod's client a process of its own over the pod's sockets."""
 
     def client(self, pod: Pod, action: str, *args: str) -> dict:
         out = subprocess.run(
@@ -91,21 +74,8 @@ class Node:
 
 @pytest.fixture
 def node() -> Iterator[Node]:
-    root = make_root()
-    holder, path = start_holder(root)
-    a = Agent(root, "--holder-socket", path)
-    a.start()
-    k = Kubelet(root, a.csi_socket)
-    try:
-        for pod in (POD_A, POD_A2, POD_B):
-            k.publish(pod)
-        yield Node(root, a, k, holder)
-    finally:
-        k.channel.close()
-        a.stop()
-        holder.send_signal(signal.SIGTERM)
-        holder.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
+    with Node(POD_A, POD_A2, POD_B) as n:
+        yield n
 
 
 def test_register_names_the_tenant_memory_and_no_path(node: Node) -> None:
@@ -276,8 +246,6 @@ def test_the_agents_prefault_is_charged_to_the_holder(monkeypatch: pytest.Monkey
     """The agent's pool pre-faults a tenant's memory in its own order, but each range is
     allocated by the holder (`prefault` over the holder socket): the holder's cgroup, whose
     limit is the node pool, is charged, never the agent's."""
-    import nodeharness
-
     tenant = 64 * MiB
     root = make_root()
     holder_cg, agent_cg = _memory_cgroup("holder"), _memory_cgroup("agent")
@@ -292,37 +260,29 @@ def test_the_agents_prefault_is_charged_to_the_holder(monkeypatch: pytest.Monkey
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     monkeypatch.setattr(nodeharness, "AGENT", ["sh", "-c", join.format(agent_cg), "sh", *AGENT])
-    a = Agent(root, "--holder-socket", path)
-    a.pool_file.write_text(
-        json.dumps(
-            {
-                "name": "p",
-                "tenants": [{"name": "alpha", "shareBytes": tenant, "namespaces": ["team-a"]}],
-            }
-        )
-    )
-    k = None
+    pool = {
+        "name": "p",
+        "tenants": [{"name": "alpha", "shareBytes": tenant, "namespaces": ["team-a"]}],
+    }
+    node = None
     try:
         deadline = time.monotonic() + 20
         while "node holder serving" not in log.read_text():
             assert holder.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.02)
-        a.start()
-        k = Kubelet(root, a.csi_socket)
-        k.publish(POD_A)
-        node = Node(root, a, k, holder)
+        node = Node(POD_A, holder=False, pool=pool, agent_args=("--holder-socket", path))
+        agent_log = node.agent.log
         stored = node.client(POD_A, "store", "--keys", "1")  # waits until the pool is ready
         assert stored["visible"]
         holder_bytes, agent_bytes = _shmem(holder_cg), _shmem(agent_cg)
-        assert holder_bytes + agent_bytes >= tenant, a.log.read_text()  # every page, once
+        assert holder_bytes + agent_bytes >= tenant, agent_log.read_text()  # every page, once
         # the agent's share: pages its pool wrote before the pre-fault reached them (the pool
         # header, a namespace's header and slot table), never the tenant's slots
         assert agent_bytes < MiB and holder_bytes > tenant - MiB, (holder_bytes, agent_bytes)
-        assert "the holder allocates its pages" in a.log.read_text()
+        assert "the holder allocates its pages" in agent_log.read_text()
     finally:
-        if k is not None:
-            k.channel.close()
-        a.stop()
+        if node is not None:
+            node.close()
         holder.send_signal(signal.SIGTERM)
         holder.wait(10)
         shutil.rmtree(root, ignore_errors=True)
