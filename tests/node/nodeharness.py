@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 from kvoffload.v1 import pool_pb2 as pb
+from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -23,6 +24,7 @@ import node_standin as standin  # noqa: E402
 from node_standin import AGENT, Kubelet, Pod, make_root, start_holder  # noqa: E402, F401
 
 MiB = 1 << 20
+CLIENT = str(Path(__file__).with_name("slot_client.py"))  # a pod's client process
 ALPHA_GROUP = None  # pod A sets no fsGroup: its socket is 0666 in a 0755 directory
 BETA_GROUP = 2002  # pod B's fsGroup: its directory and socket belong to that group only
 POOL = {
@@ -100,6 +102,22 @@ class Node:
         """The pod's volume as the pod sees it (a short link; a pod mounts it at
         /var/run/kvoffload, and the published path is longer than sun_path)."""
         return self.kubelet.short(pod)
+
+    def client(self, pod: Pod, action: str, *args: str) -> dict:
+        """tests/node/slot_client.py as a process of the pod's own over its sockets: its
+        report."""
+        out = subprocess.run(
+            [sys.executable, CLIENT, self.mount(pod), action, "--tenant", pod.tenant, *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 0, f"{out.stderr}\n--- agent ---\n{self.agent.log.read_text()}"
+        return json.loads(out.stdout.splitlines()[-1])
+
+    def stats(self, pod: Pod) -> pb.StatsResponse:
+        with grpc.insecure_channel(f"unix:{self.mount(pod)}/pool.sock") as channel:
+            return pb_grpc.KVPoolStub(channel).Stats(
+                pb.StatsRequest(), timeout=10, wait_for_ready=True
+            )
 
     def restart_agent(self) -> None:
         """The agent SIGKILLed and started again beside the same holder."""

@@ -7,60 +7,39 @@ and one of beta, each pod's client a process of its own (tests/node/slot_client.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
+import nodeharness
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 from kvoffload_connector.scheduler.events import DecodedBlob, EventFeed
 from kvoffload_sidecar.cli import main_stats
-from nodeharness import ALPHA_GROUP, POD_A, POD_B, Agent, Kubelet, MiB, Pod, make_root
+from nodeharness import POD_A, POD_A2, POD_B, MiB, Pod
 from slot_client import block_hash
 
 from tests.sidecar.metrics_doc import check_text_format, documented, exposed, samples
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
-CLIENT = str(Path(__file__).with_name("slot_client.py"))
-POD_A2 = Pod("team-a", "vllm-a-1", str(uuid.uuid4()), "vllm", "alpha", ALPHA_GROUP)
 TOKENS_PER_SLOT = 16  # slot_client.py's spec: block_size 16, chunk_blocks 1, one KV group
 
 
-@dataclass
-class Node:
-    root: Path
-    agent: Agent
-    kubelet: Kubelet
-    metrics_port: int
-
-    def mount(self, pod: Pod) -> str:
-        link = self.root / f"m-{pod.name}"
-        if not link.exists():
-            link.symlink_to(self.kubelet.target(pod))
-        return str(link)
-
-    def client(self, pod: Pod, action: str, *args: str) -> None:
-        out = subprocess.run(
-            [sys.executable, CLIENT, self.mount(pod), action, "--tenant", pod.tenant, *args],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert out.returncode == 0, f"{out.stderr}\n--- agent ---\n{self.agent.log.read_text()}"
+class Node(nodeharness.Node):
+    """The node with the agent's /metrics listening."""
 
     def stub(self, pod: Pod) -> pb_grpc.KVPoolStub:
         channel = grpc.insecure_channel(f"unix:{self.mount(pod)}/pool.sock")
         return pb_grpc.KVPoolStub(channel)
 
-    def stats(self, pod: Pod) -> pb.StatsResponse:
-        return self.stub(pod).Stats(pb.StatsRequest(), timeout=10, wait_for_ready=True)
+    @property
+    def metrics_port(self) -> int:
+        found = re.search(r"node agent metrics on port (\d+)", self.agent.log.read_text())
+        assert found, self.agent.log.read_text()
+        return int(found.group(1))
 
     def scrape(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -70,20 +49,9 @@ class Node:
 
 @pytest.fixture(scope="module")
 def node() -> Iterator[Node]:
-    root = make_root()
-    a = Agent(root, "--metrics-listen", "127.0.0.1:0")
-    a.start()
-    k = Kubelet(root, a.csi_socket)
-    try:
-        found = re.search(r"node agent metrics on port (\d+)", a.log.read_text())
-        assert found, a.log.read_text()
-        for pod in (POD_A, POD_A2, POD_B):
-            k.publish(pod)
-        yield Node(root, a, k, int(found.group(1)))
-    finally:
-        k.channel.close()
-        a.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    metrics = ("--metrics-listen", "127.0.0.1:0")
+    with Node(POD_A, POD_A2, POD_B, holder=False, agent_args=metrics) as n:
+        yield n
 
 
 def test_stats_of_every_pod_name_the_one_shared_pool_and_its_sharers(node: Node) -> None:

@@ -33,18 +33,18 @@ from kvoffload_sidecar.node.tenant_memory import TenantRegion, create_memfd
 from nodeharness import (
     AGENT,
     BETA_GROUP,
+    CLIENT,
     POD_A,
     POD_A2,
     POD_B,
     MiB,
-    Pod,
+    Node,
     make_root,
     pool_call,
 )
 
 pytestmark = pytest.mark.process
 
-CLIENT = str(Path(__file__).with_name("slot_client.py"))
 SLOT_BYTES = 64 << 10
 
 
@@ -52,24 +52,6 @@ def block_digest(seed: str, i: int) -> str:
     """What slot_client.py stores for key `i` under `seed`, as a digest of the slot's bytes."""
     unit = hashlib.sha256(f"{seed}:{i}".encode()).digest()
     return hashlib.sha256((unit * (SLOT_BYTES // len(unit)))[:SLOT_BYTES]).hexdigest()
-
-
-class Node(nodeharness.Node):
-    """The node, each pod's client a process of its own over the pod's sockets."""
-
-    def client(self, pod: Pod, action: str, *args: str) -> dict:
-        out = subprocess.run(
-            [sys.executable, CLIENT, self.mount(pod), action, "--tenant", pod.tenant, *args],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        assert out.returncode == 0, f"{out.stderr}\n--- agent ---\n{self.agent.log.read_text()}"
-        return json.loads(out.stdout.splitlines()[-1])
-
-    def stats(self, pod: Pod) -> pb.StatsResponse:
-        with grpc.insecure_channel(f"unix:{self.mount(pod)}/pool.sock") as channel:
-            return pb_grpc.KVPoolStub(channel).Stats(
-                pb.StatsRequest(), timeout=10, wait_for_ready=True
-            )
 
 
 @pytest.fixture
