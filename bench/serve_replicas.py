@@ -405,7 +405,9 @@ def main(argv: list[str]) -> int:
         results[name] = {"status": "cut: the call ended before this setup did"}
         setup = Setup(a, name, model_dir, work)
         try:
-            results[name] = {"status": "ok", **run_setup(a, setup, prefixes, vocab, a.seed + i)}
+            # warm-ups and suffixes from a stream of their own: Random(a.seed) made the prefixes
+            seed = a.seed + 1 + i
+            results[name] = {"status": "ok", **run_setup(a, setup, prefixes, vocab, seed)}
         except KeyboardInterrupt:  # the caller's timeout (gpu_run.sh): report what there is
             break
         except Exception as e:  # noqa: BLE001 - one setup failing is a result
