@@ -64,7 +64,7 @@ test: $(STAMP) $(NATIVE) ## unit + process + CPU vLLM tests (what CI runs)
 	$(PY) -m pytest -m "not gpu and not cluster" -n $(TEST_WORKERS) --dist loadfile \
 	  --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
-soak: $(STAMP) $(NATIVE) ## the drills at soak scale: 200 quick SIGKILLs; 10 min of freezes and kills
+soak: $(STAMP) $(NATIVE) ## the drills at soak scale: 200 quick SIGKILLs; 10 min of freezes and kills per placement (sidecar, node agent)
 	KVO_FAULT_DRILL_KILLS=200 KVO_CHAOS_S=600 KVO_CHAOS_EVENTS=0 $(PY) -m pytest tests/drill $(PYTEST_ARGS)
 
 test-fast: $(STAMP) $(NATIVE) ## unit + process tests only

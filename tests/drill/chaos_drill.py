@@ -31,13 +31,24 @@ over the bytes of every committed slot of the pool file, again and again, while 
 without kvoffload (a child process started beside this one, so the two start together) then
 runs every prompt once; the report counts differing tokens per phase.
 
+Placement (--placement): `pod`, a sidecar on a pool file, as above; `node`, the pool of node
+placement: a `kvoffload node-holder` (kept for the whole run: it keeps the tenant's memfd), a
+`kvoffload node-agent` beside it granting one tenant, and the kubelet stand-in
+(bench/node_standin.py) publishing one pod's volume through the agent's CSI NodePublishVolume;
+the connector (`placement: node`) uses that pod's `pool.sock` and `memory.sock`, the faults are
+the agent's (a restart re-binds the pod's sockets and adopts the tenant's index from the memfd
+the holder lends again), and the scribbles go over the tenant's memfd taken from `memory.sock`;
+`pod,node`: one engine after the other (the node one on prompts of its own), one reference
+engine for both. The pod run reports at the top of the JSON, the node run under `node`.
+
     python tests/drill/chaos_drill.py [--chaos-s 60] [--events N] [--seed 0] [--out JSON]
-        [--phases ...]
+        [--phases ...] [--placement pod|node|pod,node]
         [--engine-env VAR=VALUE] [--sidecar-env VAR=VALUE]
 
 `--engine-env` / `--sidecar-env` set variables in the kvoffload engine's processes (this one, its
-engine core and workers; not the reference engine) and in every sidecar start: the hook for
-controls that switch a product safeguard off (the drill must then see differing tokens).
+engine core and workers; not the reference engine) and in every sidecar start (not the node
+agent's): the hook for controls that switch a product safeguard off (the drill must then see
+differing tokens).
 Exit status: 0 when the phases without scribbles served every request with 0 differing tokens
 and (when it ran) `scribble` differed; 1 otherwise.
 """
@@ -198,48 +209,49 @@ class Chaos(threading.Thread):
 # -- the negative control -----------------------------------------------------------------
 
 
-def scribble(pool_file: Path, rng) -> int:
-    """Noise over the bytes of every committed slot of every namespace (each rank's region),
-    found through the pool file's own index (persist.py); the index itself is left intact, so
-    the slots stay committed and visible. Returns the slots written."""
+def scribble(fd: int, rng) -> int:
+    """Noise over the bytes of every committed slot of every namespace (each rank's region) of
+    the pool memory `fd` (a pool file, or a tenant's memfd: one layout), found through the
+    memory's own index (persist.py); the index itself is left intact, so the slots stay
+    committed and visible. Returns the slots written."""
     import numpy as np
     from kvoffload_sidecar import persist
 
     written = 0
-    with open(pool_file, "r+b") as f:
-        size = os.fstat(f.fileno()).st_size
-        buf = mmap.mmap(f.fileno(), size)
-        try:
-            geom = persist.geometry(size, max_namespaces=1, hugepages=False)
-            header = persist.read_header(buf, geom)
-            for part in range(geom.max_namespaces):
-                layout = persist.read_namespace(buf, geom, part, header.generation)
-                if not isinstance(layout, persist.NamespaceLayout):
-                    continue
-                words = layout.record_bytes // 8
-                at = layout.table_offset
-                table = bytes(buf[at : at + layout.slot_count * layout.record_bytes])
-                state = np.frombuffer(table, np.uint64).reshape(layout.slot_count, words)[:, 0]
-                slot_bytes = layout.slot_bytes_per_rank
-                for slot in np.flatnonzero(state >= persist.FIRST_SEQ):
-                    noise = (rng.standard_normal(slot_bytes // 4) * 4).astype(np.float32)
-                    for rank in range(layout.num_ranks):
-                        at = layout.rank_offset(rank) + int(slot) * slot_bytes
-                        buf[at : at + slot_bytes] = noise.tobytes()
-                    written += 1
-        finally:
-            buf.close()
+    size = os.fstat(fd).st_size
+    buf = mmap.mmap(fd, size)
+    try:
+        geom = persist.geometry(size, max_namespaces=1, hugepages=False)
+        header = persist.read_header(buf, geom)
+        for part in range(geom.max_namespaces):
+            layout = persist.read_namespace(buf, geom, part, header.generation)
+            if not isinstance(layout, persist.NamespaceLayout):
+                continue
+            words = layout.record_bytes // 8
+            at = layout.table_offset
+            table = bytes(buf[at : at + layout.slot_count * layout.record_bytes])
+            state = np.frombuffer(table, np.uint64).reshape(layout.slot_count, words)[:, 0]
+            slot_bytes = layout.slot_bytes_per_rank
+            for slot in np.flatnonzero(state >= persist.FIRST_SEQ):
+                noise = (rng.standard_normal(slot_bytes // 4) * 4).astype(np.float32)
+                for rank in range(layout.num_ranks):
+                    at = layout.rank_offset(rank) + int(slot) * slot_bytes
+                    buf[at : at + slot_bytes] = noise.tobytes()
+                written += 1
+    finally:
+        buf.close()
     return written
 
 
 class Scribbler(threading.Thread):
-    """scribble() every `period_s` until stopped."""
+    """scribble() every `period_s` until stopped, over the memory `open_memory()` opens (an fd
+    this thread closes)."""
 
-    def __init__(self, pool_file: Path, period_s: float, seed: int):
+    def __init__(self, open_memory, period_s: float, seed: int):
         super().__init__(name="scribbler", daemon=True)
         import numpy as np
 
-        self.pool_file, self.period_s = pool_file, period_s
+        self.open_memory, self.period_s = open_memory, period_s
         self.rng = np.random.default_rng(seed)
         self.stop_event = threading.Event()
         self.passes = self.slots = 0
@@ -248,12 +260,91 @@ class Scribbler(threading.Thread):
     def run(self) -> None:
         while not self.stop_event.is_set():
             try:
-                self.slots += scribble(self.pool_file, self.rng)
+                fd = self.open_memory()
+                try:
+                    self.slots += scribble(fd, self.rng)
+                finally:
+                    os.close(fd)
                 self.passes += 1
             except Exception as e:  # noqa: BLE001 - reported; the control then proves nothing
                 self.error = f"{type(e).__name__}: {e}"
                 return
             self.stop_event.wait(self.period_s)
+
+
+# -- node placement -----------------------------------------------------------------------
+
+
+class NodeAgent(fd.Sidecar):
+    """The pool of node placement, supervised as fd.Sidecar supervises a sidecar: a holder
+    (kept for the whole run: it keeps the tenant memfd), a `kvoffload node-agent` beside it
+    granting tenant `alpha` (--pool-size) to namespace `team-a`, and the kubelet stand-in
+    (bench/node_standin.py) publishing one pod's volume. `socket` is that pod's `pool.sock`,
+    through a short link (a pod mounts the volume at /var/run/kvoffload). A kill is the
+    agent's; `spawn` starts it again on the same state: it re-binds the pod's sockets and
+    adopts the tenant's index from the memfd the holder lends it again. Every boot's log is
+    appended to `log_path`."""
+
+    TENANT = "alpha"
+
+    def __init__(self, root: Path, share_bytes: int, log_path: Path) -> None:
+        import node_standin as standin
+
+        self.root = root
+        self.holder, holder_socket = standin.start_holder(root)
+        pool = {
+            "name": "node-pool",
+            "tenants": [{"name": self.TENANT, "shareBytes": share_bytes, "namespaces": ["team-a"]}],
+        }
+        self.agent = standin.Agent(root, "--holder-socket", holder_socket, pool=pool)
+        self.pod = standin.new_pod("team-a", "vllm-0", self.TENANT)
+        self.kubelet: Any = None
+        super().__init__([], "", log_path)
+        self.cmd = self.agent.command()
+
+    def spawn(self) -> None:
+        import node_standin as standin
+
+        self.agent.start()  # until its serving line
+        self.proc = self.agent.proc
+        if self.kubelet is None:  # published once: a restarted agent re-binds the pod
+            self.kubelet = standin.Kubelet(self.root, self.agent.csi_socket)
+            self.kubelet.publish(self.pod)
+            self.socket = str(Path(self.kubelet.short(self.pod)) / "pool.sock")
+
+    def _keep_log(self) -> None:
+        with contextlib.suppress(OSError), open(self.log_path, "ab") as out:
+            out.write(self.agent.log.read_bytes())
+
+    def kill(self) -> None:
+        super().kill()
+        self._keep_log()
+
+    def memory_fd(self) -> int:
+        """The tenant's memfd as its pod gets it from `memory.sock` (read-write)."""
+        from kvoffload_connector.common.node_memory import receive_tenant_memory
+
+        fd, _ = receive_tenant_memory(str(Path(self.socket).parent / "memory.sock"), self.TENANT)
+        return fd
+
+    def pids(self) -> set[int]:
+        return {p.pid for p in (self.proc, self.holder) if p is not None}
+
+    def stop(self) -> None:
+        import shutil
+
+        super().stop()
+        if self.proc is not None:
+            self._keep_log()
+        if self.kubelet is not None:
+            self.kubelet.channel.close()
+        if self.holder.poll() is None:
+            self.holder.send_signal(signal.SIGTERM)
+            try:
+                self.holder.wait(10)
+            except Exception:  # noqa: BLE001 - a holder that does not go is killed
+                self.holder.kill()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 # -- the reference engine -----------------------------------------------------------------
@@ -366,13 +457,192 @@ def phase_summary(
     return out
 
 
-def run_drill(args: argparse.Namespace, sidecar: fd.Sidecar, work_dir: Path, rep: dict) -> None:
-    """Both engines, the phases, the comparison; fills `rep` as it goes (a failure part-way
-    still reports what happened)."""
+def section(rep: dict[str, Any], placement: str) -> dict[str, Any]:
+    """Where a placement's run reports: pod at the top of the report, node under `node`."""
+    return rep if placement == "pod" else rep.setdefault(placement, {})
+
+
+def start_pool(args: argparse.Namespace, placement: str, work_dir: Path) -> fd.Sidecar:
+    """The placement's pool, serving: a sidecar (every timing shipped) on a pool file, or a
+    node agent beside its holder with one pod published (NodeAgent)."""
+    from kvoffload_cli.sidecar_child import kvoffload_command, memory_dir
+    from kvoffload_sidecar.units import parse_size
+
+    if placement == "pod":
+        pool_dir = memory_dir("kvo-chaos-")
+        args.pool_dir_resolved = str(pool_dir)
+        socket = str(work_dir / "pool.sock")
+        cmd = [*kvoffload_command(), "sidecar", "--pool-size", args.pool_size]
+        cmd += ["--pool-dir", str(pool_dir), "--socket", socket]  # every timing shipped
+        pool = fd.Sidecar(cmd, socket, work_dir / "sidecar.log", env=args.sidecar_env)
+    else:
+        import node_standin as standin
+
+        root = standin.make_root()
+        pool = NodeAgent(root, parse_size(args.pool_size), work_dir / "node-agent.log")
+    pool.spawn()
+    if pool.wait_serving(60)[0] is None:
+        raise RuntimeError(f"the {placement} pool did not serve")
+    return pool
+
+
+def open_memory(args: argparse.Namespace, pool: fd.Sidecar):
+    """What the scribbler writes over: the pool file, or the tenant's memfd."""
+    if isinstance(pool, NodeAgent):
+        return pool.memory_fd
+    path = Path(args.pool_dir_resolved) / "pool-0.shm"
+    return lambda: os.open(path, os.O_RDWR)
+
+
+def run_placement(
+    args: argparse.Namespace,
+    placement: str,
+    work_dir: Path,
+    kwargs: dict[str, Any],
+    sub: dict[str, Any],
+    keep: set[int],
+) -> list[dict[str, Any]]:
+    """One engine with kvoffload over the placement's pool, the phases; fills `sub` as it goes
+    (a failure part-way still reports what happened); the requests, for the reference."""
     from vllm import LLM
 
+    pool = start_pool(args, placement, work_dir)
+    sub["sidecar_command"] = pool.cmd
+    try:
+        t0 = time.monotonic()
+        kv = fd.kv_transfer_config(
+            argparse.Namespace(
+                socket=pool.socket,
+                chunk=args.chunk,
+                extra_config=dict(args.extra_config or {}, **PLACEMENT_CONFIG[placement]),
+            )
+        )
+        sub["connector_extra_config"] = kv["kv_connector_extra_config"]
+        forget_connector_metrics()
+        llm = LLM(**kwargs, kv_transfer_config=kv)
+        vc = llm.llm_engine.vllm_config
+        assert int(vc.cache_config.block_size) == args.block_size, vc.cache_config.block_size
+        chunk = chunk_tokens(args.block_size, args.chunk)
+        vocab = int(vc.model_config.get_vocab_size())
+        suffix = args.suffix_chunks * chunk + max(1, chunk // 3)
+        # each placement its own prompts (another seed): the node run starts on a cold pool
+        seed = args.seed + (1000 if placement == "node" else 0)
+        work = fd.Workload(seed, args.docs, args.doc_chunks, chunk, vocab, suffix, args.hot)
+        sub["engine"] = {
+            "start_s": time.monotonic() - t0,
+            "chunk_tokens": chunk,
+            "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
+            "prompt_tokens": args.doc_chunks * chunk + suffix,
+            "kwargs": {k: v for k, v in kwargs.items() if k != "model"},
+        }
+        if args.engine_nice:
+            fd.renice_engine(args.engine_nice, keep=keep | pool_pids(pool))
+        drill = fd.Drill(llm, args, work)
+
+        def on_stall() -> None:
+            pool.stop()
+
+        fd.watchdog(drill, args.stall_s, on_stall)
+        counters: dict[str, dict[str, float]] = {}
+        phase_s: dict[str, float] = {}
+
+        def phase(name: str, more) -> None:
+            drill.phase = name
+            t = time.monotonic()
+            more()
+            fd.settle(pool)
+            phase_s[name] = time.monotonic() - t
+            counters[name] = counters_now()
+
+        counters["start"] = fd.connector_counters()
+        warm = args.warmup or 2 * args.docs
+        phase("warmup", lambda: drill.stream(lambda: len(drill.requests) < warm))
+        st = pool.stats()
+        clients = fd.slots(st)["live"] if st is not None else 0
+        sub["clients"] = clients
+        if clients < 1:
+            raise RuntimeError(f"the connector never registered with the {placement} pool")
+
+        if "chaos" in args.phases:
+            chaos = Chaos(pool, args, clients)
+            sub["chaos"] = chaos.records
+            sub["t_chaos"] = time.monotonic()
+            chaos.start()
+            phase("chaos", lambda: chaos_stream(drill, chaos, args))
+            chaos.join()
+            if chaos.error:
+                raise RuntimeError(f"chaos: {chaos.error}")
+        if "recover" in args.phases:
+            end = time.monotonic() + args.recover_s
+            phase("recover", lambda: drill.stream(lambda: time.monotonic() < end))
+        if "scribble" in args.phases:
+            scribbler = Scribbler(open_memory(args, pool), args.scribble_period_s, args.seed)
+            scribbler.start()
+            end = time.monotonic() + args.scribble_s
+            phase("scribble", lambda: drill.stream(lambda: time.monotonic() < end))
+            scribbler.stop_event.set()
+            scribbler.join()
+            sub["scribbled"] = {
+                "passes": scribbler.passes,
+                "slots": scribbler.slots,
+                "error": scribbler.error,
+            }
+        sub["phase_s"] = phase_s
+        sub["counters"] = counters
+        order = ["start", *[p for p in PHASES if p in counters]]
+        sub["hits"] = {
+            p: {
+                k: counters[p].get(k, 0.0) - counters[prev].get(k, 0.0)
+                for k in ("hit_tokens", "loaded_bytes", "failed_loads", "stored_bytes")
+            }
+            for prev, p in zip(order, order[1:], strict=False)
+        }
+        st = pool.stats()
+        sub["sidecar_at_end"] = fd.slots(st) if st is not None else {}
+        drill.last_progress = float("inf")  # the watchdog: no more steps
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
+        drill.llm = drill.engine = None
+        del llm
+        gc.collect()
+        return drill.requests
+    finally:
+        pool.stop()
+        if placement == "pod":
+            import shutil
+
+            shutil.rmtree(args.pool_dir_resolved, ignore_errors=True)
+        if args.sidecar_log:  # every boot's log, each placement's own file
+            import shutil
+
+            name = args.sidecar_log if placement == "pod" else f"{args.sidecar_log}.{placement}"
+            with contextlib.suppress(OSError):
+                shutil.copyfile(pool.log_path, name)
+
+
+PLACEMENT_CONFIG = {"pod": {}, "node": {"placement": "node"}}
+
+
+def forget_connector_metrics() -> None:
+    """Unregister an earlier engine's connector counters from this process's registry: vLLM
+    unregisters only its `vllm:` collectors when an engine starts, and the connector's metrics
+    of a second engine in one process would clash with the first one's (it then runs without
+    them)."""
+    from prometheus_client import REGISTRY
+
+    for collector, names in list(REGISTRY._collector_to_names.items()):
+        if any(n.startswith("kvoffload_connector") for n in names):
+            REGISTRY.unregister(collector)
+
+
+def pool_pids(pool: fd.Sidecar) -> set[int]:
+    return pool.pids() if isinstance(pool, NodeAgent) else {pool.proc.pid if pool.proc else -1}
+
+
+def run_drill(args: argparse.Namespace, work_dir: Path, rep: dict) -> None:
+    """The reference engine, then each placement's engine and phases in turn (one reference
+    start for all), the comparison; fills `rep` as it goes."""
     os.environ.update(args.engine_env)  # the engine core and workers inherit them
-    t0 = time.monotonic()
     chunk = chunk_tokens(args.block_size, args.chunk)
     args.gpu_blocks = args.gpu_blocks or gpu_blocks(args, chunk)
     kwargs = fd.engine_kwargs(args)
@@ -385,118 +655,41 @@ def run_drill(args: argparse.Namespace, sidecar: fd.Sidecar, work_dir: Path, rep
     reference = fd.Reference(ref_kwargs, work_dir, args.max_tokens)
     os.environ.update(ref_env_clean)
     try:
-        kv = fd.kv_transfer_config(args)
-        rep["connector_extra_config"] = kv["kv_connector_extra_config"]
-        llm = LLM(**kwargs, kv_transfer_config=kv)
-        vc = llm.llm_engine.vllm_config
-        assert int(vc.cache_config.block_size) == args.block_size, vc.cache_config.block_size
-        vocab = int(vc.model_config.get_vocab_size())
-        suffix = args.suffix_chunks * chunk + max(1, chunk // 3)
-        work = fd.Workload(args.seed, args.docs, args.doc_chunks, chunk, vocab, suffix, args.hot)
-        rep["engine"] = {
-            "start_s": time.monotonic() - t0,
-            "chunk_tokens": chunk,
-            "num_gpu_blocks": vc.cache_config.num_gpu_blocks,
-            "prompt_tokens": args.doc_chunks * chunk + suffix,
-            "kwargs": {k: v for k, v in kwargs.items() if k != "model"},
-        }
-        if args.engine_nice:
-            keep = {sidecar.proc.pid if sidecar.proc else -1, reference.proc.pid}
-            fd.renice_engine(args.engine_nice, keep=keep)
-        drill = fd.Drill(llm, args, work)
-
-        def on_stall() -> None:
-            sidecar.stop()
-            reference.stop()
-
-        fd.watchdog(drill, args.stall_s, on_stall)
-        counters: dict[str, dict[str, float]] = {}
-        phase_s: dict[str, float] = {}
-
-        def phase(name: str, more) -> None:
-            drill.phase = name
-            t = time.monotonic()
-            more()
-            fd.settle(sidecar)
-            phase_s[name] = time.monotonic() - t
-            counters[name] = counters_now()
-
-        counters["start"] = fd.connector_counters()
-        warm = args.warmup or 2 * args.docs
-        phase("warmup", lambda: drill.stream(lambda: len(drill.requests) < warm))
-        st = sidecar.stats()
-        clients = fd.slots(st)["live"] if st is not None else 0
-        rep["clients"] = clients
-        if clients < 1:
-            raise RuntimeError("the connector never registered with the sidecar")
-
-        if "chaos" in args.phases:
-            chaos = Chaos(sidecar, args, clients)
-            rep["chaos"] = chaos.records
-            rep["t_chaos"] = time.monotonic()
-            chaos.start()
-            phase("chaos", lambda: chaos_stream(drill, chaos, args))
-            chaos.join()
-            if chaos.error:
-                raise RuntimeError(f"chaos: {chaos.error}")
-        if "recover" in args.phases:
-            end = time.monotonic() + args.recover_s
-            phase("recover", lambda: drill.stream(lambda: time.monotonic() < end))
-        if "scribble" in args.phases:
-            pool_file = Path(args.pool_dir_resolved) / "pool-0.shm"
-            scribbler = Scribbler(pool_file, args.scribble_period_s, args.seed)
-            scribbler.start()
-            end = time.monotonic() + args.scribble_s
-            phase("scribble", lambda: drill.stream(lambda: time.monotonic() < end))
-            scribbler.stop_event.set()
-            scribbler.join()
-            rep["scribbled"] = {
-                "passes": scribbler.passes,
-                "slots": scribbler.slots,
-                "error": scribbler.error,
-            }
-        rep["phase_s"] = phase_s
-        rep["counters"] = counters
-        order = ["start", *[p for p in PHASES if p in counters]]
-        rep["hits"] = {
-            p: {
-                k: counters[p].get(k, 0.0) - counters[prev].get(k, 0.0)
-                for k in ("hit_tokens", "loaded_bytes", "failed_loads", "stored_bytes")
-            }
-            for prev, p in zip(order, order[1:], strict=False)
-        }
-        st = sidecar.stats()
-        rep["sidecar_at_end"] = fd.slots(st) if st is not None else {}
-        drill.last_progress = float("inf")  # the watchdog: no more steps
-        requests = drill.requests
-        with contextlib.suppress(Exception):
-            llm.llm_engine.engine_core.shutdown()
-        drill.llm = drill.engine = None
-        del llm
-        gc.collect()
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for placement in args.placements:
+            sub = section(rep, placement)
+            runs[placement] = run_placement(
+                args, placement, work_dir, kwargs, sub, keep={reference.proc.pid}
+            )
         t_ref = time.monotonic()
-        rep["requests"] = len(requests)
-        ref = reference.generate([r["prompt"] for r in requests], args.reference_timeout_s)
+        prompts = [r["prompt"] for reqs in runs.values() for r in reqs]
+        ref_all = reference.generate(prompts, args.reference_timeout_s)
         rep["reference_s"] = time.monotonic() - t_ref
-        rep["phases"] = phase_summary(requests, ref, args.max_tokens)
-        t_chaos = rep.get("t_chaos", 0.0)
-        rep["low_priority"] = [
-            {
-                "i": r["i"],
-                "doc": r["doc"],
-                "t": round(r["t_add"] - t_chaos, 3),
-                "waited_s": r.get("ttft_s"),
-                "cached": r.get("cached"),
-                "differing": sum(
-                    1 for a, b in zip(r["tokens"] or [], ref[r["i"]], strict=False) if a != b
-                ),
+        at = 0
+        for placement, requests in runs.items():
+            sub = section(rep, placement)
+            ref = ref_all[at : at + len(requests)]
+            at += len(requests)
+            sub["requests"] = len(requests)
+            sub["phases"] = phase_summary(requests, ref, args.max_tokens)
+            t_chaos = sub.get("t_chaos", 0.0)
+            sub["low_priority"] = [
+                {
+                    "i": r["i"],
+                    "doc": r["doc"],
+                    "t": round(r["t_add"] - t_chaos, 3),
+                    "waited_s": r.get("ttft_s"),
+                    "cached": r.get("cached"),
+                    "differing": sum(
+                        1 for a, b in zip(r["tokens"] or [], ref[r["i"]], strict=False) if a != b
+                    ),
+                }
+                for r in requests
+                if r.get("priority")
+            ]
+            sub["per_doc_requests"] = {
+                str(d): sum(1 for r in requests if r["doc"] == d) for d in range(args.docs)
             }
-            for r in requests
-            if r.get("priority")
-        ]
-        rep["per_doc_requests"] = {
-            str(d): sum(1 for r in requests if r["doc"] == d) for d in range(args.docs)
-        }
     finally:
         reference.stop()
 
@@ -506,18 +699,29 @@ def verdict(rep: dict[str, Any], args: argparse.Namespace) -> list[str]:
     bad = []
     if rep.get("error"):
         bad.append(rep["error"])
-    phases = rep.get("phases", {})
-    for p in FAULTLESS:
-        s = phases.get(p)
-        if p in args.phases and s is not None and (s["failed"] or s["differing_tokens"]):
-            bad.append(f"{p}: {s['failed']} failed, {s['differing_tokens']} tokens differ")
-    s = phases.get("scribble")
-    if "scribble" in args.phases and (s is None or not s["differing_tokens"]):
-        bad.append("scribble: no token differs (the comparison cannot see wrong bytes)")
+    for placement in args.placements:
+        phases = section(rep, placement).get("phases", {})
+        for p in FAULTLESS:
+            s = phases.get(p)
+            if p in args.phases and s is not None and (s["failed"] or s["differing_tokens"]):
+                bad.append(
+                    f"{placement} {p}: {s['failed']} failed, {s['differing_tokens']} tokens differ"
+                )
+        s = phases.get("scribble")
+        if "scribble" in args.phases and (s is None or not s["differing_tokens"]):
+            bad.append(f"{placement} scribble: no token differs (cannot see wrong bytes)")
     return bad
 
 
-def summary_rows(rep: dict[str, Any]) -> list[dict[str, Any]]:
+def summary_rows(rep: dict[str, Any], placements: list[str]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for placement in placements:
+        for row in placement_rows(section(rep, placement)):
+            rows.append(dict(row, measure=f"{placement}: {row['measure']}"))
+    return rows
+
+
+def placement_rows(rep: dict[str, Any]) -> list[dict[str, Any]]:
     events = rep.get("chaos", [])
     rows: list[dict[str, Any]] = []
     for kind in EVENTS:
@@ -575,44 +779,30 @@ def summary_rows(rep: dict[str, Any]) -> list[dict[str, Any]]:
 def drill_main(args: argparse.Namespace) -> int:
     import shutil
 
-    from kvoffload_cli.sidecar_child import kvoffload_command, memory_dir
+    from kvoffload_cli.sidecar_child import memory_dir
 
-    pool_dir = memory_dir("kvo-chaos-")
     work_dir = memory_dir("kvo-chaos-work-")
-    args.pool_dir_resolved = str(pool_dir)
-    args.socket = str(work_dir / "pool.sock")
-    cmd = [*kvoffload_command(), "sidecar", "--pool-size", args.pool_size]
-    cmd += ["--pool-dir", str(pool_dir), "--socket", args.socket]  # every timing shipped
-    sidecar = fd.Sidecar(cmd, args.socket, work_dir / "sidecar.log", env=args.sidecar_env)
     rep: dict[str, Any] = {
         "config": {k: v for k, v in vars(args).items() if k not in ("extra_config",)},
         "defaults": sidecar_defaults(),
-        "sidecar_command": cmd,
     }
     t0 = time.monotonic()
     try:
-        sidecar.spawn()
-        if sidecar.wait_serving(60)[0] is None:
-            raise RuntimeError("the sidecar did not serve")
-        run_drill(args, sidecar, work_dir, rep)
+        run_drill(args, work_dir, rep)
     except Exception as e:  # noqa: BLE001 - reported, exit status 1
         import traceback
 
         traceback.print_exc()
         rep["error"] = f"{type(e).__name__}: {e}"
     finally:
-        sidecar.stop()
-        if args.sidecar_log:
-            with contextlib.suppress(OSError):
-                shutil.copyfile(sidecar.log_path, args.sidecar_log)
         shutil.rmtree(work_dir, ignore_errors=True)
-        shutil.rmtree(pool_dir, ignore_errors=True)
     rep["wall_s"] = time.monotonic() - t0
     bad = verdict(rep, args)
     rep["ok"], rep["problems"] = not bad, bad
     report(
-        "chaos drill: the sidecar frozen and killed at the shipped defaults",
-        summary_rows(rep),
+        f"chaos drill: the {' and '.join(args.placements)} pool frozen and killed at the shipped"
+        " defaults",
+        summary_rows(rep, args.placements),
         args.out,
         extra=rep,
         columns=["measure", "value", "min", "max", "unit"],
@@ -652,6 +842,12 @@ def main() -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "out" / "chaos_drill.json"))
     ap.add_argument("--pool-size", default="2Mi", help="far below the documents + suffixes")
     ap.add_argument("--phases", default=",".join(PHASES), help="which of " + ",".join(PHASES))
+    ap.add_argument(
+        "--placement",
+        default="pod",
+        help="pod (a sidecar), node (a node agent and its holder), or pod,node: one engine "
+        "after the other, one reference for both",
+    )
     ap.add_argument("--warmup", type=int, default=0, help="warm-up requests; 0: 2 per document")
     ap.add_argument("--chaos-s", type=float, default=60.0, help="events start within this")
     ap.add_argument(
@@ -681,6 +877,9 @@ def main() -> int:
     unknown = set(args.phases) - set(PHASES)
     if unknown or "warmup" not in args.phases:
         ap.error(f"--phases: warmup and any of {PHASES}, not {sorted(unknown)}")
+    args.placements = [p for p in args.placement.split(",") if p]
+    if not args.placements or set(args.placements) - set(PLACEMENT_CONFIG):
+        ap.error(f"--placement: pod, node or pod,node, not {args.placement!r}")
     args.engine_env, args.sidecar_env = dict(args.engine_env), dict(args.sidecar_env)
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
