@@ -50,6 +50,7 @@ def test_engine_capacity_and_traffic_on_the_sidecars_metrics(tmp_path: Path) -> 
         cmd += ["--socket", str(sc.socket), "--out", str(out)]
         cmd += ["--chunk", "64", "--block-size", "32"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: a third of the start
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         report = json.loads(out.read_text())

@@ -161,6 +161,7 @@ def test_vllm_engine_survives_its_pool_file_truncated(tmp_path):
             tmp_path / "truncate.json",
             "--truncate-pool",
             _pool_file(sidecar),
+            processes=False,
         )
         sidecar_log = sidecar.log()
     assert all(o["cached"] == 0 for o in r["first"]), r["first"]

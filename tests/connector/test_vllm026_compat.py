@@ -230,6 +230,7 @@ def test_driver_on_cpu_evicts_with_fillers_and_hits_the_pool(tmp_path):
         "--budget-s", "240", "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # each engine in its child, as on the GPU
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

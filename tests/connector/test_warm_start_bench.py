@@ -41,6 +41,7 @@ def test_restarted_engine_first_request_hits_the_pool(tmp_path):
         "--out", str(out),
     ]  # fmt: skip
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # each engine in its child, as on the GPU
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=410, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())

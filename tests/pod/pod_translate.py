@@ -191,6 +191,12 @@ def translate(container: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def tensor_parallel(argv: Sequence[str]) -> int:
+    """The tensor-parallel size a translated command line asks for (1 when it names none)."""
+    found = re.findall(r"--tensor-parallel-size[= ](\d+)", " ".join(argv))
+    return int(found[-1]) if found else 1
+
+
 def without_kvoffload(argv: Sequence[str]) -> list[str]:
     """`argv` minus the injected `--kv-transfer-config` (for comparing engine argvs)."""
     out: list[str] = []
