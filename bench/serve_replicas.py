@@ -17,10 +17,11 @@ request may depend on them), never a fixed pause. Each replica first answers --w
 unreported prompts of the same length.
 
 Per setup and replica: TTFT of `cross` (the other replica computed the prefix), of `own` (a
-hit in the replica's own pool), their ratio, of `miss`; the pools' hit rate (hit / queried
-blocks) and host bytes (used bytes, stored chunks), counted from after the warm-up. Verdicts:
-node `cross` within --max-ratio of `own` on each replica; the prefixes stored once on the node
-(its stored chunks those of one copy, fewer host bytes than the two pod pools).
+hit in the replica's own pool), their ratio, of `miss`; the host-tier hit rate (vLLM's external
+prefix-cache hits / queries, in tokens) and the pools' host bytes (used bytes, stored chunks),
+counted from after the warm-up. Verdicts: node `cross` within --max-ratio of `own` on each
+replica; the prefixes stored once on the node (its stored chunks those of one copy, fewer
+host bytes than the two pod pools).
 """
 
 from __future__ import annotations
@@ -282,6 +283,11 @@ def summarize(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict
         samples, delta = res["samples"], res["pools"]["delta"]
         cross, own = _p50_ms(samples, "cross"), _p50_ms(samples, "own")
         ratio = statistics.median(cross) / statistics.median(own) if cross and own else None
+        # vLLM's counters, not the pool's lookups: a sidecar's presence map answers misses
+        # without asking the pool, the node pool offers none
+        vc = res["vllm_counters"].values()
+        queried = sum(c["vllm:external_prefix_cache_queries"] for c in vc)
+        hits = sum(c["vllm:external_prefix_cache_hits"] for c in vc)
         rows.append(
             {
                 "setup": name,
@@ -289,9 +295,7 @@ def summarize(a: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict
                 "own_hit_ttft_p50_ms": cell(own, 1),
                 "ratio": round(ratio, 3) if ratio else None,
                 "miss_ttft_p50_ms": cell(_p50_ms(samples, "miss"), 1),
-                "hit_rate": round(delta["hitBlocks"] / delta["queriedBlocks"], 3)
-                if delta["queriedBlocks"]
-                else None,
+                "hit_rate": round(hits / queried, 3) if queried else None,
                 "host_bytes_stored": delta["usedBytes"],
                 "stored_chunks": delta["storedBlocks"],
                 "expected_chunks": res["expected_stored_chunks"],

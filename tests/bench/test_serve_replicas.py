@@ -88,7 +88,7 @@ def test_the_verdicts_read_each_replica_and_the_pools_bytes() -> None:
     }
     s = summarize(a, results)
     node, pod = s["rows"]
-    assert (node["setup"], node["ratio"], node["hit_rate"]) == ("node", 1.075, 0.75)
+    assert (node["setup"], node["ratio"], node["hit_rate"]) == ("node", 1.075, 0.667)
     assert pod["ratio"] == 4.5
     v = s["verdicts"]
     assert v["cross TTFT within 1.1x of own-pool hit"]["pass"]
