@@ -14,8 +14,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -36,27 +34,14 @@ from kvoffload_connector.worker.engine_lock import _FLOCK, lock_offset
 from kvoffload_connector.worker.layout import canonicalize
 from kvoffload_connector.worker.offload_worker import OffloadWorker
 from kvoffload_connector.worker.pool_memory import TenantAttach, TenantMemory
-from nodeharness import AGENT, POD_A, POD_A2, POD_B, MiB, Node
+from nodeharness import POD_A, POD_A2, POD_B, MiB, Node, standin
 
 from tests.connector.kv_setup import expected_block, fill_random, make_kv_caches, write_block
 
 pytestmark = pytest.mark.process
 
 
-def _console_script() -> None:
-    """Where `kvoffload` is not installed beside this interpreter (the GPU host runs the
-    checkout from PYTHONPATH), the node harness runs a shim of it on this interpreter."""
-    if Path(AGENT[0]).exists():
-        return
-    shim = Path(tempfile.mkdtemp(prefix="kvo-bin-")) / "kvoffload"
-    shim.write_text(
-        f"#!{sys.executable}\nimport sys\nfrom kvoffload_cli.main import main\nsys.exit(main())\n"
-    )
-    shim.chmod(0o755)
-    AGENT[0] = str(shim)
-
-
-_console_script()
+standin.kvoffload_script()  # the GPU host runs the checkout from PYTHONPATH: a shim of it
 
 CHUNK_BLOCKS = 4
 ENGINE = 4242
@@ -497,7 +482,7 @@ def test_stats_through_a_pods_pool_sock_relays_its_status_files_never_through_a_
     secret.write_text(json.dumps({"state": "secret", "role": "token"}))
     (d / "connector-status-link.json").symlink_to(secret)
     os.mkfifo(d / "connector-status-fifo.json")
-    cli = [str(Path(sys.executable).parent / "kvoffload"), "stats", "--socket",
+    cli = [standin.kvoffload_script(), "stats", "--socket",
            f"{node.mount(POD_A)}/pool.sock"]  # fmt: skip
     table = subprocess.run(cli, capture_output=True, text=True, timeout=30)
     assert table.returncode == 0, table.stderr

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from nodeharness import POD_A, POD_A2, POD_B, MiB, Node, Pod
+from nodeharness import POD_A, POD_A2, POD_B, MiB, Node, Pod, standin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -114,7 +114,7 @@ def test_a_second_pod_of_the_tenant_hits_what_the_first_stored_and_beta_hits_non
         assert "no_pool" not in st, st
     # kvoffload stats through the pod's pool.sock shows the connectors and their placement
     stats = subprocess.run(
-        [str(Path(sys.executable).parent / "kvoffload"), "stats",
+        [standin.kvoffload_script(), "stats",
          "--socket", pool_socket(node, POD_A)],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
