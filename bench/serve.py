@@ -489,12 +489,18 @@ def _save(out: Path, report: dict[str, Any]) -> None:
     out.write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 
-def sweep(a: argparse.Namespace) -> dict[str, Any]:
+def fresh_workdir(a: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """`--out`, the folder beside it of the same name (emptied: servers' logs and the model)
+    and the served model built in it."""
     out = Path(a.out)
     work = out.with_suffix("")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    model_dir = build_model_dir(Path(a.model) / "config.json", work / "model")
+    return out, work, build_model_dir(Path(a.model) / "config.json", work / "model")
+
+
+def sweep(a: argparse.Namespace) -> dict[str, Any]:
+    out, work, model_dir = fresh_workdir(a)
     points = plan_points(a)
     if any(p.workload != "chat" for p in points):
         import vllm.benchmarks.serve  # noqa: F401 - once, before any server: no point pays it
@@ -781,11 +787,7 @@ def merge_main(argv: list[str]) -> int:
 
 def run_paired(a: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
-    out = Path(a.out)
-    work = out.with_suffix("")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    model_dir = build_model_dir(Path(a.model) / "config.json", work / "model")
+    out, work, model_dir = fresh_workdir(a)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     if a.gpu_mem_util_total:
         a.gpu_mem_util = round(a.gpu_mem_util_total / len(a.configs), 3)

@@ -45,8 +45,8 @@ from serve import (  # noqa: E402
     ROOT,
     Server,
     add_server_flags,
-    build_model_dir,
     completion,
+    fresh_workdir,
     random_prompt,
     sidecar_stats,
 )
@@ -391,11 +391,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     a = parse(argv)
     t_end = time.monotonic() + a.budget_s
-    out = Path(a.out)
-    work = out.with_suffix("")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    model_dir = build_model_dir(Path(a.model) / "config.json", work / "model")
+    out, work, model_dir = fresh_workdir(a)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     rng = random.Random(a.seed)  # the same prefixes in every setup
     prefixes = [random_prompt(rng, a.prefix_tokens, vocab) for _ in range(a.prefixes)]
