@@ -93,8 +93,17 @@ def say_disabled(reason: str, exc: BaseException | None = None) -> bool:
     return True
 
 
+STATUS_SUBDIR = "status"  # the node agent's directory in a pod's volume that the pod may write
+
+
 def status_path(socket: str, role: str, rank: int) -> Path:
-    return Path(os.path.dirname(socket) or ".") / f"connector-status-{role}-{rank}.json"
+    """Beside the pool socket, or in its directory's `status/` where that exists: in node
+    placement the socket's directory is the agent's (a non-root container cannot write it) and
+    the agent makes `status/` for the pod's files. A sidecar's run dir has none."""
+    directory = Path(os.path.dirname(socket) or ".")
+    if (directory / STATUS_SUBDIR).is_dir():
+        directory = directory / STATUS_SUBDIR
+    return directory / f"connector-status-{role}-{rank}.json"
 
 
 def write_status(

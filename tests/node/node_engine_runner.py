@@ -39,9 +39,9 @@ from engine_runner import (  # noqa: E402
 
 
 def status_files(socket: str) -> dict[str, dict]:
-    """The connector status files beside the pod's socket (the pod's volume)."""
+    """The connector status files in the pod's volume (its `status/`, which the agent makes)."""
     out = {}
-    for p in sorted(Path(socket).parent.glob("connector-status-*.json")):
+    for p in sorted((Path(socket).parent / "status").glob("connector-status-*.json")):
         try:
             out[p.name] = json.loads(p.read_text())
         except (OSError, ValueError):

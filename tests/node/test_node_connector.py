@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -472,12 +473,16 @@ def test_no_descriptor_reaches_a_child_process(node):
 
 def test_stats_through_a_pods_pool_sock_relays_its_status_files_never_through_a_link(node):
     """`kvoffload stats` on a pod's pool.sock shows that pod's connector status files, as a
-    sidecar's Stats does; a link a pod planted there (to a file of the node) or a FIFO is not
-    read."""
-    d = Path(node.kubelet.target(POD_A))
+    sidecar's Stats does, written by a container of another uid than root's into the volume's
+    `status/`; a link a pod planted there (to a file of the node) or a FIFO is not read."""
+    d = Path(node.kubelet.target(POD_A)) / "status"
     entry = {"state": "active", "role": "worker", "rank": 0, "placement": "node",
              "no_pool": "no pool from the node agent"}  # fmt: skip
-    (d / "connector-status-worker-0.json").write_text(json.dumps(entry))
+    write = "import sys; open(sys.argv[1], 'w').write(sys.argv[2])"
+    subprocess.run(["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", sys.executable,
+                    "-c", write, str(d / "connector-status-worker-0.json"), json.dumps(entry)],
+                   check=True, timeout=60)  # fmt: skip
+    assert os.stat(d / "connector-status-worker-0.json").st_uid == 1000
     secret = node.root / "node-secret.json"
     secret.write_text(json.dumps({"state": "secret", "role": "token"}))
     (d / "connector-status-link.json").symlink_to(secret)

@@ -6,7 +6,9 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -262,3 +264,67 @@ def test_a_restarted_agent_grants_a_pod_its_new_grants_admit_and_keeps_the_recor
     [record] = [json.loads(p.read_text()) for p in (a.root / "state" / "bindings").glob("*.json")]
     assert (record["tenant"], record["granted"]) == ("alpha", True)
     k.unpublish(pod)
+
+
+def _write_status_as(uid: int, groups: list[int], socket: Path, rank: int = 0) -> str:
+    """The connector's own status write (guard.write_status) in a process of `uid` with
+    `groups` as its supplementary groups, as a vLLM container of the pod runs it; prints the
+    path written, or None."""
+    code = ("import sys; from kvoffload_connector import guard; "
+            "print(guard.write_status(sys.argv[1], 'active', '', 'worker', int(sys.argv[2]), "
+            "'0.0', {'placement': 'node'}))")  # fmt: skip
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}",
+           f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups",
+           sys.executable, "-c", code, str(socket), str(rank)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_each_pod_gets_a_status_directory_its_containers_may_write_never_through_a_link(
+    agent, tmp_path
+) -> None:
+    """NodePublishVolume makes `status/` in the pod's volume, the one spot its non-root
+    containers may write (their connector status files): the pod's fsGroup's, 2770, or with
+    none 1777 (sticky: no uid replaces another's file). A link a root pod planted there is
+    replaced, never followed, by a restarted agent; unpublish removes it with what is in it."""
+    a, k = agent
+    k.publish(POD_A)  # no fsGroup
+    k.publish(POD_B)  # fsGroup 2002
+    sa, sb = k.target(POD_A) / "status", k.target(POD_B) / "status"
+    st_a, st_b = os.lstat(sa), os.lstat(sb)
+    assert stat.S_ISDIR(st_a.st_mode) and stat.S_IMODE(st_a.st_mode) == 0o1777
+    assert (st_a.st_uid, stat.S_IMODE(os.stat(k.target(POD_A)).st_mode)) == (0, 0o755)
+    assert (stat.S_IMODE(st_b.st_mode), st_b.st_uid, st_b.st_gid) == (0o2770, 0, POD_B.group)
+    assert stat.S_IMODE(os.stat(k.target(POD_B)).st_mode) == 0o2750  # the sockets' stays
+
+    # the connector writes into status/ as a non-root uid; without the fsGroup it cannot
+    written = _write_status_as(1000, [], k.target(POD_A) / "pool.sock")
+    assert written == str(sa / "connector-status-worker-0.json")
+    assert os.stat(written).st_uid == 1000
+    assert _write_status_as(1000, [], k.target(POD_B) / "pool.sock") == "None"
+    written_b = _write_status_as(1001, [POD_B.group], k.target(POD_B) / "pool.sock")
+    assert written_b == str(sb / "connector-status-worker-0.json")
+    assert os.stat(written_b).st_gid == POD_B.group  # setgid: the file keeps the pod's group
+    # sticky: another uid of the pod cannot replace uid 1000's file (its own name it can)
+    assert _write_status_as(1001, [], k.target(POD_A) / "pool.sock") == "None"
+    assert os.stat(written).st_uid == 1000
+    assert _write_status_as(1001, [], k.target(POD_A) / "pool.sock", rank=1) != "None"
+
+    # a root pod swaps status/ for a link to a node directory; the restarted agent does not
+    # chmod or chown what it points to, and makes the directory again
+    victim = tmp_path / "node-dir"
+    victim.mkdir(mode=0o700)
+    a.kill()
+    for name in os.listdir(sa):
+        os.unlink(sa / name)
+    sa.rmdir()
+    sa.symlink_to(victim)
+    a.start()
+    assert stat.S_ISDIR(os.lstat(sa).st_mode) and stat.S_IMODE(os.lstat(sa).st_mode) == 0o1777
+    assert (stat.S_IMODE(victim.stat().st_mode), victim.stat().st_uid) == (0o700, 0)
+
+    for pod in (POD_A, POD_B):  # status/ and the files in it go with the volume
+        k.unpublish(pod)
+        assert not k.target(pod).exists()
+    assert victim.is_dir()

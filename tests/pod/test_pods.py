@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import threading
 import time
@@ -706,8 +707,9 @@ def test_node_placement_two_pods_share_one_agent_and_the_second_hits_the_first(
     at /var/run/kvoffload. A serves the prompts (stored in the tenant's pool); B's first
     requests are pool hits (the agent's Stats for the tenant, through B's own pool.sock), with
     the tokens of the pod without kvoffload, and B stores none of them again; A serves them
-    again after its prefix cache reset, with hits. The injected pods pass Pod Security
-    "restricted" (no hostPath, no hostIPC, no added capability)."""
+    again after its prefix cache reset, with hits. Each pod's Stats relays its own connector
+    status files, written by its non-root container into the volume's `status/`. The injected
+    pods pass Pod Security "restricted" (no hostPath, no hostIPC, no added capability)."""
     wd = workdir_for(tmp_path_factory, "node")
     prompts_ = PROMPT_SETS["round"]
     want = baseline(NODE_FIXTURE, wd)["round"]
@@ -765,4 +767,12 @@ def test_node_placement_two_pods_share_one_agent_and_the_second_hits_the_first(
         assert pod_a.complete(prompts_, MAX_TOKENS) == want
         again = pod_a.pool_stats(socket) or {}
         assert harness.pool_hits(again) - harness.pool_hits(after) >= len(prompts_), again
+        # each pod's Stats relays its own connectors' status files, which its non-root vLLM
+        # container wrote into the volume's status/ (A's through fsGroup 1000, B's sticky 1777)
+        for st in (again, pod_b.pool_stats(socket) or {}):
+            entries = json.loads(st.get("connector_status") or "[]")
+            assert sorted((e.get("role"), e.get("rank")) for e in entries) == [
+                ("scheduler", 0), ("worker", 0)], entries  # fmt: skip
+            assert all(e.get("state") == "active" and e.get("placement") == "node"
+                       and not e.get("no_pool") for e in entries), entries  # fmt: skip
         assert engine_a.alive() and engine_b.alive()

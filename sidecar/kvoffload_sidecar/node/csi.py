@@ -32,6 +32,7 @@ from kvoffload_sidecar.node.access import Access
 from kvoffload_sidecar.node.bindings import SOCKET_NAME, Binding, BindingStore
 from kvoffload_sidecar.node.identity import IdentityError, parse_volume_context
 from kvoffload_sidecar.node.pools import POOL_SOCKET, SESSION_SOCKET, TenantPools
+from kvoffload_sidecar.node.status_dir import make_status_dir, remove_status_dir
 from kvoffload_sidecar.node.tenant_memory import MemoryServer
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
                 log.info("pod %s is gone (no %s): binding dropped", b.pod.describe(), b.target_path)
                 self._store.remove(b.volume_id, b.target_path)
                 continue
+            self._make_status_dir(b)
             self._memory.attach(b)
             self._attach_pool(b)
             self._bindings[(b.volume_id, b.target_path)] = b
@@ -118,6 +120,13 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
         if granted:
             self._on_change()
         return granted
+
+    @staticmethod
+    def _make_status_dir(b: Binding) -> None:
+        try:
+            make_status_dir(b.target_path, b.mount_group)
+        except OSError as e:  # the sockets are served: the pod's status files go unwritten
+            log.error("pod %s: no status directory: %s", b.pod.describe(), e)
 
     def _attach_pool(self, b: Binding) -> None:
         if self._pools is None:
@@ -184,6 +193,7 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             self._bindings.pop(key, None)
             self._store.remove(*key)
             # Remove what this driver created there, and nothing else.
+            remove_status_dir(request.target_path)
             for name in (SOCKET_NAME, POOL_SOCKET, SESSION_SOCKET):
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     os.unlink(os.path.join(request.target_path, name))
@@ -271,6 +281,7 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             os.chmod(b.target_path, 0o2750)
         else:
             os.chmod(b.target_path, 0o755)
+        self._make_status_dir(b)  # the one spot the pod writes: its connectors' status files
         self._store.save(b)  # before the socket exists: a crash leaves a record, never an orphan
         self._memory.attach(b)
         self._attach_pool(b)

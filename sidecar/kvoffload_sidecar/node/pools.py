@@ -52,6 +52,7 @@ from kvoffload_sidecar.memory_room import MemoryRoom, memory_room, pool_shortfal
 from kvoffload_sidecar.metrics import SidecarMetrics
 from kvoffload_sidecar.node.access import UNAVAILABLE, Refusal, not_granted
 from kvoffload_sidecar.node.bindings import Binding
+from kvoffload_sidecar.node.status_dir import STATUS_DIR
 from kvoffload_sidecar.node.tenant_memory import TenantRegion, bind_in_dir, set_socket_owner
 from kvoffload_sidecar.pool import Pool, PoolSettings, PoolStats
 from kvoffload_sidecar.server import (
@@ -503,8 +504,9 @@ class TenantPools:
     async def _start_pod(self, tp: TenantPool, b: Binding) -> PodServer:
         servicer = PoolServicer(tp.pool, tp.metrics)
         servicer.tenant_memory = b.tenant
-        # Stats relays the pod's connector status files, as a sidecar's relays its pod's
-        servicer.status_dir = Path(b.target_path)
+        # Stats relays the pod's connector status files, as a sidecar's relays its pod's: from
+        # the volume's status/, the one directory the pod may write
+        servicer.status_dir = Path(b.target_path) / STATUS_DIR
         servicer.session_socket_name = SESSION_SOCKET
         # Stats says the pool is shared, by whom (pods with a live client registered here)
         servicer.placement = "node"
