@@ -44,6 +44,8 @@ VALUE_SETS: dict[str, list[str]] = {
         "nodeAgent.pool.tenants[1].namespaces[0]=team-b",
         "--set",
         "nodeAgent.pool.tenants[1].serviceAccounts[0]=vllm",
+        "--set",
+        "monitoring.nodeAgentPodMonitor.enabled=true",
     ],
     "namespace-scoped": ["--set", "operator.watchNamespace=inference"],
     "everything": [

@@ -146,3 +146,47 @@ def test_attestation_off_drops_host_pid(render) -> None:
     spec = objs["DaemonSet"]["spec"]["template"]["spec"]
     assert "hostPID" not in spec
     assert "--attest-peers=off" in spec["containers"][0]["args"]
+
+
+def test_the_agent_serves_metrics_on_its_port_and_its_pod_monitor_scrapes_it(render) -> None:
+    """`nodeAgent.metrics.port` is the agent's `--metrics-listen` and its containerPort
+    `metrics`; the node agents' PodMonitor selects the DaemonSet's pods (only them: not the
+    operator's, not the injected sidecars') in the release namespace and scrapes that port."""
+    objs = render(*ON)
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    pod = ds["spec"]["template"]
+    agent = pod["spec"]["containers"][0]
+    assert "--metrics-listen=0.0.0.0:9401" in agent["args"]
+    assert agent["ports"] == [{"name": "metrics", "containerPort": 9401, "protocol": "TCP"}]
+    monitors = {o["metadata"]["name"]: o for o in objs if o["kind"] == "PodMonitor"}
+    monitor = monitors["kv-kvoffload-node-agent"]
+    assert monitor["metadata"]["namespace"] == "kvoffload-system"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["kvoffload-system"]}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert selector["app.kubernetes.io/component"] == "node-agent"
+    (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+    assert not selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics",
+                                                                          "15s")  # fmt: skip
+    assert "kv-kvoffload-sidecars" not in monitors  # the sidecars' PodMonitor is its own switch
+
+
+def test_metrics_port_zero_serves_none_and_a_pod_monitor_then_does_not_render(helm, render) -> None:
+    off = [
+        "--set",
+        "nodeAgent.metrics.port=0",
+        "--set",
+        "monitoring.nodeAgentPodMonitor.enabled=false",
+    ]
+    agent = _kinds(render(*ON, *off, show_only=TEMPLATE))["DaemonSet"]["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert "ports" not in agent
+    assert not any(a.startswith("--metrics-listen") for a in agent["args"])
+    chart = str(REPO / "charts" / "kvoffload")
+    no_port = helm("template", "kv", chart, *ON, "--set", "nodeAgent.metrics.port=0")
+    assert no_port.returncode != 0 and "needs nodeAgent.metrics.port" in no_port.stderr
+    no_agent = helm("template", "kv", chart, "--set", "monitoring.nodeAgentPodMonitor.enabled=true")
+    assert no_agent.returncode != 0 and "needs nodeAgent.enabled" in no_agent.stderr

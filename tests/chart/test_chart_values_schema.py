@@ -31,6 +31,7 @@ BAD_VALUES = [
     (["--set", "operator.logLevel=verbose"], "/operator/logLevel"),
     (["--set", "operator.watchNamespace=Not_A_Namespace"], "/operator/watchNamespace"),
     (["--set", "operator.metricsPort=70000"], "/operator/metricsPort"),
+    (["--set", "nodeAgent.metrics.port=70000"], "/nodeAgent/metrics/port"),
     (["--set", "operator.replica=2"], "/operator"),  # a typo: unknown keys are refused
     (
         [
