@@ -13,7 +13,10 @@ engine rank or scheduler (a handful per pod), and a thread woken by its socket a
 write buffering; docs/BENCHMARKS.md, "Sidecar RPC"). The pool serialises calls with its own lock.
 At most `max_sessions` connections are served at once (`--max-sessions`): one more is answered
 with one RESOURCE_EXHAUSTED `SessionError` frame and closed, so idle or leaked connections cannot
-pile up threads. The socket is mode 0666: vLLM may run as any uid of the pod.
+pile up threads. The socket is mode 0666: vLLM may run as any uid of the pod. A server given
+`admit` asks it about each accepted connection before reading anything from it: a connection it
+refuses is answered with one PERMISSION_DENIED `SessionError` frame (the reason) and closed
+(the node agent's peer attestation).
 
 Bad input gets what the gRPC stream gives it: a frame that does not parse is answered with an
 INVALID_ARGUMENT `SessionError` (seq 0); a length above the gRPC message limit, or a connection
@@ -30,6 +33,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +49,7 @@ HEADER = struct.Struct("<I")
 _BACKLOG = 64
 DEFAULT_MAX_SESSIONS = 64
 _RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED (no grpc import here)
+_PERMISSION_DENIED = 7  # grpc.StatusCode.PERMISSION_DENIED
 _REFUSE_SEND_TIMEOUT_S = 0.2
 
 
@@ -108,7 +113,10 @@ class FramedSessions:
     path: Path
     max_frame_bytes: int
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    # None to serve an accepted connection, else why it is refused (module docstring)
+    admit: Callable[[socket.socket], str | None] | None = None
     refused: int = 0  # connections refused because `max_sessions` were open
+    denied: int = 0  # connections `admit` refused
     _refusing: bool = False  # inside a burst of refusals: logged once
     _listener: socket.socket | None = None
     _conns: dict[socket.socket, threading.Thread] = field(default_factory=dict)
@@ -169,6 +177,12 @@ class FramedSessions:
                 conn, _ = listener.accept()
             except OSError:
                 return  # stop() shut the listener
+            why = self.admit(conn) if self.admit is not None else None
+            if why is not None:
+                self.denied += 1
+                log.info("refusing framed session: %s", why)
+                _send_refusal(conn, _PERMISSION_DENIED, why)
+                continue
             thread = threading.Thread(
                 target=self._serve, args=(conn,), name="kvoffload-framed-session", daemon=True
             )
@@ -192,16 +206,7 @@ class FramedSessions:
         if not self._refusing:
             self._refusing = True
             log.warning("%s", message)
-        reply = pb.SessionResponse(seq=0)
-        reply.error.code = _RESOURCE_EXHAUSTED
-        reply.error.message = message
-        try:
-            conn.settimeout(_REFUSE_SEND_TIMEOUT_S)  # never let a refused peer stall accept()
-            conn.sendall(frame(reply.SerializeToString()))
-        except OSError:
-            pass
-        finally:
-            conn.close()
+        _send_refusal(conn, _RESOURCE_EXHAUSTED, message)
 
     def _serve(self, conn: socket.socket) -> None:
         servicer = self.servicer
@@ -236,6 +241,20 @@ class FramedSessions:
             servicer.session_closed()
             servicer.end_session(client_id)
             conn.close()
+
+
+def _send_refusal(conn: socket.socket, code: int, message: str) -> None:
+    """One `SessionError` frame (seq 0) with `code`, then close."""
+    reply = pb.SessionResponse(seq=0)
+    reply.error.code = code
+    reply.error.message = message
+    try:
+        conn.settimeout(_REFUSE_SEND_TIMEOUT_S)  # never let a refused peer stall accept()
+        conn.sendall(frame(reply.SerializeToString()))
+    except OSError:
+        pass
+    finally:
+        conn.close()
 
 
 def _join_all(threads: list[threading.Thread], grace_s: float) -> None:

@@ -124,16 +124,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         access = Access(follower.spec, follower.precondition)
     else:
         access = Access(lambda: fixed)
+    # every pod socket's peers: memory.sock, pool.sock and session.sock alike
+    attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
     pools = TenantPools(
         options,
         allocate=allocate,
         refusal=access.refusal,
         node_pool=fixed.name,
         node=ns.node_id,
+        attest=attest,
     )
     metrics = serve_metrics(pools, ns.metrics_listen) if ns.metrics_listen else None
     memory.subscribe(pools.add)  # each tenant's pool, over its memfd (adopting its index)
-    attest = CgroupAttestor(ns.proc_root).pod_uid if ns.attest_peers == "cgroup" else None
     server = MemoryServer(memory, attest=attest, refusal=access.refusal)
     agent = NodeAgent(
         config,

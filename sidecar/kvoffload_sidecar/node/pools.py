@@ -20,9 +20,10 @@ its grant or its tenant its Pool, the refusing server is replaced by the pod's r
 
 Every pod server runs on one asyncio loop in one thread (the sidecar's servicer is asynchronous;
 Pool calls take microseconds under the Pool's lock), and its framed sessions on their own
-threads as in the sidecar. gRPC removes a Unix socket at its address when the server stops, so
-each pod server keeps its directory open (`/proc/self/fd/<dir>/pool.sock`, also how a path
-longer than `sun_path` is bound) until it has stopped.
+threads as in the sidecar. A pod's gRPC server listens on a private abstract address, and its
+`pool.sock` is the agent's front (front.py), which bounds its connections and attests each
+peer before splicing it there; `session.sock` attests each peer as it accepts it (attest.py),
+refusing one outside the pod with a PERMISSION_DENIED `SessionError` frame before reading it.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ from kvoffload_sidecar.frames import FramedSessions
 from kvoffload_sidecar.memfd_region import FdBacking
 from kvoffload_sidecar.memory_room import MemoryRoom, memory_room, pool_shortfall
 from kvoffload_sidecar.metrics import SidecarMetrics
-from kvoffload_sidecar.node.access import UNAVAILABLE, Refusal, not_granted
+from kvoffload_sidecar.node.access import PERMISSION_DENIED, UNAVAILABLE, Refusal, not_granted
+from kvoffload_sidecar.node.attest import NOT_IN_POD, Attest, peer_in_pod
 from kvoffload_sidecar.node.bindings import Binding
+from kvoffload_sidecar.node.front import OUTSIDER_CONNECTION_AGE_MS, PoolFront, private_address
 from kvoffload_sidecar.node.status_dir import STATUS_DIR
 from kvoffload_sidecar.node.tenant_memory import TenantRegion, bind_in_dir, set_socket_owner
 from kvoffload_sidecar.pool import Pool, PoolSettings, PoolStats
@@ -144,7 +147,7 @@ class PodServer:
     servicer: PoolServicer
     health: health.aio.HealthServicer
     frames: PodFramedSessions
-    dir_fd: int  # the pod's directory, open until gRPC removed its socket (module docstring)
+    front: PoolFront  # its pool.sock
 
 
 class RefusingServicer(pb_grpc.KVPoolServicer):
@@ -178,7 +181,7 @@ class RefusingServer:
     binding: Binding
     server: grpc.aio.Server
     health: health.aio.HealthServicer
-    dir_fd: int
+    front: PoolFront  # its pool.sock
 
 
 @dataclass
@@ -244,9 +247,11 @@ class TenantPools:
         refusal: Callable[[Binding], Refusal] = not_granted,
         node_pool: str = "",
         node: str = "",
+        attest: Attest | None = None,
     ) -> None:
         """`refusal(binding)`: what an ungranted binding's `pool.sock` answers (access.py);
-        `node_pool` and `node` name the shared pools (`SharedPool.pool_id`)."""
+        `node_pool` and `node` name the shared pools (`SharedPool.pool_id`); `attest(pid)`
+        places the peers of `pool.sock` and `session.sock` (attest.py; None: not checked)."""
         self.options = options or PoolOptions()
         self.node_pool = node_pool
         self.node = node
@@ -266,6 +271,12 @@ class TenantPools:
         )
         self._thread.start()
         self._closed = False
+        self._attest = attest
+        self._outsider: grpc.aio.Server | None = None  # answers peers outside their pod
+        self._outsider_address = None
+        if attest is not None:
+            self._outsider_address = private_address()
+            self._outsider = self._call(self._start_outsider(self._outsider_address.grpc))
 
     # -- tenants -----------------------------------------------------------------------------
 
@@ -473,33 +484,69 @@ class TenantPools:
     def _socket_mode(self, b: Binding) -> int:
         return self._mode if b.mount_group is None else self._mode & 0o660
 
+    def _front(self, b: Binding, server: grpc.aio.Server) -> PoolFront:
+        """The pod's `pool.sock` in front of `server` (bound to a new private address)."""
+        backend = private_address()
+        server.add_insecure_port(backend.grpc)
+        return PoolFront(
+            b.target_path,
+            POOL_SOCKET,
+            backend,
+            b.pod.uid,
+            mode=self._socket_mode(b),
+            group=b.mount_group,
+            attest=self._attest,
+            outsider=self._outsider_address,
+            max_connections=self.options.max_sessions,
+        )
+
+    def _admit(self, b: Binding, conn: socket.socket) -> str | None:
+        """`session.sock`'s check of an accepted connection (FramedSessions.admit)."""
+        return None if peer_in_pod(conn, b.pod.uid, self._attest) else NOT_IN_POD
+
+    @staticmethod
+    async def _start_outsider(address: str) -> grpc.aio.Server:
+        server = grpc.aio.server(  # its connections end soon: a refused peer's place frees
+            options=[
+                ("grpc.max_connection_age_ms", OUTSIDER_CONNECTION_AGE_MS),
+                ("grpc.max_connection_age_grace_ms", OUTSIDER_CONNECTION_AGE_MS),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        add_servicer(RefusingServicer(lambda: (PERMISSION_DENIED, NOT_IN_POD)), server)
+        server.add_insecure_port(address)
+        await server.start()
+        return server
+
     async def _start_refusing(self, b: Binding, why: Callable[[], Refusal]) -> RefusingServer:
         server = new_server()
         add_servicer(RefusingServicer(why), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        front = self._front(b, server)
         dfd = os.open(b.target_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            for name in (POOL_SOCKET, SESSION_SOCKET):  # no session.sock: nothing to serve
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=dfd)
-            server.add_insecure_port(f"unix:/proc/self/fd/{dfd}/{POOL_SOCKET}")
-            set_socket_owner(b.target_path, POOL_SOCKET, self._socket_mode(b), b.mount_group)
+            with contextlib.suppress(FileNotFoundError):  # no session.sock: nothing to serve
+                os.unlink(SESSION_SOCKET, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        try:
             await server.start()
+            front.start()
         except BaseException:
             await server.stop(None)
-            os.close(dfd)
             raise
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        return RefusingServer(b, server, health_servicer, dfd)
+        return RefusingServer(b, server, health_servicer, front)
 
     @staticmethod
     async def _stop_refusing(refusing: RefusingServer) -> None:
+        refusing.front.stop()
         try:
             await refusing.server.stop(0)
         finally:
-            os.close(refusing.dir_fd)  # only now: gRPC unlinked its socket through it
+            refusing.front.close_all()
 
     async def _start_pod(self, tp: TenantPool, b: Binding) -> PodServer:
         servicer = PoolServicer(tp.pool, tp.metrics)
@@ -525,31 +572,29 @@ class TenantPools:
             directory=b.target_path,
             mode=mode,
             group=b.mount_group,
+            admit=functools.partial(self._admit, b) if self._attest is not None else None,
         )
-        dfd = os.open(b.target_path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        front = self._front(b, server)
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(POOL_SOCKET, dir_fd=dfd)
-            server.add_insecure_port(f"unix:/proc/self/fd/{dfd}/{POOL_SOCKET}")
-            set_socket_owner(b.target_path, POOL_SOCKET, mode, b.mount_group)
             await frames.start()
             await server.start()
+            front.start()
         except BaseException:
             await server.stop(None)
             await frames.stop(0)
-            os.close(dfd)
             raise
         for name in ("", SERVICE_NAME):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        return PodServer(b, server, servicer, health_servicer, frames, dfd)
+        return PodServer(b, server, servicer, health_servicer, frames, front)
 
     @staticmethod
     async def _stop_pod(pod: PodServer, grace: float) -> None:
+        pod.front.stop()  # no new connection; those open finish their calls within the grace
         try:
             await pod.health.enter_graceful_shutdown()
             await asyncio.gather(pod.server.stop(grace), pod.frames.stop(grace))
         finally:
-            os.close(pod.dir_fd)  # only now: gRPC unlinked its socket through it
+            pod.front.close_all()
 
     # -- life --------------------------------------------------------------------------------
 
@@ -582,6 +627,9 @@ class TenantPools:
             if tp.reaper is not None:
                 self._loop.call_soon_threadsafe(tp.reaper.cancel)
             tp.pool.close()
+        if self._outsider is not None:
+            with contextlib.suppress(Exception):
+                self._call(self._outsider.stop(0))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
         if not self._loop.is_running():

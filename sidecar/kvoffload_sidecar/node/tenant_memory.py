@@ -25,12 +25,12 @@ import os
 import selectors
 import socket
 import stat
-import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvoffload_sidecar.node.access import Refusal, not_granted
+from kvoffload_sidecar.node.attest import NOT_IN_POD, Attest, peer_credentials, peer_in_pod
 from kvoffload_sidecar.node.bindings import SOCKET_NAME, Binding
 from kvoffload_sidecar.node.grants import NodePoolSpec
 
@@ -181,7 +181,7 @@ def decide(
         what = "file descriptors" if fds else f"more than {MAX_REQUEST} bytes"
         return Answer(Code.INVALID_ARGUMENT, f"a request carries no {what}")
     if not peer_in_pod:
-        return Answer(Code.PERMISSION_DENIED, "the connecting process is not in this socket's pod")
+        return Answer(Code.PERMISSION_DENIED, NOT_IN_POD)
     try:
         doc = json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError):
@@ -225,12 +225,6 @@ def open_description(fd: int) -> int:
     return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
 
 
-def _peer(conn: socket.socket) -> tuple[int, int, int]:
-    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
-    return pid, uid, gid
-
-
 def bind_in_dir(sock: socket.socket, directory: str, name: str) -> None:
     """Bind `sock` to `directory/name` whatever the path's length (sun_path holds 108 bytes;
     a kubelet target path is longer): through `/proc/self/fd/<dir fd>/name`."""
@@ -271,7 +265,7 @@ class MemoryServer:
         memory: TenantMemory,
         *,
         socket_mode: int = 0o666,
-        attest: Callable[[int], str | None] | None = None,
+        attest: Attest | None = None,
         refusal: Callable[[Binding], Refusal] = not_granted,
     ) -> None:
         """`attest(pid)` names the pod uid of a peer process (attest.py); None: not checked.
@@ -393,8 +387,8 @@ class MemoryServer:
                 continue
             conn.setblocking(False)
             self._conns[listener] += 1
-            pid, uid, gid = _peer(conn)
-            in_pod = self._attest is None or self._attest(pid) == binding.pod.uid
+            pid, uid, gid = peer_credentials(conn)
+            in_pod = peer_in_pod(conn, binding.pod.uid, self._attest)
             log.debug(
                 "pod %s connected: pid %d uid %d gid %d%s",
                 binding.pod.describe(), pid, uid, gid, "" if in_pod else " (not in the pod)",
