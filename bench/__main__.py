@@ -19,6 +19,7 @@ BENCHMARKS = {
     "inject_latency": "how long the webhook takes to admit a pod",
     "adoption": "how fast a restarted sidecar adopts its pool",
     "node_prefault": "what making a node pool tenant's memfd resident costs per GiB",
+    "node_front": "what the agent's pool.sock front (attest, bound, splice) adds to control RPCs",
     "transfer": "how close GPU <-> pool copies come to the PCIe ceiling",
     "e2e_gpu": "TTFT of a pool hit, multi-turn throughput, the first request after a restart",
     "serve": "`vllm serve` under load (sweep, report) and at 0% hits against vLLM alone (paired)",
