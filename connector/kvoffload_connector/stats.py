@@ -3,7 +3,10 @@
 Both halves of the connector report plain counters (a dict of numbers);
 vLLM sums the workers' dicts with the scheduler's (`aggregate`), logs
 `reduce()` every interval ("KV Transfer metrics: ...") and feeds the same
-dict to `PromMetrics.observe` for its Prometheus endpoint.
+dict to `PromMetrics.observe` for its Prometheus endpoint. The scheduler's
+dict may also carry `pool`, the pool's name (pool_metrics.py): not summed,
+the latest kept. The collectors are the last engine's of the process
+(owned_metrics.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from kvoffload_connector import owned_metrics
+from kvoffload_connector.pool_metrics import PoolSeries
 
 # Counter names: one table, summed across ranks and steps.
 COUNTERS = (
@@ -47,9 +53,12 @@ class ConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {}
 
-    def add(self, values: dict[str, float]) -> None:
+    def add(self, values: dict[str, Any]) -> None:
         for k, v in values.items():
-            if v:
+            if isinstance(v, dict):  # a description (the pool's name), not a count: the latest
+                if v:
+                    self.data[k] = dict(v)
+            elif v:
                 self.data[k] = self.data.get(k, 0) + v
 
     def aggregate(self, other: KVConnectorStats) -> ConnectorStats:
@@ -174,30 +183,39 @@ class PromMetrics(KVConnectorPromMetrics):
         self, vllm_config, metric_types, labelnames, per_engine_labelvalues, reason: str = ""
     ):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self._counters = {
-            key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-            for key, (name, doc) in self.NAMES.items()
-        }
+        # this engine's collectors replace those an earlier engine of the process made
+        owned_metrics.take_names()
+        self._counters = self._make_counters(self.NAMES, labelnames)
         self._aliases = (
             {}
             if _runs_vllm_offloading(vllm_config)
-            else {
-                key: self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
-                for key, (name, doc) in self.VLLM_NAMES.items()
-            }
+            else self._make_counters(self.VLLM_NAMES, labelnames)
         )
         self._children: dict[tuple[int, str, int], Any] = {}
         self.active_gauge = self._pool_active(list(labelnames), reason)
+        self.pool = PoolSeries(self._gauge_cls, list(labelnames), per_engine_labelvalues)
+
+    def _make_counters(self, names: dict[str, tuple[str, str]], labelnames: list[str]) -> dict:
+        made = {
+            key: owned_metrics.make(
+                self._counter_cls, name=name, documentation=doc, labelnames=labelnames
+            )
+            for key, (name, doc) in names.items()
+        }
+        return {key: counter for key, counter in made.items() if counter is not None}
 
     def _pool_active(self, labelnames: list[str], reason: str) -> Any:
         """1 while the pool serves, 0 with the reason (the same text as the log line) when the
         engine serves without it. A failure here costs the gauge, never the engine."""
+        gauge = owned_metrics.make(
+            self._gauge_cls,
+            name=self.ACTIVE,
+            documentation="1 if kvoffload's pool serves this engine, else 0 with the reason",
+            labelnames=[*labelnames, "reason"],
+        )
+        if gauge is None:
+            return None
         try:
-            gauge = self._gauge_cls(
-                name=self.ACTIVE,
-                documentation="1 if kvoffload's pool serves this engine, else 0 with the reason",
-                labelnames=[*labelnames, "reason"],
-            )
             for values in self.per_engine_labelvalues.values():
                 gauge.labels(*values, reason).set(0 if reason else 1)
             return gauge
@@ -207,6 +225,9 @@ class PromMetrics(KVConnectorPromMetrics):
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
             if not value:
+                continue
+            if key == "pool":
+                self.pool.observe(value, engine_idx)
                 continue
             for alias, table in enumerate((self._counters, self._aliases)):
                 counter = table.get(key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -172,8 +173,25 @@ class PoolServicer(pb_grpc.KVPoolServicer):
         out.session_socket = self.session_socket_name
         out.presence_map = self.presence_map_name
         out.tenant_memory = self.tenant_memory
+        self._pool_name(reg.pool_generation, out.pool)
         if self.registered_clients is not None:
             self.registered_clients.add(reg.client_id)
+
+    def _pool_name(self, generation: str, out: pb.PoolName) -> None:
+        """Which pool this is, for each replica's /metrics: a node agent's tenant pool by its
+        SharedPool's id, a sidecar's by its pod (the host name) and its generation."""
+        out.placement = self.placement
+        if self.shared is None:
+            out.pool_id = f"{socket.gethostname()}/{generation}"
+            out.pool_bytes = self._pool.settings.pool_size
+            return
+        shared = pb.SharedPool()
+        self.shared(shared)
+        out.pool_id = shared.pool_id
+        out.node_pool = shared.node_pool
+        out.node = shared.node
+        out.tenant = shared.tenant
+        out.pool_bytes = shared.capacity_bytes
 
     def _lookup(self, req: pb.LookupRequest, _session: int, out: pb.LookupResponse) -> None:
         ns = convert.require_namespace(req.namespace_id)

@@ -518,7 +518,6 @@ def run_placement(
             )
         )
         sub["connector_extra_config"] = kv["kv_connector_extra_config"]
-        forget_connector_metrics()
         llm = LLM(**kwargs, kv_transfer_config=kv)
         vc = llm.llm_engine.vllm_config
         assert int(vc.cache_config.block_size) == args.block_size, vc.cache_config.block_size
@@ -621,18 +620,6 @@ def run_placement(
 
 
 PLACEMENT_CONFIG = {"pod": {}, "node": {"placement": "node"}}
-
-
-def forget_connector_metrics() -> None:
-    """Unregister an earlier engine's connector counters from this process's registry: vLLM
-    unregisters only its `vllm:` collectors when an engine starts, and the connector's metrics
-    of a second engine in one process would clash with the first one's (it then runs without
-    them)."""
-    from prometheus_client import REGISTRY
-
-    for collector, names in list(REGISTRY._collector_to_names.items()):
-        if any(n.startswith("kvoffload_connector") for n in names):
-            REGISTRY.unregister(collector)
 
 
 def pool_pids(pool: fd.Sidecar) -> set[int]:

@@ -16,10 +16,12 @@ import nodeharness
 import pytest
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
+from kvoffload_connector.common.pool_replies import RegisterResult
 from kvoffload_connector.scheduler.events import DecodedBlob, EventFeed
+from kvoffload_connector.scheduler.scheduler_stats import pool_entry
 from kvoffload_sidecar.cli import main_stats
 from nodeharness import POD_A, POD_A2, POD_B, MiB, Pod
-from slot_client import block_hash
+from slot_client import SLOT_BYTES, block_hash, spec
 
 from tests.sidecar.metrics_doc import check_text_format, documented, exposed, samples
 
@@ -170,3 +172,35 @@ def test_a_replica_announces_the_blocks_another_stored_and_another_tenant_none(
     node.client(POD_B, "register")
     (beta_ns,) = node.stats(POD_B).namespaces
     assert events_of(node, POD_B, beta_ns.namespace_id) == []
+
+
+def register(node: Node, pod: Pod) -> RegisterResult:
+    """The Register answer a connector gets through the pod's own pool.sock."""
+    req = pb.RegisterRequest(
+        spec=spec("tiny-llama"), num_ranks=1, slot_bytes_per_rank=SLOT_BYTES,
+        client_name="node-test/scheduler",
+    )  # fmt: skip
+    return RegisterResult.from_response(node.stub(pod).Register(req, timeout=10))
+
+
+def test_each_replicas_register_answer_names_the_shared_pool_for_its_metrics(
+    node: Node,
+) -> None:
+    """What each replica's vLLM /metrics names the pool by (`vllm:kvoffload_pool_*`): the
+    same pool_id and capacity through both sharers' sockets, so a router that dedupes by
+    pool_id counts alpha's pool once; beta's is another."""
+    a, a2, b = (register(node, p) for p in (POD_A, POD_A2, POD_B))
+    stats = node.stats(POD_A)
+    assert a.pool == a2.pool and a.pool.pool_id == stats.shared.pool_id
+    assert (a.pool.placement, a.pool.node_pool, a.pool.node, a.pool.tenant) == (
+        "node", "node-pool", "node-a", "alpha",
+    )  # fmt: skip
+    assert a.pool.pool_bytes == stats.shared.capacity_bytes == 4 * MiB
+    assert b.pool.pool_id == node.stats(POD_B).shared.pool_id != a.pool.pool_id
+    (ns,) = stats.namespaces
+    replicas = [pool_entry(r, TOKENS_PER_SLOT, 1) for r in (a, a2)]
+    assert replicas[0] == replicas[1]
+    assert replicas[0]["capacity_tokens"] == ns.capacity_tokens
+    assert replicas[0]["capacity_bytes"] == ns.capacity_bytes
+    by_pool = {e["pool_id"]: e["capacity_bytes"] for e in replicas}
+    assert sum(by_pool.values()) == ns.capacity_bytes  # once, not once per replica

@@ -192,10 +192,13 @@ def test_operator_metrics_match_the_docs() -> None:
 
 
 def test_connector_metrics_match_the_docs() -> None:
-    from kvoffload_connector import stats  # needs vLLM's base classes
+    from kvoffload_connector import pool_metrics, stats  # needs vLLM's base classes
 
     names = {name for name, _ in stats.PromMetrics.NAMES.values()} | {stats.PromMetrics.ACTIVE}
     names |= {name for name, _ in stats.PromMetrics.VLLM_NAMES.values()}  # vLLM's own names
+    names |= set(pool_metrics.NAMES)
     docs = documented("vLLM connector")
     assert names == set(docs)
     assert docs[stats.PromMetrics.ACTIVE].type == "gauge"
+    for name, (_, labels, _) in pool_metrics.SERIES.items():  # beside vLLM's engine labels
+        assert (docs[name].type, docs[name].labels) == ("gauge", set(labels)), name

@@ -66,6 +66,28 @@ class RankRegion:
 
 
 @dataclass(frozen=True)
+class PoolName:
+    """Which pool answered (the Register answer's `pool`): what this replica's /metrics names
+    it by, so readers that gather replicas count a pool shared by several once."""
+
+    placement: str  # "pod" | "node"
+    pool_id: str  # the same through every pod that shares the pool
+    node_pool: str = ""  # node placement: the KVOffloadNodePool, the node, the tenant
+    node: str = ""
+    tenant: str = ""
+    pool_bytes: int = 0  # every namespace's
+
+    @classmethod
+    def from_response(cls, resp: pool_pb2.RegisterResponse) -> PoolName:
+        p = resp.pool
+        if p.pool_id:
+            return cls(p.placement or "pod", p.pool_id, p.node_pool, p.node, p.tenant, p.pool_bytes)
+        # a pool server that predates the field: its generation names the pool
+        placement = "node" if resp.tenant_memory else "pod"
+        return cls(placement, resp.pool_generation, tenant=resp.tenant_memory)
+
+
+@dataclass(frozen=True)
 class RegisterResult:
     namespace_id: str
     client_id: int
@@ -81,6 +103,7 @@ class RegisterResult:
     # node placement: the tenant whose memfd holds the regions (their paths are empty, their
     # offsets into that memfd); empty for a sidecar's pool file
     tenant_memory: str = ""
+    pool: PoolName | None = None  # which pool this is (placement, pool_id, size)
 
     @classmethod
     def from_response(cls, resp: pool_pb2.RegisterResponse) -> RegisterResult:
@@ -100,6 +123,7 @@ class RegisterResult:
             slot_table_offset=resp.slot_table_offset,
             slot_record_bytes=resp.slot_record_bytes,
             tenant_memory=resp.tenant_memory,
+            pool=PoolName.from_response(resp),
         )
 
 

@@ -142,6 +142,8 @@ class OffloadScheduler(
         self._oldest_miss_at = 0.0  # when the first miss not yet reported was counted
         self._first_token = FirstTokenWatch(self._output_count)
         self._stats_taken_at = float("-inf")
+        self._pool_sent_for: Any = None  # the registration whose pool_entry the stats carried
+        self._pool_sent_at = float("-inf")
         self._lookup_ewma_s = 0.0  # recent lookup round trips (inline and background)
         self._registration: Registration | None = None
         self._no_pool = (

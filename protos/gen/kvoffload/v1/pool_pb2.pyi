@@ -76,7 +76,7 @@ class RankRegion(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("namespace_id", "client_id", "regions", "pool_ready", "prefault_fraction", "committed_blocks", "pool_generation", "session_socket", "presence_map", "sidecar_epoch", "engine_lock_base", "slot_table_offset", "slot_record_bytes", "engine", "tenant_memory")
+    __slots__ = ("namespace_id", "client_id", "regions", "pool_ready", "prefault_fraction", "committed_blocks", "pool_generation", "session_socket", "presence_map", "sidecar_epoch", "engine_lock_base", "slot_table_offset", "slot_record_bytes", "engine", "tenant_memory", "pool")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class RegisterResponse(_message.Message):
     SLOT_RECORD_BYTES_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     TENANT_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     client_id: int
     regions: _containers.RepeatedCompositeFieldContainer[RankRegion]
@@ -107,7 +108,24 @@ class RegisterResponse(_message.Message):
     slot_record_bytes: int
     engine: int
     tenant_memory: str
-    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RankRegion, _Mapping]]] = ..., pool_ready: _Optional[bool] = ..., prefault_fraction: _Optional[float] = ..., committed_blocks: _Optional[int] = ..., pool_generation: _Optional[str] = ..., session_socket: _Optional[str] = ..., presence_map: _Optional[str] = ..., sidecar_epoch: _Optional[int] = ..., engine_lock_base: _Optional[int] = ..., slot_table_offset: _Optional[int] = ..., slot_record_bytes: _Optional[int] = ..., engine: _Optional[int] = ..., tenant_memory: _Optional[str] = ...) -> None: ...
+    pool: PoolName
+    def __init__(self, namespace_id: _Optional[str] = ..., client_id: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[RankRegion, _Mapping]]] = ..., pool_ready: _Optional[bool] = ..., prefault_fraction: _Optional[float] = ..., committed_blocks: _Optional[int] = ..., pool_generation: _Optional[str] = ..., session_socket: _Optional[str] = ..., presence_map: _Optional[str] = ..., sidecar_epoch: _Optional[int] = ..., engine_lock_base: _Optional[int] = ..., slot_table_offset: _Optional[int] = ..., slot_record_bytes: _Optional[int] = ..., engine: _Optional[int] = ..., tenant_memory: _Optional[str] = ..., pool: _Optional[_Union[PoolName, _Mapping]] = ...) -> None: ...
+
+class PoolName(_message.Message):
+    __slots__ = ("placement", "pool_id", "node_pool", "node", "tenant", "pool_bytes")
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    POOL_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_POOL_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    placement: str
+    pool_id: str
+    node_pool: str
+    node: str
+    tenant: str
+    pool_bytes: int
+    def __init__(self, placement: _Optional[str] = ..., pool_id: _Optional[str] = ..., node_pool: _Optional[str] = ..., node: _Optional[str] = ..., tenant: _Optional[str] = ..., pool_bytes: _Optional[int] = ...) -> None: ...
 
 class KeyList(_message.Message):
     __slots__ = ("keys", "cache_salt")
