@@ -22,8 +22,9 @@ import pytest
 from kvoffload.v1 import pool_pb2 as pb
 from kvoffload.v1 import pool_pb2_grpc as pb_grpc
 from kvoffload_connector.common.node_memory import NodeMemoryError, open_tenant_memory
-from kvoffload_sidecar.node.attest import NOT_IN_POD, pod_uid_of_cgroup
+from kvoffload_sidecar.node.attest import MAX_OUTSIDERS_PER_SOCKET, NOT_IN_POD, pod_uid_of_cgroup
 from kvoffload_sidecar.node.pools import PoolOptions
+from kvoffload_sidecar.node.tenant_memory import MAX_CONNECTIONS_PER_SOCKET
 from nodeharness import POD_A, POD_B, MiB, Node, pool_call
 from slot_client import Pod as SlotPod
 from slot_client import call as framed_call
@@ -211,3 +212,47 @@ def test_a_pods_pool_sock_holds_a_bounded_number_of_connections(attesting: Node)
     while pool_call(attesting.mount(POD_A), "Stats")[0] != grpc.StatusCode.OK:
         assert time.monotonic() < deadline, "connections closed by the pod stay counted"
         time.sleep(0.05)
+
+
+@pytest.mark.process
+def test_peers_outside_the_pod_never_take_its_places(attesting: Node) -> None:
+    """A process in no pod that holds more connections than the pod may have, on its pool.sock
+    and memory.sock: it keeps a few, apart; the pod's own process is served meanwhile."""
+    a_dir = attesting.mount(POD_A)
+    many = {
+        "pool.sock": PoolOptions().max_sessions + 8,
+        "memory.sock": MAX_CONNECTIONS_PER_SOCKET + 8,
+    }
+    code = f"""
+        import socket, sys, time
+        kinds = {{"pool.sock": socket.SOCK_STREAM, "memory.sock": socket.SOCK_SEQPACKET}}
+        held = {{}}
+        for name, n in {many!r}.items():
+            held[name] = []
+            for _ in range(n):
+                s = socket.socket(socket.AF_UNIX, kinds[name])
+                s.connect("{a_dir}/" + name)
+                held[name].append(s)
+        time.sleep(0.3)  # the agent accepts, keeps a few and closes the others
+        def still_open(s):
+            try:
+                return s.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+            except BlockingIOError:
+                return True
+        print(*(sum(map(still_open, held[name])) for name in {list(many)!r}), flush=True)
+        sys.stdin.read()  # held until the test is done
+    """
+    outsider = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], user=OTHER_UID, group=OTHER_UID,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert outsider.stdout is not None
+        pool_held, memory_held = map(int, outsider.stdout.readline().split())
+        assert 0 < pool_held <= MAX_OUTSIDERS_PER_SOCKET
+        assert memory_held == MAX_OUTSIDERS_PER_SOCKET
+        assert pool_call(a_dir, "Stats")[0] == grpc.StatusCode.OK
+        open_tenant_memory(f"{a_dir}/memory.sock", "alpha").close()
+    finally:
+        outsider.kill()
+        outsider.wait(10)

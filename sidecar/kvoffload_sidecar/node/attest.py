@@ -21,6 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 NOT_IN_POD = "the connecting process is not in this socket's pod"
+# connections of peers outside the pod a socket holds at once, apart from the pod's own: a
+# process that reached a leaked path never takes the pod's places (past this: closed unanswered)
+MAX_OUTSIDERS_PER_SOCKET = 8
 
 # pid -> the uid of the pod it runs in, None when it cannot be placed (CgroupAttestor.pod_uid)
 Attest = Callable[[int], str | None]

@@ -10,12 +10,13 @@ leads to it, and it lives in the agent pod's network namespace (the DaemonSet is
 hostNetwork), which no other pod shares. `pool.sock` itself is this front's listener, bound and
 owned as `memory.sock` is. For each accepted connection, before a byte of it is read:
 
-- past `max_connections` open ones (the pod's `--max-sessions`: each client holds one
-  connection here and one session), it is closed unanswered;
 - with attestation, a peer outside the bound pod is spliced to the agent's outsider server,
   whose every call answers PERMISSION_DENIED (attest.NOT_IN_POD) and which ends each
-  connection within about two seconds (`grpc.max_connection_age_ms`): it learns why, reaches no
-  Pool, and holds its place briefly;
+  connection within about two seconds (`grpc.max_connection_age_ms`): it learns why and reaches
+  no Pool; such peers hold at most `max_outsiders` connections, apart from the pod's, and past
+  that are closed unanswered;
+- past `max_connections` open ones of the pod's own (its `max_sessions`: each client holds one
+  connection here and one session), it is closed unanswered;
 - else it is spliced to the pod's server.
 
 A splice is two threads, one per direction, each a blocking `recv_into` and `sendall`; when one
@@ -34,7 +35,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
-from kvoffload_sidecar.node.attest import Attest, peer_in_pod
+from kvoffload_sidecar.node.attest import MAX_OUTSIDERS_PER_SOCKET, Attest, peer_in_pod
 from kvoffload_sidecar.node.tenant_memory import bind_in_dir, set_socket_owner
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ def private_address() -> PrivateAddress:
 class _Splice:
     client: socket.socket
     upstream: socket.socket
+    outsider: bool  # a peer outside the pod, sent to the outsider server
     running: int = 2  # pumps not finished yet
 
     def shut(self) -> None:
@@ -84,7 +86,8 @@ class PoolFront:
     attest: Attest | None = None
     outsider: PrivateAddress | None = None  # where peers outside the pod go (None: closed)
     max_connections: int = 64
-    refused: int = 0  # connections closed unanswered past `max_connections`
+    max_outsiders: int = MAX_OUTSIDERS_PER_SOCKET
+    refused: int = 0  # connections closed unanswered past either bound
     outsiders: int = 0  # connections sent to the outsider server
     _listener: socket.socket | None = None
     _inode: int = 0
@@ -149,23 +152,21 @@ class PoolFront:
                 conn, _ = listener.accept()
             except OSError:
                 return  # stop() shut the listener
+            outside = not peer_in_pod(conn, self.pod_uid, self.attest)
+            bound = self.max_outsiders if outside else self.max_connections
+            target = self.outsider if outside else self.backend
             with self._lock:
-                full = len(self._open) >= self.max_connections
-            if full:
+                full = sum(s.outsider == outside for s in self._open.values()) >= bound
+            if full or target is None:
                 self.refused += 1
                 conn.close()
                 continue
-            target = self.backend
-            if not peer_in_pod(conn, self.pod_uid, self.attest):
+            if outside:
                 self.outsiders += 1
                 log.info("pool.sock of pod %s: a peer outside the pod, refused", self.pod_uid)
-                if self.outsider is None:
-                    conn.close()
-                    continue
-                target = self.outsider
-            self._splice(conn, target)
+            self._splice(conn, target, outside)
 
-    def _splice(self, client: socket.socket, target: PrivateAddress) -> None:
+    def _splice(self, client: socket.socket, target: PrivateAddress, outside: bool) -> None:
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             upstream.connect(target.name)
@@ -174,7 +175,7 @@ class PoolFront:
             upstream.close()
             client.close()
             return
-        splice = _Splice(client, upstream)
+        splice = _Splice(client, upstream, outside)
         with self._lock:
             self._open[client.fileno()] = splice
         for src, dst in ((client, upstream), (upstream, client)):

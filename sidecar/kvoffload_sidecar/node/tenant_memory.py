@@ -30,7 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvoffload_sidecar.node.access import Refusal, not_granted
-from kvoffload_sidecar.node.attest import NOT_IN_POD, Attest, peer_credentials, peer_in_pod
+from kvoffload_sidecar.node.attest import (
+    MAX_OUTSIDERS_PER_SOCKET,
+    NOT_IN_POD,
+    Attest,
+    peer_credentials,
+    peer_in_pod,
+)
 from kvoffload_sidecar.node.bindings import SOCKET_NAME, Binding
 from kvoffload_sidecar.node.grants import NodePoolSpec
 
@@ -278,7 +284,8 @@ class MemoryServer:
         self._lock = threading.Lock()
         self._listeners: dict[tuple[str, str], socket.socket] = {}
         self._bound: dict[tuple[str, str], Binding] = {}  # the binding each socket serves
-        self._conns: dict[socket.socket, int] = {}  # listener -> open connections
+        # listener -> open connections: [of peers outside the pod, of the pod's own]
+        self._conns: dict[socket.socket, list[int]] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._stop = False
@@ -305,7 +312,7 @@ class MemoryServer:
                 old.close()
             self._listeners[key] = sock
             self._bound[key] = binding
-            self._conns[sock] = 0
+            self._conns[sock] = [0, 0]
             self._sel.register(sock, selectors.EVENT_READ, ("listen", key))
         self._wake()
 
@@ -382,24 +389,30 @@ class MemoryServer:
                 conn, _ = listener.accept()
             except BlockingIOError:
                 return
-            if self._conns.get(listener, 0) >= MAX_CONNECTIONS_PER_SOCKET:
+            try:
+                pid, uid, gid = peer_credentials(conn)
+            except OSError:
+                conn.close()
+                continue
+            in_pod = peer_in_pod(conn, binding.pod.uid, self._attest)
+            bound = MAX_CONNECTIONS_PER_SOCKET if in_pod else MAX_OUTSIDERS_PER_SOCKET
+            counts = self._conns[listener]
+            if counts[in_pod] >= bound:  # peers outside the pod never take the pod's places
                 conn.close()
                 continue
             conn.setblocking(False)
-            self._conns[listener] += 1
-            pid, uid, gid = peer_credentials(conn)
-            in_pod = peer_in_pod(conn, binding.pod.uid, self._attest)
+            counts[in_pod] += 1
             log.debug(
                 "pod %s connected: pid %d uid %d gid %d%s",
                 binding.pod.describe(), pid, uid, gid, "" if in_pod else " (not in the pod)",
             )  # fmt: skip
             self._sel.register(conn, selectors.EVENT_READ, ("conn", key, listener, in_pod))
 
-    def _drop(self, conn: socket.socket, listener: socket.socket) -> None:
+    def _drop(self, conn: socket.socket, listener: socket.socket, in_pod: bool) -> None:
         self._sel.unregister(conn)
         conn.close()
         if listener in self._conns:
-            self._conns[listener] -= 1
+            self._conns[listener][in_pod] -= 1
 
     def _serve(
         self, conn: socket.socket, key: tuple[str, str], listener: socket.socket, in_pod: bool
@@ -410,13 +423,13 @@ class MemoryServer:
         except BlockingIOError:
             return
         except OSError:
-            self._drop(conn, listener)
+            self._drop(conn, listener, in_pod)
             return
         for fd in fds:  # never used, never kept
             with contextlib.suppress(OSError):
                 os.close(fd)
         if not raw and not fds:
-            self._drop(conn, listener)
+            self._drop(conn, listener, in_pod)
             return
         truncated = bool(flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC))
         answer = decide(raw, fds, truncated, binding, self._memory, in_pod, self._refusal)
@@ -436,7 +449,7 @@ class MemoryServer:
         except OSError as e:
             if e.errno not in (errno.EAGAIN, errno.EPIPE, errno.ECONNRESET):
                 raise
-            self._drop(conn, listener)
+            self._drop(conn, listener, in_pod)
         finally:
             if own is not None:
                 os.close(own)
