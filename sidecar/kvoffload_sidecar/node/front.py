@@ -22,7 +22,7 @@ owned as `memory.sock` is. For each accepted connection, before a byte of it is 
 A splice is two threads, one per direction, each a blocking `recv_into` and `sendall`; when one
 direction ends, both sockets are shut and the place is freed. This costs the control RPCs on
 `pool.sock` (Register, Stats, Events) two copies per message; the hot path is `session.sock`,
-which the agent serves itself (docs/NODE.md, "Around the pod servers", has the numbers).
+which the agent serves itself (docs/NODE.md, "Why `pool.sock` has a front", has the numbers).
 """
 
 from __future__ import annotations
