@@ -5,7 +5,13 @@ agent's pre-fault), `populate` (`MADV_POPULATE_WRITE` over a shared mapping), `p
 (the same after `MADV_HUGEPAGE`, where `shmem_enabled` allows), `fallocate_tenants` (a memfd
 per thread, side by side). The pages are charged to this process's memory cgroup.
 
+`cuda_register` (a GPU, not in the default methods) measures what a pod attaching to a tenant
+pays instead: the connector's own mapping of a pre-faulted memfd (`PoolView.open_fd`, 2 MiB
+slots) page-locked with CUDA in its pieces (`cudaHostRegister`, 1 GiB each, one thread), with
+the time until the first piece is usable (hits start there) beside the whole region's.
+
     python -m bench node_prefault [--gib 16] [--threads 1,4,8,16] [--reps 2] [--out JSON]
+    python -m bench node_prefault --gib 32 --methods fallocate,cuda_register --threads 1
 """
 
 from __future__ import annotations
@@ -98,6 +104,28 @@ def run_once(method: str, size: int, threads: int) -> float:
         os.close(fd)
 
 
+def register_once(size: int) -> tuple[float, float]:
+    """(seconds until the first piece is usable, seconds for every piece) of the connector's
+    CUDA registration of its mapping of a pre-faulted memfd of `size` bytes."""
+    import torch
+    from kvoffload_connector.worker.pool_view import PoolView
+
+    slot = 2 << 20
+    fd = create_memfd("bench", size)
+    try:
+        os.posix_fallocate(fd, 0, size)  # the holder's pre-fault: not timed
+        view = PoolView.open_fd(fd, "bench", 0, slot, size // slot)
+        try:
+            view.start_device_registration(torch.device("cuda"))
+            if not (view.wait_ready(900) and view.registered):
+                raise RuntimeError(f"registration failed: {view.error}")
+            return view.progress[0][0], view.progress[-1][0]
+        finally:
+            view.close()
+    finally:
+        os.close(fd)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=16)
@@ -109,6 +137,21 @@ def main() -> int:
     size = int(args.gib * GiB) // (2 << 20) * (2 << 20)
     rows = []
     for method in args.methods.split(","):
+        if method == "cuda_register":  # one registration thread, as each worker rank has
+            runs = [register_once(size) for _ in range(args.reps)]
+            first, best = min(r[0] for r in runs), min(r[1] for r in runs)
+            rows.append({
+                "method": method,
+                "threads": 1,
+                "gib": round(size / GiB, 2),
+                "seconds": round(best, 3),
+                "first_piece_s": round(first, 3),
+                "gb_per_s": round(size / best / 1e9, 2),
+                "ms_per_gib": round(best / (size / GiB) * 1e3, 1),
+                "est_1tib_s": round(best / (size / GiB) * 1024, 1),
+            })  # fmt: skip
+            print(rows[-1], flush=True)
+            continue
         for threads in (int(t) for t in args.threads.split(",")):
             best = min(run_once(method, size, threads) for _ in range(args.reps))
             s_per_gib = best / (size / GiB)

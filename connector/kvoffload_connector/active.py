@@ -168,12 +168,13 @@ class ActiveConnector:
         """vLLM's `set_xfer_handshake_metadata` at engine start: rank -> `PoolHandshake`."""
         if self._scheduler is None or not metadata:
             return
-        regs = {
-            int(rank): m.registration
-            for rank, m in dict(metadata).items()
-            if isinstance(m, PoolHandshake)
+        shakes = {
+            int(rank): m for rank, m in dict(metadata).items() if isinstance(m, PoolHandshake)
         }
-        self._scheduler.on_handshake(regs)
+        self._scheduler.on_handshake(
+            {rank: m.registration for rank, m in shakes.items()},
+            {rank: (m.ready, m.usable_end) for rank, m in shakes.items()},
+        )
 
     # -- worker side ----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -201,7 +202,9 @@ class ActiveConnector:
                 w.layout.slot_bytes,
                 applied.namespace_id if applied is not None else "",
                 applied.generation if applied is not None else "",
-            )
+            ),
+            usable_end=w.usable_end,
+            ready=w.ready,
         )
 
     @staticmethod

@@ -204,6 +204,7 @@ _NAMESPACE_COUNTERS = (
     "refused_commits",
     "unlocked_reservations",
     "withheld_slots",
+    "prefaulted_slots",
 )
 
 

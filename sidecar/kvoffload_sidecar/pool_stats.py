@@ -72,4 +72,5 @@ class PoolObservation:
             refused_commits=k.refused_commits,
             unlocked_reservations=k.unlocked_reservations,
             withheld_slots=len(ns.withheld),
+            prefaulted_slots=ns.free.ready,
         )

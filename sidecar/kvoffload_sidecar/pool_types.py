@@ -127,6 +127,7 @@ class NamespaceStats:
     refused_commits: int = 0  # commits naming another sidecar instance or engine
     unlocked_reservations: int = 0  # store batches refused: an engine rank held no file lock
     withheld_slots: int = 0  # reserved under the last instance: free once its engine drained
+    prefaulted_slots: int = 0  # slots [0, n) pre-faulted on every rank (the allocatable frontier)
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,10 @@ def test_failed_async_load_fails_its_request(worker):
 
 
 class _IntactPool:
-    """Stands in for a mapped PoolView whose file covers it (`intact`)."""
+    """Stands in for a mapped PoolView whose file covers it (`intact`), registered whole."""
 
     ready = True
+    usable_end = 1 << 20  # every slot a job names
 
     def __init__(self, intact: bool = True):
         self._intact = intact

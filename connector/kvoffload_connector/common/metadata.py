@@ -97,6 +97,10 @@ class PoolHandshake(HandshakeMetadataBase):
     handshake metadata (`get_handshake_metadata` -> `set_xfer_handshake_metadata`)."""
 
     registration: Registration
+    # slots [0, n) of the rank's region it could copy when it answered (its registered pieces)
+    # and whether that is all of them: the scheduler plans loads below every rank's end
+    usable_end: int = 0
+    ready: bool = False
 
 
 def _merge(a: Mapping[int, int], b: Mapping[int, int]) -> dict[int, int]:
@@ -114,6 +118,10 @@ class WorkerReport(WorkerMetadataBase):
     # rank -> pool mapped and registered with the device; sent when it changes. Until every
     # rank is ready the scheduler answers misses and plans no stores (no doomed jobs).
     ready: Mapping[int, bool] = field(default_factory=dict)
+    # rank -> slots [0, n) of its region it may copy now (registered with the device so far),
+    # sent with `ready`. The scheduler plans loads, and lets stores be copied, only for slots
+    # below every rank's end: a hit past it is a miss, a store reserved past it is aborted.
+    usable: Mapping[int, int] = field(default_factory=dict)
     # Set once when a rank found no pool to register with (sidecar refused or away, a KV cache
     # layout it cannot map): the scheduler stops holding requests for a first registration.
     no_pool: str = ""
@@ -124,6 +132,7 @@ class WorkerReport(WorkerMetadataBase):
             failed=_merge(self.failed, other.failed),
             registration=self.registration or other.registration,
             ready={**self.ready, **other.ready},
+            usable={**self.usable, **other.usable},
             no_pool=self.no_pool or other.no_pool,
         )
 
@@ -133,5 +142,6 @@ class WorkerReport(WorkerMetadataBase):
             and not self.failed
             and self.registration is None
             and not self.ready
+            and not self.usable
             and not self.no_pool
         )

@@ -150,6 +150,10 @@ class OffloadScheduler(
             ""  # a worker's reason for having no pool (stops the first-registration wait)
         )
         self._ready: dict[int, bool] = {}  # rank -> pool ready (empty: not reported yet)
+        # rank -> slots [0, n) of its region registered with its device so far (ready: all)
+        self._usable_end: dict[int, int] = {}
+        self.unregistered_hit_chunks = 0  # hit chunks past a rank's registered end: misses
+        self.unregistered_store_chunks = 0  # reserved past it: aborted, never copied
         self._unready_since: float | None = None  # a rank's pool became not ready then
         self._first_query_at: float | None = None
         self._told_unusable = ""  # the reason last logged for serving without the pool
@@ -305,11 +309,8 @@ class OffloadScheduler(
     def update_connector_output(self, report: WorkerReport | None) -> None:
         if report is None:
             return
-        self._ready.update(report.ready)
-        if self._ranks_ready():
-            self._unready_since = None
-        elif self._unready_since is None:
-            self._unready_since = self._clock()
+        if report.ready or report.usable:
+            self._note_ranks(report.ready, report.usable)
         if report.no_pool and not self._no_pool:
             self._no_pool = report.no_pool
             log.info("kvoffload: a worker found no pool (%s); requests do not wait for it",

@@ -1,11 +1,16 @@
 """Whether the scheduler may use the pool now, and its registration (no torch).
 
-The pool is usable once the scheduler is registered and every rank has its pool mapped and
-device-registered. Before the first registration requests wait for it (bounded by
-`register_wait_ms`); a rank that found no pool stops that wait. The registration comes from
-the workers: at engine start through vLLM's handshake metadata (`on_handshake`), and in the
-step reports after any re-registration; the scheduler joins their namespace on its RPC thread.
-Part of `OffloadScheduler` (scheduler.py).
+The pool is usable once the scheduler is registered and every rank has its pool mapped and at
+least its first piece registered with its device. Each rank registers its region in pieces
+(`PoolView.usable_end`) and reports how far it got (at engine start in vLLM's handshake
+metadata, then in its step reports when it grows): loads are planned only for chunks whose
+slots lie below every rank's end (`_slot_limit`), a hit past it is a miss, and a store reserved
+past it is aborted before any copy (store_jobs.py). Before the first registration requests
+wait for it (bounded by `register_wait_ms`); a rank that found no pool stops that wait; a hit
+waits (bounded by `ready_wait_ms`) only while a rank has no piece registered at all. The
+registration comes from the workers: at engine start through vLLM's handshake metadata
+(`on_handshake`), and in the step reports after any re-registration; the scheduler joins their
+namespace on its RPC thread. Part of `OffloadScheduler` (scheduler.py).
 """
 
 from __future__ import annotations
@@ -29,13 +34,45 @@ class PoolReadiness:
         return self.client.connected
 
     def _usable(self) -> bool:
-        """Connected, and every rank has its pool mapped and device-registered."""
+        """Connected, and every rank has its pool mapped and some of it device-registered."""
         return self.client.connected and self._ranks_ready()
 
     def _ranks_ready(self) -> bool:
-        return not self._ready or (
-            len(self._ready) >= self.world_size and all(self._ready.values())
-        )
+        """Every rank may copy some slots (not reported yet counts as all)."""
+        return self._slot_limit() != 0
+
+    def _slot_limit(self) -> int | None:
+        """Slots [0, n) that every rank has registered with its device; None: no limit (every
+        rank registered its whole region, or none has reported yet); 0: some rank has none."""
+        if not self._ready:
+            return None
+        if len(self._ready) < self.world_size:
+            return 0
+        partial = [self._usable_end.get(r, 0) for r, ok in self._ready.items() if not ok]
+        return min(partial) if partial else None
+
+    def _note_ranks(self, ready: Mapping[int, bool], usable: Mapping[int, int]) -> None:
+        """What ranks said of their mapping: registered whole (`ready`), or up to a slot."""
+        self._ready.update(ready)
+        self._usable_end.update(usable)
+        for r in usable:
+            self._ready.setdefault(r, False)
+        if self._ranks_ready():
+            self._unready_since = None
+        elif self._unready_since is None:
+            self._unready_since = self._clock()
+
+    def _loadable_chunks(self, answer) -> int:
+        """How many of a hit's chunks lie below every rank's registered end (a prefix)."""
+        limit = self._slot_limit()
+        if limit is None:
+            return answer.hit_chunks
+        for c in range(answer.hit_chunks):
+            for group in answer.slots:
+                slot = group[c] if c < len(group) else None
+                if slot is not None and slot >= limit:
+                    return c
+        return answer.hit_chunks
 
     def _waiting_for_ranks(self) -> bool:
         """Connected while a rank maps the pool for its device, for at most `ready_wait_ms`
@@ -55,7 +92,11 @@ class PoolReadiness:
                 return "no worker has reported a registration yet"
             server = "the node agent" if self.cfg.placement is Placement.NODE else "the sidecar"
             return f"{server} is away or refused the registration (retrying)"
-        missing = [r for r in range(self.world_size) if not self._ready.get(r)]
+        missing = [
+            r
+            for r in range(self.world_size)
+            if not self._ready.get(r) and not self._usable_end.get(r)
+        ]
         return f"rank(s) {missing} have no mapped pool"
 
     def no_pool_reason(self) -> str:
@@ -89,11 +130,22 @@ class PoolReadiness:
             self._first_query_at = now
         return (now - self._first_query_at) * 1e3 < self.cfg.register_wait_ms
 
-    def on_handshake(self, registrations: Mapping[int, Registration]) -> None:
+    def on_handshake(
+        self,
+        registrations: Mapping[int, Registration],
+        mapped: Mapping[int, tuple[bool, int]] | None = None,
+    ) -> None:
         """The workers' registrations as vLLM collects them at engine start (rank -> its
         registration, `set_xfer_handshake_metadata`): the scheduler joins their namespace on
         the RPC thread then, not at the first step's report, so its KV events announce a warm
-        pool before any request and the first step's stores can be reserved. Never blocks."""
+        pool before any request and the first step's stores can be reserved. `mapped`: rank ->
+        (registered whole, slots registered so far), as the step reports carry them later.
+        Never blocks."""
+        if mapped:
+            self._note_ranks(
+                {r: ok for r, (ok, _) in mapped.items()},
+                {r: end for r, (_, end) in mapped.items()},
+            )
         if not registrations:
             return
         reg = registrations[min(registrations)]

@@ -30,6 +30,7 @@ class ReqState:
     refreshing: bool = False  # a second lookup in flight for a longer hit (waiting request)
     waited_for_refresh: bool = False  # it was passed over once for a background refresh
     store_gated: bool = False  # the reuse gate was closed when it came: chunks asked once wait
+    unregistered: int = 0  # most chunks of its hit told as misses: past a rank's registered end
 
 
 def cache_salt(request: Any) -> str | None:

@@ -3,8 +3,10 @@
 What to store and when is `store_plan.py`'s. Here a plan's GPU blocks get a reference, its
 chunks' slots are reserved in one batched `ReserveStore` (on the RPC thread; inline in the
 planning step of an engine that dispatches inline), and the chunks answered NEW become one
-`StoreJob` in the connector metadata; the rest lose their reference at once. KV events ride
-along: each chunk's announce blob goes with its reservation. Part of `OffloadScheduler`.
+`StoreJob` in the connector metadata; the rest lose their reference at once. A reservation
+with a slot past a rank's registered pieces (pool_readiness.py, `_slot_limit`) is aborted
+before any copy. KV events ride along: each chunk's announce blob goes with its reservation.
+Part of `OffloadScheduler`.
 """
 
 from __future__ import annotations
@@ -110,6 +112,17 @@ class StoreJobs:
                     keep.append((p, next(slot_iter)))
                 else:
                     drop.extend(p.blocks)
+        limit = self._slot_limit()
+        if keep and limit is not None and any(slot >= limit for _, slot in keep):
+            # a slot past a rank's registered pieces: no copy may touch it, so the whole
+            # reservation is aborted (its slots freed, nothing committed) and its chunks are
+            # not stored, as a dropped store; a rank registers ~10 GiB a second, so this lasts
+            # only while a rank attaches
+            self.unregistered_store_chunks += len(keep)
+            self.stats.store_chunks_dropped += len(keep)
+            drop.extend(b for p, _ in keep for b in p.blocks)
+            keep = []
+            self._abort_store(namespace_id, res.store_id, epoch)
         self._untouch(drop)
         if not keep:
             return

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ from kvoffload_connector.worker.job_lock import jobs_locked
 from kvoffload_connector.worker.layout import CanonicalLayout
 from kvoffload_connector.worker.pool_binding import PoolBinding
 from kvoffload_connector.worker.pool_memory import TenantAttach, TenantMemory
+from kvoffload_connector.worker.pool_pieces import Registrar
 from kvoffload_connector.worker.pool_view import PoolView
 from kvoffload_connector.worker.slot_versions import SlotVersions
 from kvoffload_connector.worker.store_completion import StoreCompletion
@@ -89,6 +91,9 @@ class OffloadWorker(PoolBinding, StoreCompletion):
         self._report_registration: Registration | None = None
         self._report_no_pool = ""  # why the first registration found no pool (sent once)
         self._reported_ready: bool | None = None
+        self._reported_usable: int | None = None
+        # replaces cudaHostRegister for the mapping's pieces (tests drive it piece by piece)
+        self.registrar: Callable[[torch.device], Registrar] | None = None
         self._jobs: dict[int, tuple[str, str, int, str]] = {}  # id -> (kind, req, store id, ns)
         self._saved_meta: ConnectorMeta | None = None  # the metadata whose stores went out
         self._load_blocks: dict[int, list[int]] = {}
@@ -140,19 +145,20 @@ class OffloadWorker(PoolBinding, StoreCompletion):
         if meta.engine and meta.engine != self._engine_key:
             self._engine_key = meta.engine
             self._report_drained()
-        if meta.engine and self.ready:
+        if meta.engine and self.usable_end:
             self._hold_engine_lock(meta.engine)  # as early as possible: stores wait for it
         if meta.loads:
             self._check_pool()
         for job in meta.loads:
             blocks = [b for t in job.transfers for b in t.gpu_blocks]
             check = self._load_check(job)
-            if not self.ready or job.generation != self.generation or check is None:
+            usable = self._usable_for(job.transfers)  # no slot past the registered pieces
+            if not usable or job.generation != self.generation or check is None:
                 log.info(
-                    "kvoffload: rank %d fails load job %d (ready %s, generation %s/%s)",
+                    "kvoffload: rank %d fails load job %d (registered %s, generation %s/%s)",
                     self.rank,
                     job.job_id,
-                    self.ready,
+                    usable,
                     job.generation,
                     self.generation,
                 )
@@ -221,10 +227,10 @@ class OffloadWorker(PoolBinding, StoreCompletion):
         self._saved_meta = meta  # a reference, not an id(): a freed object's id can come back
         if meta.stores:
             self._check_pool()
-        locked = bool(meta.stores) and self.ready and self._hold_engine_lock(meta.engine)
+        locked = bool(meta.stores) and self.usable_end and self._hold_engine_lock(meta.engine)
         for job in meta.stores:
             if (
-                not self.ready
+                not self._usable_for(job.transfers)  # never into unregistered memory: aborted
                 or job.generation != self.generation
                 or not locked
                 or not self._may_store(job.epoch)
@@ -333,16 +339,18 @@ class OffloadWorker(PoolBinding, StoreCompletion):
     def report(self) -> WorkerReport | None:
         reg, self._report_registration = self._report_registration, None
         no_pool, self._report_no_pool = self._report_no_pool, ""
-        ready = self.ready
-        changed = ready != self._reported_ready
-        self._reported_ready = ready
+        ready, usable = self.ready, self.usable_end
+        changed = ready != self._reported_ready or usable != self._reported_usable
+        self._reported_ready, self._reported_usable = ready, usable
         if not self._done and not self._failed and reg is None and not changed and not no_pool:
             return None
+        tell = changed or reg is not None
         out = WorkerReport(
             done=self._done,
             failed=self._failed,
             registration=reg,
-            ready={self.rank: ready} if changed or reg is not None else {},
+            ready={self.rank: ready} if tell else {},
+            usable={self.rank: usable} if tell else {},
             no_pool=no_pool,
         )
         self._done, self._failed = {}, {}

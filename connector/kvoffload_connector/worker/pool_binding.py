@@ -35,6 +35,12 @@ from kvoffload_connector.worker.engine_lock import EngineLock, lock_offset
 from kvoffload_connector.worker.identity import model_identity
 from kvoffload_connector.worker.job_lock import jobs_locked
 from kvoffload_connector.worker.layout import canonicalize
+from kvoffload_connector.worker.pool_pieces import (
+    WHOLE_POOL_PREFAULTED,
+    PrefaultState,
+    PrefaultWatch,
+    ServerPrefault,
+)
 from kvoffload_connector.worker.pool_view import PoolView
 from kvoffload_connector.worker.slot_versions import SlotVersions
 from kvoffload_connector.worker.transfer import make_engine
@@ -126,7 +132,10 @@ class PoolBinding:
                     self.pool = PoolView.open(
                         region.path, region.offset, region.slot_bytes, region.slot_count
                     )
-                self.pool.start_device_registration(self.device)
+                registrar = self.registrar(self.device) if self.registrar is not None else None
+                self.pool.start_device_registration(
+                    self.device, registrar, self._prefault_watch(reg)
+                )
                 self.engine = make_engine(
                     self.layout, self.pool, self.device, store_ctas=self.cfg.store_ctas
                 )
@@ -146,6 +155,24 @@ class PoolBinding:
         self._report_registration = Registration(
             self.spec, self.num_ranks, self.layout.slot_bytes, reg.namespace_id, reg.generation
         )
+
+    def _prefault_watch(self, reg: RegisterResult) -> PrefaultWatch:
+        """How the registration thread learns that the owner's pre-fault passed a piece: done
+        when the answer said the pool is ready, else the namespace's pre-faulted slots from
+        the pool's Stats (asked only while a piece waits, at a bounded rate)."""
+        if reg.pool_ready:
+            return WHOLE_POOL_PREFAULTED
+        client, namespace_id = self.client, reg.namespace_id
+
+        def ask() -> PrefaultState:
+            resp = client.stats()
+            slots = next(
+                (n.prefaulted_slots for n in resp.namespaces if n.namespace_id == namespace_id),
+                0,
+            )
+            return PrefaultState(resp.pool_ready, slots)
+
+        return ServerPrefault(PrefaultState(False), ask)
 
     @jobs_locked
     def _close_engine(self) -> None:
@@ -242,7 +269,19 @@ class PoolBinding:
 
     @property
     def ready(self) -> bool:
+        """Every slot of the rank's region may be copied (mapped and registered)."""
         return self.engine is not None and self.pool is not None and self.pool.ready
+
+    @property
+    def usable_end(self) -> int:
+        """Slots [0, usable_end) may be copied now (the pieces registered so far)."""
+        pool = self.pool
+        return pool.usable_end if self.engine is not None and pool is not None else 0
+
+    def _usable_for(self, transfers) -> bool:
+        """Every slot of a job's transfers lies in the registered part of the mapping."""
+        end = self.usable_end
+        return end > 0 and all(not t.slots or max(t.slots) < end for t in transfers)
 
     def no_pool_reason(self) -> str:
         """Why this rank serves without the pool now ("" while it is mapped, device-registered
@@ -257,4 +296,11 @@ class PoolBinding:
             return self._map_problem or "the pool region is not mapped yet"
         if pool.error:
             return f"device registration failed: {pool.error}"
-        return "registering the pool with the device"
+        total = pool.slot_count * pool.slot_bytes
+        tenth = pool.registered_bytes * 10 // total  # in tenths: the status changes 10 times
+        if not tenth:
+            return "registering the pool with the device"
+        return (
+            f"registering the pool with the device: {tenth * 10}% of {total / 1e9:.1f} GB so "
+            "far, loads and stores use that part"
+        )

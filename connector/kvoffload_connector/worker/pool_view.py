@@ -3,8 +3,10 @@
 The sidecar creates and pre-faults ``pool-0.shm``; each vLLM worker maps only its rank's slots
 (``[offset, offset + slot_count * slot_bytes)``) and, on a CUDA device, page-locks them with
 ``cudaHostRegister`` so copies run as DMA at PCIe speed. Registration runs in pieces of at most
-1 GiB on a background thread (0.095 s/GB measured on an H100 host: 16 GiB take ~1.5 s); until it
-is done ``ready`` is False and the connector reports misses instead of waiting.
+1 GiB on a background thread (0.095 s/GB measured on an H100 host: 16 GiB take ~1.5 s), each
+piece once the pool owner's pre-fault has passed it (pool_pieces.py: its pages are then the
+owner's, never allocated by this process). Slots below the last registered piece's end are
+usable at once (``usable_end``, which only grows); ``ready`` is True once every piece is.
 
 Piece boundaries fall on slot and page boundaries, so no slot straddles two registrations and a
 copy of a whole slot (or of a run of slots inside one piece) is one registered range.
@@ -26,6 +28,13 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from kvoffload_connector.worker.pool_pieces import (
+    WHOLE_POOL_PREFAULTED,
+    CudaRegistrar,
+    PrefaultWatch,
+    Registrar,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,6 +44,7 @@ log = logging.getLogger(__name__)
 
 REGISTER_PIECE_BYTES = 1 << 30  # cudaHostRegister granularity: bounded latency per call
 _PAGE = mmap.ALLOCATIONGRANULARITY
+_PREFAULT_POLL_S = 0.05  # a piece the owner's pre-fault has not passed is checked this often
 
 
 class PoolView:
@@ -42,7 +52,7 @@ class PoolView:
 
     ``tensor`` is ``[slot_count, slot_bytes]`` over the mapping (writes go to the file, visible to
     every process that maps it). ``base_ptr`` is slot 0's address. Not thread-safe except for
-    ``ready``, which the registration thread sets, and ``intact``.
+    ``usable_end`` and ``ready``, which the registration thread advances, and ``intact``.
 
     Remaining race: ``intact()`` is a check, not a lock. A truncate that lands between the check
     and a copy (or while an async copy of an earlier step still runs) still faults: SIGBUS for a
@@ -67,6 +77,11 @@ class PoolView:
         self._thread: threading.Thread | None = None
         self._registered: list[tuple[int, int]] = []  # (ptr, bytes) page-locked pieces
         self._device: torch.device | None = None
+        self._registrar: Registrar | None = None
+        self._prefault: PrefaultWatch = WHOLE_POOL_PREFAULTED
+        self._usable_end = 0  # slots [0, end) are registered (grows piece by piece)
+        # (monotonic seconds since the registration started, usable end) after each piece
+        self.progress: list[tuple[float, int]] = []
         self.error = ""  # why registration failed; empty while fine
         self._closed = False
         self._fd = -1  # the pool file, kept open for `intact` (fstat)
@@ -145,34 +160,65 @@ class PoolView:
         view.base_ptr = flat.data_ptr()
         return view
 
-    def start_device_registration(self, device: torch.device) -> None:
-        """Page-lock the mapping for ``device`` in the background; CPU devices: ready at once."""
-        if device.type != "cuda":
+    def start_device_registration(
+        self,
+        device: torch.device,
+        registrar: Registrar | None = None,
+        prefault: PrefaultWatch | None = None,
+    ) -> None:
+        """Page-lock the mapping for ``device`` in the background, each piece once ``prefault``
+        says the owner's pre-fault passed it (default: the whole pool is). ``registrar``
+        replaces cudaHostRegister (tests); without one a CPU device needs none: usable at once."""
+        if registrar is None and device.type != "cuda":
             self._ready.set()
             return
         if self._thread is not None:
             raise RuntimeError("device registration already started")
-        if device.index is None:
-            import torch
+        if registrar is None:
+            if device.index is None:
+                import torch
 
-            device = torch.device("cuda", torch.cuda.current_device())
+                device = torch.device("cuda", torch.cuda.current_device())
+            registrar = CudaRegistrar(device)
         self._device = device
+        self._registrar = registrar
+        if prefault is not None:
+            self._prefault = prefault
         self._thread = threading.Thread(
             target=self._register, name="kvoffload-pool-register", daemon=True
         )
         self._thread.start()
 
     @property
+    def usable_end(self) -> int:
+        """Slots ``[0, usable_end)`` may be copied now: registered with the device (CPU, no
+        registration: all). Only grows while the view is open; 0 once closed."""
+        if self._closed:
+            return 0
+        if self._thread is None:
+            return self.slot_count
+        return self._usable_end
+
+    @property
+    def registered_end(self) -> int:
+        """Slots ``[0, registered_end)`` are page-locked with the device (0 before any piece,
+        and without a registration)."""
+        return 0 if self._closed else self._usable_end
+
+    @property
     def ready(self) -> bool:
         """True once the whole mapping can be used for copies (CPU: after start or always)."""
-        if self._closed:
-            return False
-        return self._ready.is_set() or (self._device is None and self._thread is None)
+        return self.usable_end >= self.slot_count
 
     @property
     def registered(self) -> bool:
-        """True once page-locked with CUDA (what DMA copies need); False on CPU."""
+        """True once every piece is page-locked with the device; False on CPU."""
         return bool(self._registered) and self._ready.is_set() and not self._closed
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes of the mapping usable for copies now (all of it without a registration)."""
+        return self.usable_end * self.slot_bytes
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until ready (tests, benchmarks); returns ``ready``."""
@@ -186,24 +232,29 @@ class PoolView:
         return [(s, min(s + per, self.slot_count)) for s in range(0, self.slot_count, per)]
 
     def _register(self) -> None:
-        import torch
-
-        assert self._device is not None
+        registrar = self._registrar
+        assert registrar is not None
         try:
-            torch.cuda.set_device(self._device)
-            cudart = torch.cuda.cudart()
             t0 = time.monotonic()
-            for first, end in self.pieces():
-                if self._stop.is_set():
+            pieces = self.pieces()
+            for n, (first, end) in enumerate(pieces):
+                if not self._wait_prefault(end):
                     return
                 if not self.intact():  # registering faults the pages in: SIGBUS past the end
                     raise RuntimeError(f"the pool file {self.path} shrank under the mapping")
                 ptr = self.base_ptr + first * self.slot_bytes
-                nbytes = (end - first) * self.slot_bytes
-                rc = int(cudart.cudaHostRegister(ptr, nbytes, 0))
-                if rc != 0:
-                    raise RuntimeError(f"cudaHostRegister({nbytes} bytes) failed: error {rc}")
-                self._registered.append((ptr, nbytes))
+                registrar.register(ptr, (end - first) * self.slot_bytes)
+                self._registered.append((ptr, (end - first) * self.slot_bytes))
+                self._usable_end = end
+                self.progress.append((time.monotonic() - t0, end))
+                if n == 0 and len(pieces) > 1:
+                    log.info(
+                        "kvoffload: pool usable from its first %.2f GB after %.2f s; registering "
+                        "the other %.2f GB in the background",
+                        end * self.slot_bytes / 1e9,
+                        time.monotonic() - t0,
+                        (self.slot_count - end) * self.slot_bytes / 1e9,
+                    )
             total = self.slot_count * self.slot_bytes
             dt = time.monotonic() - t0
             log.info("pool registered: %.2f GB in %.2f s", total / 1e9, dt)
@@ -212,18 +263,30 @@ class PoolView:
             self.error = str(exc)
             log.warning("pool registration failed, offload stays off: %s", exc)
 
+    def _wait_prefault(self, end: int) -> bool:
+        """Until the owner's pre-fault passed slots ``[0, end)`` (said once); False: closed."""
+        said = False
+        while not self._prefault.passed(end):
+            if not said:
+                said = True
+                log.info(
+                    "kvoffload: registration waits for the pool's pre-fault to pass %.2f GB "
+                    "(the pages stay charged to the pool's owner)",
+                    end * self.slot_bytes / 1e9,
+                )
+            if self._stop.wait(_PREFAULT_POLL_S):
+                return False
+        return not self._stop.is_set()
+
     def close(self) -> None:
         """Stop registration, unregister, unmap. Views others still hold keep the mapping alive."""
         self._stop.set()
         self._closed = True
         if self._thread is not None:
             self._thread.join()
-        if self._registered:
-            import torch
-
-            cudart = torch.cuda.cudart()
+        if self._registered and self._registrar is not None:
             for ptr, _ in self._registered:
-                cudart.cudaHostUnregister(ptr)
+                self._registrar.unregister(ptr)
             self._registered.clear()
         self._ready.clear()
         if self._mm is not None:

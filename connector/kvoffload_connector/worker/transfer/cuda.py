@@ -205,7 +205,7 @@ class CudaEngine:
         nbytes = self._validate(self._pool.slot_count, direction, batches)
         with self._lock:
             enqueue = functools.partial(self._plan_and_enqueue, job_id, direction, batches, nbytes)
-            if self._admit(job_id, enqueue):
+            if self._admit(job_id, enqueue, self._refusal(batches)):
                 self._mark("enqueued")
 
     def _plan_and_enqueue(
@@ -236,7 +236,7 @@ class CudaEngine:
         nbytes = self._validate(self._pool.slot_count, Direction.LOAD, batches)
         with self._lock:
             self._check_id(job_id)
-            refusal = self._refusal() or (None if self._stages else "no layer map")
+            refusal = self._refusal(batches) or (None if self._stages else "no layer map")
             if refusal is not None:
                 self._done[job_id] = JobResult(job_id, False, 0, 0.0, refusal)
                 return
@@ -266,11 +266,17 @@ class CudaEngine:
                 self._jobs.pop(job_id, None)
                 self._done[job_id] = JobResult(job_id, False, 0, time.perf_counter() - t0, err)
 
-    def _refusal(self) -> str | None:
-        """Why a job must fail at once (no registered pool yet), or None."""
-        if self._pool.registered:
+    def _refusal(self, batches: Sequence[TransferBatch] = ()) -> str | None:
+        """Why a job must fail at once (a slot of it not registered with CUDA yet: the pool
+        registers in pieces, `PoolView.registered_end`), or None."""
+        end = self._pool.registered_end
+        if end >= self._pool.slot_count:
             return None
-        return self._pool.error or "pool not registered with CUDA (yet)"
+        if end and all(not len(b) or int(b.slots.max()) < end for b in batches):
+            return None
+        if self._pool.error or not end:
+            return self._pool.error or "pool not registered with CUDA (yet)"
+        return f"a slot past the {end} registered with CUDA (yet)"
 
     def _admit(self, job_id: int, enqueue: Callable[[], _Job], refusal: str | None = None) -> bool:
         """Under the lock: raise for a shut-down engine or a job id still in use; otherwise

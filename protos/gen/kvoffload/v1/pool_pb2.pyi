@@ -322,7 +322,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants", "refused_commits", "unlocked_reservations", "withheld_slots", "capacity_tokens", "used_tokens")
+    __slots__ = ("namespace_id", "spec", "num_ranks", "slot_bytes", "slot_count", "committed_slots", "reserved_slots", "pinned_slots", "live_clients", "capacity_bytes", "used_bytes", "pinned_bytes", "lookups", "hit_blocks", "miss_blocks", "stored_blocks", "loaded_blocks", "evicted_blocks", "stored_bytes", "loaded_bytes", "queried_blocks", "tenants", "refused_commits", "unlocked_reservations", "withheld_slots", "capacity_tokens", "used_tokens", "prefaulted_slots")
     NAMESPACE_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +350,7 @@ class NamespaceStats(_message.Message):
     WITHHELD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFAULTED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     namespace_id: str
     spec: NamespaceSpec
     num_ranks: int
@@ -377,7 +378,8 @@ class NamespaceStats(_message.Message):
     withheld_slots: int
     capacity_tokens: int
     used_tokens: int
-    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., refused_commits: _Optional[int] = ..., unlocked_reservations: _Optional[int] = ..., withheld_slots: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ...) -> None: ...
+    prefaulted_slots: int
+    def __init__(self, namespace_id: _Optional[str] = ..., spec: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., num_ranks: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slot_count: _Optional[int] = ..., committed_slots: _Optional[int] = ..., reserved_slots: _Optional[int] = ..., pinned_slots: _Optional[int] = ..., live_clients: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pinned_bytes: _Optional[int] = ..., lookups: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., miss_blocks: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., loaded_bytes: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., refused_commits: _Optional[int] = ..., unlocked_reservations: _Optional[int] = ..., withheld_slots: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., used_tokens: _Optional[int] = ..., prefaulted_slots: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("name", "guaranteed_fraction", "max_fraction", "guaranteed_slots", "max_slots", "used_slots", "committed_slots", "used_bytes", "stored_blocks", "evicted_blocks", "lookups", "hit_blocks", "miss_blocks", "queried_blocks")
