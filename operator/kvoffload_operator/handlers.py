@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from kvoffload_operator.admission import admit_pod
 from kvoffload_operator.guardrails import NOT_ALLOWED
 from kvoffload_operator.inject import decide
 from kvoffload_operator.k8s import ApiError
+from kvoffload_operator.node_pool import NodePoolRead
 from kvoffload_operator.policy import (
     API_GROUP,
     API_VERSION,
@@ -95,6 +97,7 @@ def _refresh_status(
     # kubelet's FailedMount events name pods that no node agent lets start
     reports = [] if policy.pool.node else _ask_sidecars(mine, memo)
     events = _failed_mounts(policy, mine, memo)
+    node_pool = _read_node_pool(policy, memo)
     new = build_status(
         policy,
         pods,
@@ -105,13 +108,33 @@ def _refresh_status(
         reports=reports,
         pods_visible=visible,
         events=events,
+        node_pool=node_pool,
     )
     sent = memo.setdefault("sent_status", {})
     key = (policy.namespace, policy.name)
     if {k: status.get(k) for k in new} != new:
         patch.status.update(status_patch(status, new, sent.get(key, {})))
         sent[key] = new
-    _report_problems(degraded_problems(mine, reports, node=policy.pool.node, events=events), memo)
+    _report_problems(
+        degraded_problems(mine, reports, node=policy.pool.node, events=events, node_pool=node_pool),
+        memo,
+    )
+
+
+def _read_node_pool(policy: Policy, memo: Any) -> NodePoolRead | None:
+    """The KVOffloadNodePool a node policy names, read by name at each refresh (the chart's
+    ClusterRole grants get on kvoffloadnodepools); unreadable says why instead."""
+    if not policy.pool.node or not policy.pool.node_pool or not policy.pool.tenant:
+        return None
+    named = {"name": policy.pool.node_pool, "tenant": policy.pool.tenant,
+             "namespace": policy.namespace}  # fmt: skip
+    try:
+        return NodePoolRead(**named, obj=memo.api.get_node_pool(policy.pool.node_pool))
+    except ApiError as exc:
+        why = f"{exc.status} {exc.reason}"
+        if exc.status == 403:
+            why += " (the operator's ClusterRole lacks get on kvoffloadnodepools)"
+        return NodePoolRead(**named, readable=False, error=why)
 
 
 def _failed_mounts(policy: Policy, mine: list[Mapping[str, Any]], memo: Any) -> list[Any]:
@@ -162,12 +185,23 @@ def _report_problems(problems: list[ContainerProblem], memo: Any) -> None:
     """One Warning Event per pod, container and reason (per operator process): the pod's own
     events say the pull failed; ours says it is kvoffload's and what the pod loses."""
     reported: set[tuple[str, str, str]] = memo.setdefault("reported_problems", set())
+    # reconcile and the timer may refresh one policy at once, each in a thread of kopf's pool:
+    # the first to claim a problem posts it
+    lock: threading.Lock = memo.setdefault("reported_lock", threading.Lock())
     for p in problems:
-        if p.key in reported:
-            continue
+        with lock:
+            if p.key in reported:
+                continue
+            reported.add(p.key)
         reason, message = event_for(p)
-        memo.api.post_pod_event(p.namespace, p.pod, p.uid, p.field_path, reason, message, _now())
-        reported.add(p.key)
+        try:
+            memo.api.post_pod_event(
+                p.namespace, p.pod, p.uid, p.field_path, reason, message, _now()
+            )
+        except BaseException:
+            with lock:
+                reported.discard(p.key)  # posted at the next refresh
+            raise
 
 
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:

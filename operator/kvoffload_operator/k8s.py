@@ -18,6 +18,11 @@ from kubernetes.client.rest import ApiException
 REQUEST_TIMEOUT = (5.0, 30.0)  # (connect, read) seconds
 MERGE_PATCH = "application/merge-patch+json"
 ApiError = ApiException  # what callers catch, so they need not import the client
+NODE_POOL_GROUP, NODE_POOL_VERSION, NODE_POOL_PLURAL = (
+    "kvoffload.io",
+    "v1alpha1",
+    "kvoffloadnodepools",
+)
 
 
 def make_api_client(server: str | None = None) -> client.ApiClient:
@@ -91,6 +96,24 @@ class KubeApi:
             _preload_content=False,
             _request_timeout=REQUEST_TIMEOUT,
         )
+
+    def get_node_pool(self, name: str) -> dict[str, Any] | None:
+        """The cluster-scoped KVOffloadNodePool ``name`` (spec and status); None when it does
+        not exist. Other errors (403: no RBAC for it) raise."""
+        try:
+            resp = client.CustomObjectsApi(self.api).get_cluster_custom_object(
+                NODE_POOL_GROUP,
+                NODE_POOL_VERSION,
+                NODE_POOL_PLURAL,
+                name,
+                _preload_content=False,
+                _request_timeout=REQUEST_TIMEOUT,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(_json(resp))
 
     def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         """The namespace's labels; None when it cannot be read (403/404)."""

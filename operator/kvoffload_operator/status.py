@@ -40,6 +40,15 @@ driver is not registered on that node or does not answer (no agent there, or the
 ``NodeMountRefused``: the agent answered a refusal (a volume the webhook did not write). The
 condition names the nodes; the kubelet retries the mount, so the pod starts once an agent
 serves there.
+
+The node pool itself (``node_pool``): the operator reads the ``KVOffloadNodePool`` the policy
+names and checks what the agent checks at each publish (`node_pool`). The pool missing
+(``NodePoolNotFound``), without the tenant, or with a grant that does not admit the policy's
+namespace or a pod's service account (``TenantNotGranted``) is a cause of ``Degraded`` ranked
+with ``PoolUnavailable``: such pods start and serve without the pool. It is reported before any
+pod exists too. ``status.nodePool`` names the pool and tenant and sums the tenant's memfds over
+the nodes whose agent reports it (``sharedCapacityBytes``): shared by every pod of the tenant on
+a node, so counted once per node, never per replica.
 """
 
 from __future__ import annotations
@@ -52,6 +61,12 @@ from typing import Any
 from kvoffload_operator import annotations as ann
 from kvoffload_operator.hashseed import weak_hash_algo
 from kvoffload_operator.inject.reserved import INSTALLER_NAME, SIDECAR_NAME
+from kvoffload_operator.node_pool import (
+    NODE_POOL_NOT_FOUND,
+    TENANT_NOT_GRANTED,
+    NodePoolRead,
+    refused_pods,
+)
 from kvoffload_operator.policy import Policy
 from kvoffload_operator.pool_usage import pool_usage
 from kvoffload_operator.selection import select_policy
@@ -75,6 +90,7 @@ CONNECTOR_DISABLED = "ConnectorDisabled"  # a vLLM connector serves without the 
 NODE_AGENT_UNAVAILABLE = "NodeAgentUnavailable"  # no node agent serves the pod's CSI volume
 NODE_MOUNT_REFUSED = "NodeMountRefused"  # the node agent refused to publish the volume
 NODE_REASONS = frozenset({NODE_AGENT_UNAVAILABLE, NODE_MOUNT_REFUSED})
+NODE_POOL_REASONS = frozenset({NODE_POOL_NOT_FOUND, TENANT_NOT_GRANTED})  # the pod serves
 NODE_VOLUME = "kvoffload-node"  # the webhook's CSI inline volume (tested to be the injected one)
 NODE_DRIVER = "node.kvoffload.io"
 FAILED_MOUNT = "FailedMount"  # the kubelet's event reason
@@ -113,7 +129,7 @@ class ContainerProblem:
     @property
     def serving(self) -> bool:
         """From the sidecar's Stats (the pod runs, without the pool), not the pod's status."""
-        return self.reason in (POOL_UNAVAILABLE, CONNECTOR_DISABLED)
+        return self.reason in (POOL_UNAVAILABLE, CONNECTOR_DISABLED, *NODE_POOL_REASONS)
 
     @property
     def field_path(self) -> str:
@@ -293,7 +309,37 @@ def serving_problems(reports: Sequence[SidecarReport]) -> list[ContainerProblem]
 
 
 def _severity(problem: ContainerProblem) -> int:
-    return {POOL_UNAVAILABLE: 1, CONNECTOR_DISABLED: 2}.get(problem.reason, 0)
+    return {
+        POOL_UNAVAILABLE: 1,
+        NODE_POOL_NOT_FOUND: 1,
+        TENANT_NOT_GRANTED: 1,
+        CONNECTOR_DISABLED: 2,
+    }.get(problem.reason, 0)
+
+
+def node_pool_problems(
+    mine: Sequence[Mapping[str, Any]], node_pool: NodePoolRead | None
+) -> list[ContainerProblem]:
+    """Injected pods (placement node) whose tenant the node agent will refuse: the pool
+    missing, no such tenant, or a grant that does not admit the pod's namespace or service
+    account. They start and serve without the pool."""
+    if node_pool is None:
+        return []
+    out = []
+    for pod, reason, message in refused_pods(node_pool, mine):
+        meta = pod.get("metadata") or {}
+        out.append(
+            ContainerProblem(
+                pod=str(meta.get("name", "?")),
+                namespace=str(meta.get("namespace", "")),
+                uid=str(meta.get("uid", "")),
+                container="",
+                reason=reason,
+                message=message,
+                node=str((pod.get("spec") or {}).get("nodeName") or ""),
+            )
+        )
+    return out
 
 
 def degraded_problems(
@@ -302,11 +348,13 @@ def degraded_problems(
     *,
     node: bool = False,
     events: Sequence[Mapping[str, Any]] = (),
+    node_pool: NodePoolRead | None = None,
 ) -> list[ContainerProblem]:
     """Every cause of ``Degraded`` among the injected pods ``mine``, worst first (see the module
     doc): a pod with a failing container gets no Stats-derived problem. ``node``: placement node,
     where nothing injected requests the pool, so an unschedulable pod is not kvoffload's doing,
-    and a pod whose node volume cannot be mounted (the namespace's ``events``) is."""
+    and a pod whose node volume cannot be mounted (the namespace's ``events``) is, as is one
+    whose tenant the node pool does not grant (``node_pool``, the object read)."""
     failing = [
         *(node_mount_problems(mine, events) if node else unschedulable_problems(mine)),
         *container_problems(mine),
@@ -322,6 +370,8 @@ def degraded_problems(
         for p in serving_problems(reports)
         if p.pod_key not in blocked and (p.uid in live or f"{p.namespace}/{p.pod}" in names)
     ]
+    if node:
+        served += [p for p in node_pool_problems(mine, node_pool) if p.pod_key not in blocked]
     return sorted([*failing, *served], key=_severity)  # stable: pod order kept within a cause
 
 
@@ -360,8 +410,14 @@ def _clip(cause: str) -> str:
     return cause if len(cause) <= MAX_CAUSE_CHARS else cause[: MAX_CAUSE_CHARS - 3] + "..."
 
 
-def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
-    """(status, reason, message) of the ``Degraded`` condition; ``problems`` worst first."""
+def _degraded(
+    problems: Sequence[ContainerProblem], pool_refusal: tuple[str, str] | None = None
+) -> tuple[str, str, str]:
+    """(status, reason, message) of the ``Degraded`` condition; ``problems`` worst first.
+    ``pool_refusal``: the node pool refuses every pod of the policy (placement node), said even
+    while no pod is injected."""
+    if not problems and pool_refusal is not None:
+        return ("True", pool_refusal[0], f"{pool_refusal[1]} (no injected pod yet)")
     if not problems:
         return (
             "False",
@@ -393,6 +449,8 @@ def _degraded(problems: Sequence[ContainerProblem]) -> tuple[str, str, str]:
         UNSCHEDULABLE: "cannot be scheduled with the kvoffload sidecar's resources",
         POOL_UNAVAILABLE: "serve without the kvoffload pool",
         CONNECTOR_DISABLED: "serve without the kvoffload pool",
+        NODE_POOL_NOT_FOUND: "serve without the kvoffload node pool",
+        TENANT_NOT_GRANTED: "serve without the kvoffload node pool",
         NODE_AGENT_UNAVAILABLE: "wait in ContainerCreating: no kvoffload node agent (CSI driver "
         f"{NODE_DRIVER}) serves their volume on node(s) {_nodes(problems, NODE_AGENT_UNAVAILABLE)}",
         NODE_MOUNT_REFUSED: "wait in ContainerCreating: the kvoffload node agent refuses their "
@@ -475,6 +533,12 @@ def event_for(problem: ContainerProblem) -> tuple[str, str]:
             "webhook's volume is always accepted: compare the pod's volume with the policy's "
             'injection, or opt the pod out (kvoffload.io/inject: "false").',
         )
+    if problem.reason in NODE_POOL_REASONS:
+        return (
+            "KVOffload" + problem.reason,
+            f"{problem.message}. vLLM serves without the KV offload tier (tokens unchanged); "
+            "the node agent gives the pod its tenant once the pool grants it, without a restart.",
+        )
     if problem.reason == CONNECTOR_DISABLED:
         return (
             "KVOffloadConnectorDisabled",
@@ -548,12 +612,14 @@ def build_status(
     reports: Sequence[SidecarReport] = (),
     pods_visible: bool = True,
     events: Sequence[Mapping[str, Any]] = (),
+    node_pool: NodePoolRead | None = None,
 ) -> dict[str, Any]:
     """The ``status`` of ``policy`` given the pods of its namespace (any; filtered here) and
     what their sidecars said over Stats (``reports``; none when not asked). ``pods_visible``
     False: the operator may not list pods there, so the counts are unknown (0) and the
     ``PodsVisible`` condition says so. ``events``: the namespace's ``FailedMount`` events
-    (placement node: pods waiting for the node agent's volume; others ignore them)."""
+    (placement node: pods waiting for the node agent's volume; others ignore them).
+    ``node_pool``: the ``KVOffloadNodePool`` a node policy names, as read (placement node)."""
     matched = [
         p
         for p in pods
@@ -563,6 +629,8 @@ def build_status(
     node = policy.pool.node
     if node:  # no sidecar to have asked; whatever was passed is not these pods'
         reports = ()
+    else:
+        node_pool = None
     winners: dict[str, bool] = {}  # other winner -> decided by name only
     for pod in matched:
         sel = select_policy((pod.get("metadata") or {}).get("labels"), namespace_policies)
@@ -621,8 +689,9 @@ def build_status(
             gen,
             now,
         )
-    problems = degraded_problems(mine, reports, node=node, events=events)
-    conditions = set_condition(conditions, "Degraded", *_degraded(problems), gen, now)
+    problems = degraded_problems(mine, reports, node=node, events=events, node_pool=node_pool)
+    pool_refusal = node_pool.refusal() if node_pool is not None else None
+    conditions = set_condition(conditions, "Degraded", *_degraded(problems, pool_refusal), gen, now)
     degraded_pods, degraded_reasons = degraded_counts(problems)
     noted = noted_pods(mine, reports)
     conditions = set_condition(conditions, "Limited", *_limited(noted), gen, now)
@@ -649,7 +718,13 @@ def build_status(
             f"pods use tenant {policy.pool.tenant!r} of node pool {policy.pool.node_pool!r} "
             "through the node agent's CSI volume: they have no sidecar, so none is asked for "
             "Stats (readySidecars, unreachableSidecars, poolCapacity and poolUsed stay 0); the "
-            f"node agents report in KVOffloadNodePool {policy.pool.node_pool!r} (status.nodes)",
+            f"node agents report in KVOffloadNodePool {policy.pool.node_pool!r} (status.nodes; "
+            "the tenant's capacity there, shared by its pods, is status.nodePool)"
+            + (
+                f"; the operator could not read that pool: {node_pool.error}"
+                if node_pool is not None and not node_pool.readable
+                else ""
+            ),
         )
         if node
         else None,
@@ -674,6 +749,11 @@ def build_status(
         gen,
         now,
     )
+    pool_status: dict[str, Any] = {}
+    if node and node_pool is not None:
+        pool_status["nodePool"] = node_pool.status()
+    elif (previous or {}).get("nodePool") is not None:  # now pod placement: the patch drops it
+        pool_status["nodePool"] = None
     return {
         "observedGeneration": gen,
         "skipped": skipped_counts(matched),
@@ -686,6 +766,7 @@ def build_status(
         "notedPods": len(noted),
         **pool_usage(reports_of(mine, reports)).status(),
         "policyHash": policy.spec_hash,
+        **pool_status,
         "conditions": conditions,
     }
 

@@ -267,6 +267,8 @@ ROLLOUT_RULES = {
 CLUSTER_READS = {
     ("", "namespaces"): ["get", "list", "watch"],
     ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
+    # a placement-node policy's status reads the node pool it names: get, never list or watch
+    ("kvoffload.io", "kvoffloadnodepools"): ["get"],
 }
 WEBHOOK_CA = {
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations#named"): ["get", "patch"],

@@ -107,13 +107,17 @@ def test_crd_shape() -> None:
         "poolUsedBytes",
         "poolCapacity",
         "poolUsed",
+        "nodePool",
     } <= set(status)
     assert status["conditions"]["x-kubernetes-list-map-keys"] == ["type"]
     # every status column names a status field of the schema, of the column's type
     for column in version["additionalPrinterColumns"]:
         path = column["jsonPath"]
         if path.startswith(".status.") and "[" not in path:
-            field = status[path.removeprefix(".status.")]
+            first, *rest = path.removeprefix(".status.").split(".")
+            field = status[first]
+            for name in rest:  # a nested field (.status.nodePool.sharedCapacity)
+                field = field["properties"][name]
             assert field["type"] == column["type"], column
 
 

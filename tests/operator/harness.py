@@ -36,6 +36,7 @@ from kvoffload_operator.policy import API_GROUP, API_VERSION, PLURAL
 from kvoffload_operator.settings import OperatorConfig
 
 POLICIES = f"{API_GROUP}/{API_VERSION}/{PLURAL}"
+NODE_POOLS = f"{API_GROUP}/{API_VERSION}/kvoffloadnodepools"
 
 
 def free_port() -> int:
@@ -60,6 +61,7 @@ def declare_resources(kmock: Any) -> None:
         ("apiextensions.k8s.io/v1/customresourcedefinitions", "CustomResourceDefinition", False),
         ("v1/events", "Event", True),
         ("v1/secrets", "Secret", True),  # hash seeds, the self-signed webhook pair
+        (NODE_POOLS, "KVOffloadNodePool", False),  # read by name for node policies' status
     ):
         res[key].kind = kind
         res[key].namespaced = namespaced

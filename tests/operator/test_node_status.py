@@ -17,8 +17,18 @@ from kvoffload_operator.settings import OperatorConfig
 from kvoffload_operator.sidecar_stats import StatsAnswer
 from kvoffload_operator.status import NODE_DRIVER, NODE_VOLUME, build_status
 
-from tests.operator.harness import POLICIES, eventually, put, running_operator
+from tests.operator.harness import NODE_POOLS, POLICIES, eventually, put, running_operator
 from tests.operator.test_node_placement import NODE_POOL, policy, vllm_pod
+
+
+def granting_pool() -> dict[str, Any]:
+    """The KVOffloadNodePool the node policy names, granting its tenant to its namespace."""
+    return {
+        "apiVersion": "kvoffload.io/v1alpha1",
+        "kind": "KVOffloadNodePool",
+        "metadata": {"name": "gpu-nodes"},
+        "spec": {"tenants": [{"name": "team-a", "share": "64Gi", "namespaces": ["ns"]}]},
+    }
 
 
 def injected(name: str, p: Any, **status: Any) -> dict[str, Any]:
@@ -80,6 +90,9 @@ class _Api:
 
     def namespace_labels(self, namespace: str) -> dict[str, str]:
         return {ann.NAMESPACE_INJECTION: "enabled"}
+
+    def get_node_pool(self, name: str) -> dict[str, Any]:
+        return granting_pool()
 
     def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
         return self.pods
@@ -290,6 +303,7 @@ async def test_a_running_operator_names_the_pods_no_node_agent_lets_start(
     })  # fmt: skip
     pod = waiting("a", p, "gpu-node-7")
     put(kmock, "v1/pods", pod)
+    put(kmock, NODE_POOLS, granting_pool())
     # the kubelet's event, as the events list answers it (kmock's own store cannot hold it
     # beside the operator's generateName'd Warning: it matches a create to every object)
     listed = {"apiVersion": "v1", "kind": "EventList", "metadata": {},
