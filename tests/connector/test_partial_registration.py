@@ -386,8 +386,9 @@ def test_a_rank_registers_behind_the_prefault_and_copies_only_registered_slots(
         assert reg.calls == [] and w.usable_end == 0 and not w.ready  # nothing pre-faulted
         first = w.report()
         assert first is not None and first.usable == {0: 0} and first.ready == {0: False}
+        assert w.no_pool_reason() == "registering the pool with the device"
         # the pre-fault walks chunk by chunk; every piece waits for it
-        while prefaulted_slots(pool) < per_piece:
+        while prefaulted_slots(pool) < max(per_piece, view.slot_count * 3 // 10):
             gated_pool.gate.step(1)
         behind = max(e for _, e in view.pieces() if e <= prefaulted_slots(pool))
         wait_until(lambda: w.usable_end == behind)
@@ -396,6 +397,12 @@ def test_a_rank_registers_behind_the_prefault_and_copies_only_registered_slots(
         assert w.report() is None  # said once per change
         end = w.usable_end
         assert 0 < end < view.slot_count
+        tenths = end * 10 // view.slot_count  # what the status says: how far, in tenths
+        assert 3 <= tenths < 10
+        assert w.no_pool_reason() == (
+            f"registering the pool with the device: {tenths * 10}% of "
+            f"{view.slot_count * slot_bytes / 1e9:.1f} GB so far, loads and stores use that part"
+        )
         ns, gen = answer.namespace_id, answer.generation
         w.start_load_kv(ConnectorMeta(engine=ENGINE))  # the engine lock, as a step takes it
         engine = w.engine = RecordingEngine(w.engine)
