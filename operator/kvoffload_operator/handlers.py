@@ -6,7 +6,9 @@
 - timer: status refresh (matched/injected/skipped pods, sidecar readiness, ``Degraded``) and a
   Warning Event on each degraded injected pod, once per pod and reason: a failing kvoffload
   container, or what its sidecar answers over ``Stats`` on the pod's port 9400 (a pool it cannot
-  build, a disabled connector; `sidecar_stats`, bounded by ``--sidecar-stats-timeout``).
+  build, a disabled connector; `sidecar_stats`, bounded by ``--sidecar-stats-timeout``); for a
+  placement-node policy, the KVOffloadNodePool it names (its grant, the tenant's shared
+  capacity; the status entries of nodes that no longer exist removed from it).
 No delete handler: deleting a policy leaves running pods alone; the index drops it as
 soon as the policy is marked for deletion (not when its finalizer is released), so injection
 stops at once. (The timer makes kopf hold a finalizer while the operator runs: uninstall
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,7 +32,7 @@ from kvoffload_operator.admission import admit_pod
 from kvoffload_operator.guardrails import NOT_ALLOWED
 from kvoffload_operator.inject import decide
 from kvoffload_operator.k8s import ApiError
-from kvoffload_operator.node_pool import NodePoolRead
+from kvoffload_operator.node_pool import STALE_AFTER_S, NodePoolRead, prune_patch, stale_nodes
 from kvoffload_operator.policy import (
     API_GROUP,
     API_VERSION,
@@ -52,6 +56,7 @@ from kvoffload_operator.webhook import PodWebhookServer
 from kvoffload_operator.workloads import ROLLOUT_KINDS, hash_patch, template_hash
 
 POLICIES = (API_GROUP, API_VERSION, PLURAL)
+log = logging.getLogger(__name__)
 CERT_FILE_CHECK_S = 60.0
 
 
@@ -129,12 +134,44 @@ def _read_node_pool(policy: Policy, memo: Any) -> NodePoolRead | None:
     named = {"name": policy.pool.node_pool, "tenant": policy.pool.tenant,
              "namespace": policy.namespace}  # fmt: skip
     try:
-        return NodePoolRead(**named, obj=memo.api.get_node_pool(policy.pool.node_pool))
+        obj = memo.api.get_node_pool(policy.pool.node_pool)
     except ApiError as exc:
         why = f"{exc.status} {exc.reason}"
         if exc.status == 403:
             why += " (the operator's ClusterRole lacks get on kvoffloadnodepools)"
         return NodePoolRead(**named, readable=False, error=why)
+    if obj is not None:
+        obj = _prune_gone_nodes(policy.pool.node_pool, obj, memo)
+    return NodePoolRead(**named, obj=obj)
+
+
+def _prune_gone_nodes(name: str, obj: dict[str, Any], memo: Any) -> dict[str, Any]:
+    """Remove the pool's ``status.nodes`` entries of nodes that no longer exist (their agent
+    is gone with them: nobody else rewrites them); returns ``obj`` without them. Only entries
+    no agent wrote for `node_pool.STALE_AFTER_S` are looked up, a node found to exist again at
+    most once per that period; the patch is conditioned on the resourceVersion read. Any API
+    error leaves the entries for a later refresh."""
+    checked: dict[str, float] = memo.setdefault("nodes_seen", {})
+    now, clock = datetime.datetime.now(datetime.timezone.utc), time.monotonic()
+    gone = []
+    try:
+        for node in stale_nodes(obj, now):
+            if clock - checked.get(node, -STALE_AFTER_S) < STALE_AFTER_S:
+                continue
+            if memo.api.node_exists(node):
+                checked[node] = clock
+            else:
+                gone.append(node)
+        if gone:
+            memo.api.patch_node_pool_status(name, prune_patch(obj, gone))
+    except ApiError as exc:  # 403 (no RBAC for nodes), 409 (an agent wrote): not this time
+        log.info("kvoffload: node pool %s: entries of gone nodes not pruned: %s %s", name,
+                 exc.status, exc.reason)  # fmt: skip
+        return obj
+    if not gone:
+        return obj
+    nodes = {k: v for k, v in obj["status"]["nodes"].items() if k not in gone}
+    return {**obj, "status": {**obj["status"], "nodes": nodes}}
 
 
 def _failed_mounts(policy: Policy, mine: list[Mapping[str, Any]], memo: Any) -> list[Any]:

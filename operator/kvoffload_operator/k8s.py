@@ -115,6 +115,29 @@ class KubeApi:
             raise
         return dict(_json(resp))
 
+    def patch_node_pool_status(self, name: str, body: Mapping[str, Any]) -> None:
+        """A JSON merge patch of the KVOffloadNodePool's status subresource."""
+        client.CustomObjectsApi(self.api).patch_cluster_custom_object_status(
+            NODE_POOL_GROUP,
+            NODE_POOL_VERSION,
+            NODE_POOL_PLURAL,
+            name,
+            dict(body),
+            _content_type=MERGE_PATCH,
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
+
+    def node_exists(self, name: str) -> bool:
+        """Whether the Node ``name`` exists (404: it does not; other errors raise)."""
+        try:
+            self.core.read_node(name, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
     def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         """The namespace's labels; None when it cannot be read (403/404)."""
         try:

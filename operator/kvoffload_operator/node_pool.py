@@ -11,10 +11,17 @@ Capacity is the tenant's memfd on each node whose agent reports it granted
 (``status.nodes.<node>.tenants[]``), summed over those nodes. It is SHARED: every pod of the
 tenant on a node maps the same memfd, so it is reported once per node in ``status.nodePool``
 (``sharedCapacityBytes``), never once per replica as a sidecar's pool is (``poolCapacity``).
+
+Entries of nodes that left: each agent writes only its own node's entry, at least every 5
+minutes, so a node deleted with its agent leaves an entry nobody rewrites. An entry not written
+for `STALE_AFTER_S` is a candidate (`stale_nodes`); the operator removes it only once the API
+server says its node does not exist (`prune_patch`: a merge patch conditioned on the
+resourceVersion read, so an agent's write in between is never lost).
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +31,7 @@ from kvoffload_operator.pool_usage import binary_quantity
 NODE_POOL_NOT_FOUND = "NodePoolNotFound"  # the KVOffloadNodePool the policy names is missing
 TENANT_NOT_GRANTED = "TenantNotGranted"  # no such tenant, or not for this namespace or account
 DEFAULT_SERVICE_ACCOUNT = "default"
+STALE_AFTER_S = 900.0  # three of the agents' rewrite periods (5 minutes at most)
 
 
 @dataclass(frozen=True)
@@ -148,3 +156,40 @@ def refused_pods(
 
 def _int(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _written_at(entry: Any) -> datetime.datetime | None:
+    raw = entry.get("lastUpdateTime") if isinstance(entry, Mapping) else None
+    if not isinstance(raw, str):
+        return None
+    try:
+        at = datetime.datetime.fromisoformat(raw.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return at if at.tzinfo is not None else at.replace(tzinfo=datetime.timezone.utc)
+
+
+def stale_nodes(
+    obj: Mapping[str, Any] | None, now: datetime.datetime, older_than_s: float = STALE_AFTER_S
+) -> list[str]:
+    """Nodes of ``status.nodes`` whose entry no agent wrote for ``older_than_s`` (or whose
+    ``lastUpdateTime`` is missing or unreadable): the ones to look up."""
+    nodes = ((obj or {}).get("status") or {}).get("nodes") or {}
+    if not isinstance(nodes, Mapping):
+        return []
+    out = []
+    for name, entry in sorted(nodes.items()):
+        at = _written_at(entry)
+        if at is None or (now - at).total_seconds() > older_than_s:
+            out.append(str(name))
+    return out
+
+
+def prune_patch(obj: Mapping[str, Any], gone: Sequence[str]) -> dict[str, Any]:
+    """A JSON merge patch of the status subresource removing the entries of ``gone`` nodes,
+    conditioned on the resourceVersion read (a 409 when an agent wrote meanwhile)."""
+    rv = (obj.get("metadata") or {}).get("resourceVersion")
+    return {
+        **({"metadata": {"resourceVersion": rv}} if rv else {}),
+        "status": {"nodes": {name: None for name in gone}},
+    }

@@ -269,6 +269,9 @@ CLUSTER_READS = {
     ("apiextensions.k8s.io", "customresourcedefinitions"): ["list", "watch"],
     # a placement-node policy's status reads the node pool it names: get, never list or watch
     ("kvoffload.io", "kvoffloadnodepools"): ["get"],
+    # and prunes the status entries of nodes that no longer exist (a node read by name)
+    ("kvoffload.io", "kvoffloadnodepools/status"): ["patch"],
+    ("", "nodes"): ["get"],
 }
 WEBHOOK_CA = {
     ("admissionregistration.k8s.io", "mutatingwebhookconfigurations#named"): ["get", "patch"],

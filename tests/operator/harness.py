@@ -53,6 +53,7 @@ def declare_resources(kmock: Any) -> None:
     res[POLICIES].namespaced = True
     res[POLICIES].verbs = {"list", "watch", "get", "patch"}
     res[POLICIES].subresources = {"status"}
+    res[NODE_POOLS].subresources = {"status"}  # a node pool's entries of gone nodes pruned
     for key, kind, namespaced in (
         ("v1/pods", "Pod", True),
         ("v1/namespaces", "Namespace", False),
@@ -62,6 +63,7 @@ def declare_resources(kmock: Any) -> None:
         ("v1/events", "Event", True),
         ("v1/secrets", "Secret", True),  # hash seeds, the self-signed webhook pair
         (NODE_POOLS, "KVOffloadNodePool", False),  # read by name for node policies' status
+        ("v1/nodes", "Node", False),  # whether a node a pool's status names still exists
     ):
         res[key].kind = kind
         res[key].namespaced = namespaced

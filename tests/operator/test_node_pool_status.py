@@ -7,6 +7,7 @@ tenant, summed over the nodes whose agent reports it, is the policy's SHARED cap
 from __future__ import annotations
 
 import copy
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import kopf
 import pytest
 from kvoffload_operator.handlers import _refresh_status, status_patch
 from kvoffload_operator.k8s import ApiError
-from kvoffload_operator.node_pool import NodePoolRead
+from kvoffload_operator.node_pool import NodePoolRead, stale_nodes
 from kvoffload_operator.settings import OperatorConfig
 from kvoffload_operator.status import build_status, degraded_problems, event_for
 
@@ -186,10 +187,22 @@ def test_a_policy_moved_to_pod_placement_drops_its_node_pool_status() -> None:
 
 
 class _PoolApi(_Api):
-    def __init__(self, pods: list[dict[str, Any]], answer: Any) -> None:
+    def __init__(self, pods: list[dict[str, Any]], answer: Any, nodes: Any = None) -> None:
         super().__init__(pods)
         self.answer = answer
         self.asked: list[str] = []
+        self.nodes = {"node-1", "node-2", "node-3", "node-4"} if nodes is None else nodes
+        self.looked_up: list[str] = []
+        self.patches: list[tuple[str, dict[str, Any]]] = []
+
+    def node_exists(self, name: str) -> bool:
+        self.looked_up.append(name)
+        if isinstance(self.nodes, ApiError):
+            raise self.nodes
+        return name in self.nodes
+
+    def patch_node_pool_status(self, name: str, body: dict[str, Any]) -> None:
+        self.patches.append((name, body))
 
     def get_node_pool(self, name: str) -> dict[str, Any] | None:
         self.asked.append(name)
@@ -229,8 +242,9 @@ async def test_a_running_operator_follows_the_node_pool_it_names(
     """The operator loop against kmock: a node policy with a running injected pod and no pool
     object: Degraded NodePoolNotFound, a Warning Event on the pod; the admin creates the pool
     for another namespace: TenantNotGranted; then grants the policy's namespace, and the agents'
-    entries report team-a on two nodes: Degraded clears and status.nodePool carries the shared
-    capacity. The operator only ever GETs the pool by name."""
+    entries report team-a on two nodes, one of them deleted: its entry is pruned, Degraded
+    clears and status.nodePool carries the shared capacity of the node left. The operator
+    GETs the pool and the nodes by name and patches only the pool's status."""
     p = policy()
     put(kmock, POLICIES, {
         "apiVersion": "kvoffload.io/v1alpha1", "kind": "KVOffloadPolicy",
@@ -238,6 +252,8 @@ async def test_a_running_operator_follows_the_node_pool_it_names(
         "spec": {"selector": {}, "pool": NODE_POOL},
     })  # fmt: skip
     put(kmock, "v1/pods", injected("a", p))
+    for node in ("node-1", "node-3", "node-4"):  # node-2 was deleted: its entry is stale
+        put(kmock, "v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}})
     async with running_operator(
         kmock, tmp_path, webhook_port=0, status_interval=0.3, injection_label=""
     ):
@@ -271,11 +287,72 @@ async def test_a_running_operator_follows_the_node_pool_it_names(
 
         put(kmock, NODE_POOLS, pool())
         status = await eventually(
-            lambda: status_with(lambda s: conditions(s)["Degraded"]["status"] == "False")
+            lambda: status_with(
+                lambda s: (
+                    conditions(s)["Degraded"]["status"] == "False"
+                    and s.get("nodePool", {}).get("nodes") == 1
+                )
+            )
         )
-        assert status["nodePool"]["sharedCapacityBytes"] == 128 * GiB
-        assert (status["nodePool"]["nodes"], status["nodePool"]["sharedCapacity"]) == (2, "128Gi")
+        # node-2's entry pruned (its node is gone): node-1's 64Gi is the tenant's capacity
+        assert status["nodePool"]["sharedCapacityBytes"] == 64 * GiB
+        assert (status["nodePool"]["sharedCapacity"], status["nodePool"]["publishedPods"]) == (
+            "64Gi", 2)  # fmt: skip
         assert status["degradedPods"] == 0 and "NodePoolNotFound" not in status["degradedReasons"]
-        reads = [r.url.path for r in kmock if "kvoffloadnodepools" in r.url.path]
-        assert reads and set(reads) == {"/apis/kvoffload.io/v1alpha1/kvoffloadnodepools/gpu-nodes"}
-        assert all(r.method.value == "GET" for r in kmock if "kvoffloadnodepools" in r.url.path)
+        entries = dict(kmock.objects[NODE_POOLS, None, "gpu-nodes"].raw)["status"]["nodes"]
+        assert entries.get("node-2") is None and entries["node-1"] and entries["node-4"]
+        pools = [r for r in kmock if "kvoffloadnodepools" in r.url.path]
+        path = "/apis/kvoffload.io/v1alpha1/kvoffloadnodepools/gpu-nodes"
+        assert {(r.method.value, r.url.path) for r in pools} == {
+            ("GET", path),
+            ("PATCH", f"{path}/status"),
+        }
+        patches = [r.data for r in pools if r.method.value == "PATCH"]
+        assert patches and all(
+            body == {"metadata": {"resourceVersion": "1"}, "status": {"nodes": {"node-2": None}}}
+            for body in patches
+        ), patches
+        # nodes are read by name, never listed; existing ones once (remembered)
+        nodes = [
+            (r.method.value, r.url.path) for r in kmock if r.url.path.startswith("/api/v1/nodes")
+        ]
+        assert ("GET", "/api/v1/nodes/node-2") in nodes and ("GET", "/api/v1/nodes") not in nodes
+        assert nodes.count(("GET", "/api/v1/nodes/node-1")) == 1
+
+
+def test_entries_of_gone_nodes_are_pruned_once_looked_up_and_fresh_ones_are_not() -> None:
+    """Only entries no agent rewrote for 15 minutes are looked up; of those, a node that does
+    not exist loses its entry (a merge patch conditioned on the resourceVersion read), one that
+    exists is not asked again within that time; a failure leaves every entry."""
+    p = policy()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    obj = pool()
+    obj["metadata"]["resourceVersion"] = "7"
+    fresh = (now - datetime.timedelta(minutes=4)).isoformat().replace("+00:00", "Z")
+    old = (now - datetime.timedelta(minutes=16)).isoformat().replace("+00:00", "Z")
+    nodes = obj["status"]["nodes"]
+    nodes["node-1"]["lastUpdateTime"] = fresh
+    nodes["node-2"]["lastUpdateTime"] = old
+    nodes["node-3"]["lastUpdateTime"] = "not a time"
+    assert stale_nodes(obj, now) == ["node-2", "node-3", "node-4"]  # node-4: no time at all
+    memo = kopf.Memo()
+    memo.api = _PoolApi([injected("a", p)], obj, nodes={"node-1", "node-3", "node-4"})
+    memo.config = OperatorConfig()
+    patch = kopf.Patch()
+    _refresh_status(p, memo, {"ns": [p]}, {}, patch)
+    assert memo.api.looked_up == ["node-2", "node-3", "node-4"]
+    assert memo.api.patches == [
+        ("gpu-nodes", {"metadata": {"resourceVersion": "7"}, "status": {"nodes": {"node-2": None}}})
+    ]
+    # this refresh's capacity already leaves node-2 out
+    assert patch["status"]["nodePool"]["nodes"] == 1
+    assert patch["status"]["nodePool"]["sharedCapacityBytes"] == 64 * GiB
+    _refresh_status(p, memo, {"ns": [p]}, {}, kopf.Patch())
+    assert memo.api.looked_up == ["node-2", "node-3", "node-4", "node-2"]  # known ones not again
+    # no right to read nodes: nothing pruned, the status computed all the same
+    memo = kopf.Memo()
+    memo.api = _PoolApi([injected("a", p)], obj, nodes=ApiError(status=403, reason="Forbidden"))
+    memo.config = OperatorConfig()
+    patch = kopf.Patch()
+    _refresh_status(p, memo, {"ns": [p]}, {}, patch)
+    assert memo.api.patches == [] and patch["status"]["nodePool"]["nodes"] == 2
