@@ -315,6 +315,7 @@ def test_each_pod_gets_a_status_directory_its_containers_may_write_never_through
     # chmod or chown what it points to, and makes the directory again
     victim = tmp_path / "node-dir"
     victim.mkdir(mode=0o700)
+    (victim / "keep").write_text("node file")
     a.kill()
     for name in os.listdir(sa):
         os.unlink(sa / name)
@@ -324,7 +325,9 @@ def test_each_pod_gets_a_status_directory_its_containers_may_write_never_through
     assert stat.S_ISDIR(os.lstat(sa).st_mode) and stat.S_IMODE(os.lstat(sa).st_mode) == 0o1777
     assert (stat.S_IMODE(victim.stat().st_mode), victim.stat().st_uid) == (0o700, 0)
 
+    (sb / "sub").mkdir()  # whatever a container left there, a directory with a link in it
+    (sb / "sub" / "link").symlink_to(victim)
     for pod in (POD_A, POD_B):  # status/ and the files in it go with the volume
         k.unpublish(pod)
         assert not k.target(pod).exists()
-    assert victim.is_dir()
+    assert (victim / "keep").read_text() == "node file"  # links removed, never followed

@@ -193,11 +193,11 @@ class NodeAgent(csi_pb2_grpc.IdentityServicer, csi_pb2_grpc.NodeServicer):
             self._bindings.pop(key, None)
             self._store.remove(*key)
             # Remove what this driver created there, and nothing else.
-            remove_status_dir(request.target_path)
             for name in (SOCKET_NAME, POOL_SOCKET, SESSION_SOCKET):
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     os.unlink(os.path.join(request.target_path, name))
             try:
+                remove_status_dir(request.target_path)
                 os.rmdir(request.target_path)
             except FileNotFoundError:
                 pass

@@ -16,9 +16,9 @@ planted link is never followed (a restarted agent makes the directory again at e
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
+import shutil
 import stat
 
 STATUS_DIR = "status"
@@ -56,29 +56,21 @@ def make_status_dir(target: str, group: int | None) -> str:
 
 
 def remove_status_dir(target: str) -> None:
-    """Remove `target/status` and what the pod's containers left in it (its files, links,
-    FIFOs; a directory they made inside stays, and so does `status`). A link named `status` is
-    removed itself, never followed."""
+    """Remove `target/status` and whatever the pod's containers left in it (files, links,
+    FIFOs, directories), never following a link: `shutil.rmtree` through descriptors, and a
+    link named `status` removed itself."""
     try:
         dfd = os.open(target, _DIR_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
         return
     try:
         try:
-            sfd = os.open(STATUS_DIR, _DIR_FLAGS, dir_fd=dfd)
+            st = os.stat(STATUS_DIR, dir_fd=dfd, follow_symlinks=False)
         except FileNotFoundError:
             return
-        except (NotADirectoryError, OSError) as e:
-            if e.errno not in (errno.ENOTDIR, errno.ELOOP):
-                raise
-            os.unlink(STATUS_DIR, dir_fd=dfd)  # not a directory: a link or a file
-            return
-        try:
-            for name in os.listdir(sfd):
-                with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
-                    os.unlink(name, dir_fd=sfd)
-        finally:
-            os.close(sfd)
-        os.rmdir(STATUS_DIR, dir_fd=dfd)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(STATUS_DIR, dir_fd=dfd)
+        else:
+            os.unlink(STATUS_DIR, dir_fd=dfd)  # a link or a file planted in its place
     finally:
         os.close(dfd)
