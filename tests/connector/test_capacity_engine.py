@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests import vllm_zygote
 from tests.sidecar.metrics_doc import samples
 from tests.sidecar.procs import Client, sidecar_process, socket_dir
 
@@ -50,8 +50,9 @@ def test_engine_capacity_and_traffic_on_the_sidecars_metrics(tmp_path: Path) -> 
         cmd += ["--socket", str(sc.socket), "--out", str(out)]
         cmd += ["--chunk", "64", "--block-size", "32"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
+        env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: a third of the start
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        proc = vllm_zygote.run(cmd, capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         report = json.loads(out.read_text())
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:

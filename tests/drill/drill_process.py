@@ -12,26 +12,33 @@ from pathlib import Path
 
 import pytest
 
+from tests import vllm_zygote
+
 
 def run_drill(script: Path, args: list[str], out: Path, timeout_s: float) -> dict:
     """`script args` (which writes `out`); a run past `timeout_s` or without a report fails the
-    test with the log. SIGTERM first: a drill stops its sidecar and engines on it."""
+    test with the log. SIGTERM first: a drill stops its sidecar and engines on it. Started
+    from a pre-imported vLLM (tests/vllm_zygote.py), the hash seed fixed as the injector does."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, str(script), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-        start_new_session=True,
-    )  # fmt: skip
+    env.setdefault("PYTHONHASHSEED", "0")
+    log_path = out.with_suffix(".log")
+    with open(log_path, "wb") as log_file:
+        proc = vllm_zygote.popen(
+            [sys.executable, str(script), *args],
+            stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )  # fmt: skip
     try:
-        log, _ = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.terminate()
         try:
-            log, _ = proc.communicate(timeout=30)
+            proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
+            proc.wait()
+        log = log_path.read_text(errors="replace")
         pytest.fail(f"{script.name} did not finish in {timeout_s:g} s:\n{log[-6000:]}")
+    log = log_path.read_text(errors="replace")
     if not out.exists():
         pytest.fail(f"no report ({proc.returncode}):\n{log[-8000:]}")
     report = json.loads(out.read_text())

@@ -67,8 +67,12 @@ try:
 except ImportError:  # a checkout without `pip install -e .` (the GPU machine's image)
     sys.path[:0] = [str(ROOT / p) for p in ("connector", "sidecar", "protos/gen", "cli")]
 
+sys.path.append(str(ROOT))  # tests.vllm_zygote
+
 from harness import report, spread  # noqa: E402
 from kvoffload_cli.sidecar_child import stop_process  # noqa: E402
+
+from tests import vllm_zygote  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "tests" / "connector" / "models" / "tiny-llama"
 
@@ -541,7 +545,7 @@ class Reference:
         env = dict(os.environ, VLLM_PORT=str(random.randrange(20000, 29000, 16)))
         env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = vllm_zygote.popen(  # the drill's zygote where it has one
                 cmd,
                 stdin=subprocess.PIPE,
                 stdout=log,

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from nodeharness import POD_A, POD_A2, POD_B, MiB, Node, Pod, standin
 
+from tests import vllm_zygote
+
 pytestmark = [pytest.mark.vllm, pytest.mark.process, pytest.mark.slow, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
@@ -61,7 +63,7 @@ def engine(scenario: str, socket: str, out: Path, *args: str, timeout: int = 300
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     cmd = [sys.executable, str(RUNNER), scenario, "--model", str(MODEL), "--socket", socket,
            "--out", str(out), *args]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = vllm_zygote.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     log = "\n".join(
         line for line in (proc.stdout + proc.stderr).splitlines() if "kvoffload" in line
     )[-6000:]
