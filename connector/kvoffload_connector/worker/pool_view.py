@@ -43,6 +43,7 @@ __all__ = ["PoolView", "REGISTER_PIECE_BYTES"]
 log = logging.getLogger(__name__)
 
 REGISTER_PIECE_BYTES = 1 << 30  # cudaHostRegister granularity: bounded latency per call
+REGISTER_YIELD_S = 0.005  # after each piece: the step's copies get the driver in between
 _PAGE = mmap.ALLOCATIONGRANULARITY
 _PREFAULT_POLL_S = 0.05  # a piece the owner's pre-fault has not passed is checked this often
 
@@ -247,6 +248,11 @@ class PoolView:
                 self._registered.append((ptr, (end - first) * self.slot_bytes))
                 self._usable_end = end
                 self.progress.append((time.monotonic() - t0, end))
+                # the driver serializes registration with this device's copies and event
+                # queries: a back-to-back next piece would keep a load waiting for the lock
+                # until the last one (the first hit would wait for the whole region)
+                if self._stop.wait(REGISTER_YIELD_S):
+                    return
                 if n == 0 and len(pieces) > 1:
                     log.info(
                         "kvoffload: pool usable from its first %.2f GB after %.2f s; registering "
