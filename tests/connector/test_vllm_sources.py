@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import subprocess
 import sys
 import types
 import urllib.parse
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests import vllm_zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = ROOT / "connector" / "kvoffload_connector"
@@ -402,8 +403,8 @@ def test_restart_verdict_matches_two_real_processes(seed, monkeypatch):
     else:
         env["PYTHONHASHSEED"] = seed
         monkeypatch.setenv("PYTHONHASHSEED", seed)
-    hashes = {
-        subprocess.run(
+    hashes = {  # with a seed, forked from a pre-imported vLLM started with it; without, fresh
+        vllm_zygote.run(
             [sys.executable, "-c", _NONE_HASH_OF_A_PROCESS, "sha256"],
             env=env,
             capture_output=True,

@@ -607,71 +607,70 @@ def _serving_stats(pod: harness.Pod, socket: str, max_s: float = 30) -> dict[str
 
 
 @_mark
-@pytest.mark.timeout(900)  # three vLLM starts (baseline, pod, fresh engine) on a busy 2-core box
+@pytest.mark.timeout(900)  # a fresh vLLM engine in the fault pod on a busy 2-core box
 def test_fault_sidecar_sigkill_under_load_keeps_the_pool_for_a_fresh_engine(
-    tmp_path_factory: pytest.TempPathFactory,
+    fault_pod: Any,
 ) -> None:
     """Restarts lose nothing in a pod: the sidecar container SIGKILLed with requests in
     flight and restarted by the kubelet adopts the pool file it left in the pod's emptyDir
     (the committed blocks visible again, same generation), and a vLLM container started
     afterwards (a fresh engine, same args and uid) gets pool hits with the tokens of the pod
     without kvoffload for the prompts stored before the kill. The sidecar and vLLM run as
-    different non-root uids, the pool dir is the injector's size-limited memory emptyDir."""
-    wd = workdir_for(tmp_path_factory, "adopt")
-    want = baseline(FAULT_FIXTURE, wd)
-    (doc,) = inject(FAULT_FIXTURE)
-    with harness.running(doc, wd) as (pod, engine):
-        sidecar = pod.sidecar()
-        name, socket = sidecar["name"], harness.socket_of(sidecar)
-        pool_dir = harness.pool_dir_of(sidecar)
-        pod.restart_always(name)
-        # the pod as injected: two non-root uids, the pool on a tmpfs of the emptyDir's limit
-        sidecar_uid, vllm_uid = _uid_of(pod.procs[name].popen.pid), _uid_of(engine.popen.pid)
-        assert 0 not in (sidecar_uid, vllm_uid) and sidecar_uid != vllm_uid
-        volume = next(m["name"] for m in sidecar["volumeMounts"] if m["mountPath"] == pool_dir)
-        limit = next(v["emptyDir"]["sizeLimit"] for v in doc["spec"]["volumes"]
-                     if v["name"] == volume)  # fmt: skip
-        fs, blocks, bsize = pod.ns(["stat", "-f", "-c", "%T %b %S", pool_dir]).split()
-        assert fs == "tmpfs" and int(blocks) * int(bsize) == harness.quantity(limit)
-        owner = pod.ns(["sh", "-c", f"stat -c %u {pool_dir}/*.shm"]).split()
-        assert owner == [str(sidecar_uid)], owner
+    different non-root uids, the pool dir is the injector's size-limited memory emptyDir. The
+    fault tests' pod, last of them (its engine is replaced here)."""
+    pod, (engine, want) = fault_pod
+    sidecar = pod.sidecar()
+    name, socket = sidecar["name"], harness.socket_of(sidecar)
+    pool_dir = harness.pool_dir_of(sidecar)
+    restarts = pod.procs[name].restarts
+    # the pod as injected: two non-root uids, the pool on a tmpfs of the emptyDir's limit
+    sidecar_uid, vllm_uid = _uid_of(pod.procs[name].popen.pid), _uid_of(engine.popen.pid)
+    assert 0 not in (sidecar_uid, vllm_uid) and sidecar_uid != vllm_uid
+    volume = next(m["name"] for m in sidecar["volumeMounts"] if m["mountPath"] == pool_dir)
+    limit = next(v["emptyDir"]["sizeLimit"] for v in pod.spec["volumes"]
+                 if v["name"] == volume)  # fmt: skip
+    fs, blocks, bsize = pod.ns(["stat", "-f", "-c", "%T %b %S", pool_dir]).split()
+    assert fs == "tmpfs" and int(blocks) * int(bsize) == harness.quantity(limit)
+    owner = pod.ns(["sh", "-c", f"stat -c %u {pool_dir}/*.shm"]).split()
+    assert owner == [str(sidecar_uid)], owner
 
-        stored, tokens = PROMPT_SETS["adopted"], want["adopted"]
-        _stored(pod, socket, stored, tokens)
-        with _Load(pod, "adopt_load") as load:
-            load.wait_for(2)
-            at_kill = pod.pool_stats(socket) or {}
-            killed_at = time.monotonic()
-            pod.kill(name)
-            _wait_sidecar_back(pod, restarts=1)
-            stats = _serving_stats(pod, socket)
-            load.wait_for(len(load.done) + 2)  # requests went on after the restart
-        assert load.in_flight_at(killed_at), "no request was in flight at the kill"
-        assert load.wrong(want["adopt_load"]) == [], "wrong tokens under the fault"
-        adoption = stats.get("adoption") or {}
-        assert adoption.get("outcome") == "adopted", f"{stats}\n{pod.procs[name].text()[-3000:]}"
-        committed = sum(n["committed_slots"] for n in at_kill.get("namespaces", []))
-        assert committed >= len(stored), at_kill
-        # every block committed at the snapshot (taken just before the kill) and at most every
-        # chunk this pod ever stored (one per 900-token prompt): none made up, none lost
-        most = len(stored) + len(PROMPT_SETS["adopt_load"])
-        assert committed <= adoption["adopted_blocks"] <= most, (adoption, at_kill)
-        assert stats["pool_generation"] == at_kill["pool_generation"]
+    stored, tokens = PROMPT_SETS["adopted"], want["adopted"]
+    _stored(pod, socket, stored, tokens)
+    with _Load(pod, "adopt_load") as load:
+        load.wait_for(2)
+        at_kill = pod.pool_stats(socket) or {}
+        killed_at = time.monotonic()
+        pod.kill(name)
+        _wait_sidecar_back(pod, restarts=restarts + 1)
+        stats = _serving_stats(pod, socket)
+        load.wait_for(len(load.done) + 2)  # requests went on after the restart
+    assert load.in_flight_at(killed_at), "no request was in flight at the kill"
+    assert load.wrong(want["adopt_load"]) == [], "wrong tokens under the fault"
+    adoption = stats.get("adoption") or {}
+    assert adoption.get("outcome") == "adopted", f"{stats}\n{pod.procs[name].text()[-3000:]}"
+    committed = sum(n["committed_slots"] for n in at_kill.get("namespaces", []))
+    assert committed >= len(stored), at_kill
+    # every block committed at the snapshot (taken just before the kill), and at most those
+    # and one chunk per request of the load (900-token prompts) that could commit between
+    # the snapshot and the kill: none made up, none lost
+    most = committed + len(PROMPT_SETS["adopt_load"])
+    assert committed <= adoption["adopted_blocks"] <= most, (adoption, at_kill)
+    assert stats["pool_generation"] == at_kill["pool_generation"]
 
-        # a fresh vLLM engine: the container restarted, its first requests hit the adopted pool
-        engine = pod.restart(pod.vllm_container()["name"])
-        pod.wait_serving(engine)
-        assert _uid_of(engine.popen.pid) == vllm_uid
-        before = pod.pool_stats(socket) or {}
-        assert pod.complete(stored, MAX_TOKENS) == tokens
-        after = pod.pool_stats(socket) or {}
-        assert harness.pool_hits(after) - harness.pool_hits(before) >= len(stored), (
-            f"no pool hits for the fresh engine:\n{engine.text()[-3000:]}"
-        )
-        stored_blocks = [sum(n["stored_blocks"] for n in s["namespaces"]) for s in (before, after)]
-        assert stored_blocks[0] == stored_blocks[1], "the fresh engine stored them anew"
-        assert after["pool_generation"] == at_kill["pool_generation"]
-        assert engine.alive() and pod.procs[name].restarts == 1
+    # a fresh vLLM engine: the container restarted, its first requests hit the adopted pool
+    engine = pod.restart(pod.vllm_container()["name"])
+    pod.wait_serving(engine)
+    assert _uid_of(engine.popen.pid) == vllm_uid
+    before = pod.pool_stats(socket) or {}
+    assert pod.complete(stored, MAX_TOKENS) == tokens
+    after = pod.pool_stats(socket) or {}
+    assert harness.pool_hits(after) - harness.pool_hits(before) >= len(stored), (
+        f"no pool hits for the fresh engine:\n{engine.text()[-3000:]}"
+    )
+    stored_blocks = [sum(n["stored_blocks"] for n in s["namespaces"]) for s in (before, after)]
+    assert stored_blocks[0] == stored_blocks[1], "the fresh engine stored them anew"
+    assert after["pool_generation"] == at_kill["pool_generation"]
+    assert engine.alive() and pod.procs[name].restarts == restarts + 1
 
 
 # -- node placement -------------------------------------------------------------------------------
