@@ -4,8 +4,9 @@ SHELL := /bin/bash
 # /usr/bin/python3 when there is one: the pod-level tests run the venv as other uids, which
 # cannot reach an interpreter under /root (pyenv).
 PY_SYS ?= $(shell test -x /usr/bin/python3 && echo /usr/bin/python3 || echo python3)
-# make test: xdist workers (each runs a file at a time; tests/conftest.py orders the longest first)
-TEST_WORKERS ?= 2
+# make test: xdist workers (each runs a file at a time; tests/conftest.py orders the longest first);
+# three on two cores: many tests wait on deadlines, probes and timers, a third keeps both busy
+TEST_WORKERS ?= 3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
