@@ -8,7 +8,8 @@
   container, or what its sidecar answers over ``Stats`` on the pod's port 9400 (a pool it cannot
   build, a disabled connector; `sidecar_stats`, bounded by ``--sidecar-stats-timeout``); for a
   placement-node policy, the KVOffloadNodePool it names (its grant, the tenant's shared
-  capacity; the status entries of nodes that no longer exist removed from it).
+  capacity; the status entries of nodes that no longer exist removed from it);
+- startup, with ``--agent-daemonset``: the node agents' in-place upgrade (`agent_upgrader`).
 No delete handler: deleting a policy leaves running pods alone; the index drops it as
 soon as the policy is marked for deletion (not when its finalizer is released), so injection
 stops at once. (The timer makes kopf hold a finalizer while the operator runs: uninstall
@@ -27,7 +28,7 @@ from typing import Any
 
 import kopf
 
-from kvoffload_operator import hashseed, webhook_tls
+from kvoffload_operator import agent_upgrader, hashseed, webhook_tls
 from kvoffload_operator.admission import admit_pod
 from kvoffload_operator.guardrails import NOT_ALLOWED
 from kvoffload_operator.inject import decide
@@ -247,6 +248,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     @kopf.on.startup(registry=registry)
     async def startup(settings: kopf.OperatorSettings, memo: Any, logger: Any, **_: Any) -> None:
         configure(settings, config)
+        if config.agent_daemonset:  # the node agents' in-place upgrade (`agent_upgrader`)
+            memo.agent_upgrader = asyncio.create_task(
+                agent_upgrader.upgrade_forever(memo.api, config)
+            )
         if config.webhook_port:
             if config.self_signed_certs:
                 served = await asyncio.to_thread(webhook_tls.ensure, memo.api, config)
@@ -267,9 +272,10 @@ def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
 
     @kopf.on.cleanup(registry=registry)
     async def cleanup(memo: Any, **_: Any) -> None:
-        task = memo.get("cert_refresher")
-        if task is not None:
-            task.cancel()
+        for name in ("cert_refresher", "agent_upgrader"):
+            task = memo.get(name)
+            if task is not None:
+                task.cancel()
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:

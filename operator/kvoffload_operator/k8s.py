@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from kubernetes.client.rest import ApiException
 
 REQUEST_TIMEOUT = (5.0, 30.0)  # (connect, read) seconds
 MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
 ApiError = ApiException  # what callers catch, so they need not import the client
 NODE_POOL_GROUP, NODE_POOL_VERSION, NODE_POOL_PLURAL = (
     "kvoffload.io",
@@ -137,6 +139,29 @@ class KubeApi:
                 return False
             raise
         return True
+
+    def read_daemonset(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The DaemonSet ``name``; None when it does not exist."""
+        try:
+            resp = self.apps.read_namespaced_daemon_set(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return dict(_json(resp))
+
+    def json_patch_pod(self, namespace: str, name: str, ops: list[dict[str, Any]]) -> None:
+        """A JSON patch (RFC 6902) of a pod: its ``test`` operations make it all or nothing."""
+        self.core.patch_namespaced_pod(
+            name,
+            namespace,
+            ops,
+            _content_type=JSON_PATCH,
+            _preload_content=False,
+            _request_timeout=REQUEST_TIMEOUT,
+        )
 
     def namespace_labels(self, namespace: str) -> dict[str, str] | None:
         """The namespace's labels; None when it cannot be read (403/404)."""
@@ -268,19 +293,35 @@ class KubeApi:
         now: str,
     ) -> None:
         """A Warning Event on a pod (``kubectl describe pod`` and ``kubectl get events``)."""
+        involved = {"apiVersion": "v1", "kind": "Pod", "name": pod, "uid": uid,
+                    "fieldPath": field_path}  # fmt: skip
+        self.post_event(namespace, involved, "Warning", reason, message, now, named=False)
+
+    def post_event(
+        self,
+        namespace: str,
+        involved: Mapping[str, Any],
+        type_: str,
+        reason: str,
+        message: str,
+        now: str,
+        *,
+        named: bool = True,
+    ) -> None:
+        """An Event (``type_`` Normal or Warning) on the object ``involved`` (apiVersion, kind,
+        name, uid; in ``namespace``), named ``<object>.<hex nanoseconds>`` as client-go's
+        recorder names its events (``named=False``: the API server picks the name)."""
+        meta = (
+            {"name": f"{involved['name']}.{time.time_ns():x}"}
+            if named
+            else {"generateName": f"{involved['name']}.kvoffload-"}
+        )
         body = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"generateName": f"{pod}.kvoffload-", "namespace": namespace},
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": pod,
-                "namespace": namespace,
-                "uid": uid,
-                "fieldPath": field_path,
-            },
-            "type": "Warning",
+            "metadata": {**meta, "namespace": namespace},
+            "involvedObject": {**involved, "namespace": namespace},
+            "type": type_,
             "reason": reason,
             "message": message[:1024],
             "source": {"component": "kvoffload-operator"},

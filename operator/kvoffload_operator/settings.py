@@ -109,6 +109,14 @@ class OperatorConfig:
     due for renewal, is served without a restart."""
     cert_renew_days: int = 30
     """Renew the self-signed serving certificate this many days before it expires."""
+    agent_daemonset: str = ""
+    """The node agent DaemonSet (in ``pod_namespace``) whose pods' ``agent`` container the
+    operator upgrades in place (`agent_upgrade`); empty: none (helm value nodeAgent.upgrade)."""
+    agent_upgrade_interval: float = 10.0
+    """Seconds between checks of that DaemonSet's agent image against its pods'."""
+    agent_upgrade_timeout: float = 300.0
+    """Seconds a patched agent pod has to run and be ready with the new image; past that the
+    upgrade stops (a Warning Event) until it is."""
 
     def injection_enabled(self, labels: dict[str, str] | None) -> bool:
         """Whether a namespace with ``labels`` (None: unreadable) reaches the webhook."""

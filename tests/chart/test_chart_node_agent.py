@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 from chart_value_sets import VALUE_SETS
+from kvoffload_operator import agent_upgrade as au
+from kvoffload_operator import settings
 from kvoffload_sidecar.node.csi import DRIVER_NAME
 from kvoffload_sidecar.node.grants import parse_node_pool
 
@@ -190,3 +192,71 @@ def test_metrics_port_zero_serves_none_and_a_pod_monitor_then_does_not_render(he
     assert no_port.returncode != 0 and "needs nodeAgent.metrics.port" in no_port.stderr
     no_agent = helm("template", "kv", chart, "--set", "monitoring.nodeAgentPodMonitor.enabled=true")
     assert no_agent.returncode != 0 and "needs nodeAgent.enabled" in no_agent.stderr
+
+
+def _upgrade_parts(objs) -> tuple[dict, list[str], list[dict]]:
+    """(the DaemonSet, the operator's args, the upgrade Role and RoleBinding)."""
+    (ds,) = [o for o in objs if o["kind"] == "DaemonSet"]
+    (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    rbac = [o for o in objs if o["kind"] in ("Role", "RoleBinding")
+            and o["metadata"]["name"].endswith("-agent-upgrade")]  # fmt: skip
+    return ds, args, rbac
+
+
+def test_in_place_upgrade_is_the_default_and_the_operator_may_patch_only_its_pods(render) -> None:
+    """nodeAgent.upgrade=inPlace (the default): the DaemonSet never replaces its pods (OnDelete)
+    and carries the label the operator checks; the operator gets its name and, in the release
+    namespace only, get on it by name, list/patch on pods and create on events."""
+    objs = render(*ON)
+    ds, args, rbac = _upgrade_parts(objs)
+    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert ds["metadata"]["labels"][au.LABEL] == au.IN_PLACE
+    name = ds["metadata"]["name"]
+    config = settings.parse_operator_args(args, environ={"POD_NAMESPACE": "kvoffload-system"})
+    assert (config.agent_daemonset, config.pod_namespace) == (name, ds["metadata"]["namespace"])
+    assert au.in_place(ds) and au.template_agent(ds)["name"] == au.AGENT
+    role, binding = sorted(rbac, key=lambda o: o["kind"])
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "kvoffload-system"
+    assert role["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": [name],
+         "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    ]  # fmt: skip
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}  # fmt: skip
+    (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": "kvoffload-system"}
+    ]
+    # no ClusterRole reaches DaemonSets, and pods only through the namespace ClusterRole
+    for o in objs:
+        if o["kind"] == "ClusterRole":
+            assert not any("daemonsets" in r["resources"] for r in o["rules"])
+            assert not any("patch" in r["verbs"] and "pods" in r["resources"] for r in o["rules"])
+
+
+def test_rollout_upgrade_keeps_the_rolling_update_and_grants_nothing(render) -> None:
+    ds, args, rbac = _upgrade_parts(render(*ON, "--set", "nodeAgent.upgrade=rollout"))
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                           "rollingUpdate": {"maxUnavailable": 1}}  # fmt: skip
+    assert au.LABEL not in ds["metadata"]["labels"] and not au.in_place(ds)
+    assert not any(a.startswith("--agent-daemonset") for a in args)
+    assert rbac == []
+
+
+def test_no_node_agent_no_upgrade_flag_or_role(render) -> None:
+    objs = render()
+    (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--agent-daemonset") for a in args)
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-agent-upgrade")]
+
+
+def test_an_unknown_upgrade_mode_is_refused_naming_the_field(helm) -> None:
+    chart = str(REPO / "charts" / "kvoffload")
+    result = helm("template", "kv", chart, *ON, "--set", "nodeAgent.upgrade=recreate")
+    assert result.returncode != 0
+    assert "at '/nodeAgent/upgrade'" in result.stdout + result.stderr
