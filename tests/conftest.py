@@ -48,8 +48,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     (`make venv`) always installs it, so a broken import is a broken test setup, and skipping
     the engine tests would pass the session without them. GPU tests skip on their own."""
     needs = [item for item in session.items if item.get_closest_marker("vllm") is not None]
-    if not needs:
-        return
+    if not needs or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+        return  # one xdist worker imports vLLM for all: they share the interpreter and venv
     problem = vllm_import_problem()
     if problem is None:
         return
@@ -63,7 +63,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     )
 
 
-# `make test` runs on two xdist workers, a file at a time per worker (`--dist loadfile`): files
+# `make test` runs on three xdist workers, a file at a time per worker (`--dist loadfile`): files
 # handed out first finish last, so the longest go first (minutes each on a 2-core box; the
 # rest are seconds). Order inside a file is kept: module fixtures (a pod, a sidecar) span it.
 LONGEST_FIRST = (
