@@ -48,7 +48,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     (`make venv`) always installs it, so a broken import is a broken test setup, and skipping
     the engine tests would pass the session without them. GPU tests skip on their own."""
     needs = [item for item in session.items if item.get_closest_marker("vllm") is not None]
-    if not needs or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "gw0")
+    if not needs or worker != "gw0":
         return  # one xdist worker imports vLLM for all: they share the interpreter and venv
     problem = vllm_import_problem()
     if problem is None:
