@@ -16,6 +16,15 @@ from tests import vllm_zygote
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
+
+@pytest.fixture(autouse=True)
+def no_zygotes_yet():
+    """This process's zygotes closed first: earlier tests of this worker may hold the most
+    it keeps (MAX_ZYGOTES), and then it would start plain processes."""
+    vllm_zygote._close_all()
+    yield
+
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
 PROBE = (
